@@ -1,0 +1,52 @@
+"""The ``kvpool`` command: a thin dispatcher over the subcommand modules in ``kvpool.commands``.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` (called with the parsed namespace, returning the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvpool import __version__
+from kvpool.errors import KVPoolError
+
+# Subcommand modules under kvpool.commands, in the order --help lists them.
+SUBCOMMANDS: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool",
+        description="KV cache block manager, events, router and workload replay for LLM engines.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"kvpool.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0
+    try:
+        code: int = func(args)
+    except KVPoolError as exc:
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

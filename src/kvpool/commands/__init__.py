@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvpool`` command line, one module each."""

@@ -1,0 +1,88 @@
+"""Typed exceptions. Every error kvpool raises on purpose derives from :class:`KVPoolError`.
+
+Errors are raised before any state changes: a call that raises leaves the object as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class KVPoolError(Exception):
+    """Base class of every kvpool error."""
+
+
+class InvalidArgumentError(KVPoolError, ValueError):
+    """A caller passed a value kvpool cannot accept (the message names it)."""
+
+
+class InvalidTokenError(InvalidArgumentError):
+    """A token id is not an int in [0, 2**31)."""
+
+
+class UnknownHashAlgorithmError(InvalidArgumentError):
+    """A hash algorithm name is not one of :class:`kvpool.hashing.HashAlgo`."""
+
+
+class UnknownSequenceError(KVPoolError, KeyError):
+    """A sequence id is not known to the manager."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class DuplicateSequenceError(InvalidArgumentError):
+    """A sequence id is already in use."""
+
+
+class OutOfBlocksError(KVPoolError):
+    """A pool cannot provide the blocks a call needs.
+
+    ``deficit`` maps (tier, layer group) to the number of missing slots.
+    """
+
+    def __init__(self, message: str, deficit: Mapping[tuple[int, int], int] | None = None) -> None:
+        super().__init__(message)
+        self.deficit: dict[tuple[int, int], int] = dict(deficit or {})
+
+
+class RewindError(InvalidArgumentError):
+    """A rewind would drop tokens that were already committed (or more than exist)."""
+
+
+class SequenceStateError(KVPoolError):
+    """A call does not fit the sequence's state (e.g. growing a suspended sequence)."""
+
+
+class StorageError(KVPoolError):
+    """The data plane could not be set up or used (path not writable, too small, bad geometry)."""
+
+
+class CapacityError(KVPoolError):
+    """A memory budget cannot hold the pools a model needs.
+
+    ``deficit`` maps layer group to missing slots; ``min_budget_bytes`` is the smallest budget
+    that works, when it can be computed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        deficit: Mapping[int, int] | None = None,
+        min_budget_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.deficit: dict[int, int] = dict(deficit or {})
+        self.min_budget_bytes = min_budget_bytes
+
+
+class EventFormatError(KVPoolError):
+    """A serialized KV event cannot be decoded."""
+
+
+class TraceFormatError(KVPoolError):
+    """A workload trace line is malformed (the message names the file and line)."""
+
+
+class ConfigError(InvalidArgumentError):
+    """A configuration file or object is invalid."""

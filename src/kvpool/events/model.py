@@ -1,0 +1,78 @@
+"""KV cache event types (ARCHITECTURE §4, COMPATIBILITY §2).
+
+The in-memory model mirrors TensorRT-LLM's event JSON: every event carries an id, the window
+size and layer group it concerns, the hash algorithm of its hashes and, with attention data
+parallelism, the rank it came from. ``data`` is one of the five payload types. Block hashes are
+ints (u64) or, for ``v2_sha256``, 64-character hex strings.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+BlockHash = int | str
+
+DEFAULT_PRIORITY = 35
+
+
+class EventDiff(msgspec.Struct, frozen=True):
+    """A changed value: cache level or priority."""
+
+    old_value: int
+    new_value: int
+
+
+class StoredBlock(msgspec.Struct, frozen=True):
+    """One block of a stored chain."""
+
+    block_hash: BlockHash
+    tokens: tuple[int, ...]
+    cache_level: int = 0
+    priority: int = DEFAULT_PRIORITY
+    lora_id: int | None = None
+    mm_keys: tuple[str, ...] = ()
+
+
+class Created(msgspec.Struct, frozen=True):
+    """A layer group's pools came up: slots per cache level (tier 0 = GPU first)."""
+
+    num_blocks_per_cache_level: tuple[int, ...]
+
+
+class Stored(msgspec.Struct, frozen=True):
+    """A chain of blocks entered the cache; ``parent_hash`` is None for a scope's first block."""
+
+    parent_hash: BlockHash | None
+    blocks: tuple[StoredBlock, ...]
+
+
+class Removed(msgspec.Struct, frozen=True):
+    """Blocks left the cache (every tier)."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+class Updated(msgspec.Struct, frozen=True):
+    """A cached block changed tier (``cache_level``) and/or retention priority."""
+
+    block_hash: BlockHash
+    cache_level: EventDiff | None = None
+    priority: EventDiff | None = None
+
+
+class AllCleared(msgspec.Struct, frozen=True):
+    """Every block of the cache left it."""
+
+
+EventData = Created | Stored | Removed | Updated | AllCleared
+
+
+class KVCacheEvent(msgspec.Struct, frozen=True):
+    """One event as engines publish it."""
+
+    event_id: int
+    data: EventData
+    window_size: int
+    layer_group_id: int = 0
+    hash_algo: str = "v1_block_key"
+    attention_dp_rank: int | None = None
