@@ -86,3 +86,37 @@ class TraceFormatError(KVPoolError):
 
 class ConfigError(InvalidArgumentError):
     """A configuration file or object is invalid."""
+
+
+class TransportError(KVPoolError):
+    """An event transport could not be set up or used (bad endpoint, address in use, closed)."""
+
+
+class EventStreamError(KVPoolError):
+    """An event stream is inconsistent: an event refers to a block its consumer does not hold,
+    or stores one it already holds (raised by strict consumers only)."""
+
+
+class UnknownWorkerError(InvalidArgumentError, KeyError):
+    """A worker id is not registered with the router's index."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown worker"
+
+
+class DuplicateWorkerError(InvalidArgumentError):
+    """A worker id is already registered with the router's index."""
+
+
+class NoWorkerAvailableError(KVPoolError):
+    """The router has no healthy worker to send a request to."""
+
+
+class GeometryError(StorageError, InvalidArgumentError):
+    """A storage layout is invalid: a non-positive size, an unknown dtype, a slot table whose
+    shape does not match the layer groups."""
+
+
+class BlockCopyError(StorageError, InvalidArgumentError):
+    """A block copy names a tier, layer group or slot that does not exist, or writes one slot
+    twice in one batch."""

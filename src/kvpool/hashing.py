@@ -13,16 +13,24 @@ algorithm              digest (tree key)      event encoding
 ``vllm_sha256_cbor``   32-byte sha256         last 8 bytes, big-endian, unsigned
 =====================  =====================  ==========================================
 
-Token ids must be ints in [0, 2**31); anything else raises :class:`InvalidTokenError`.
+Token ids must be ints in [0, 2**31) (``bool`` counts as an int, as everywhere in Python);
+anything else raises :class:`InvalidTokenError` naming the first bad token. Every public entry
+point validates its input before computing or changing anything.
+
+Speed: hashing is on the admission path of the manager and on every request of the router, so
+the chained loops are written for CPython: one bulk validation and conversion per call, then a
+tight per-block loop (the seed-independent part of the v1 mixing is precomputed with numpy).
+``benchmarks/bench_hashing.py`` measures them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
-from typing import Final
+from typing import Final, cast
 
 import cbor2
 import numpy as np
@@ -30,6 +38,7 @@ import numpy as np
 from kvpool.errors import InvalidArgumentError, InvalidTokenError, UnknownHashAlgorithmError
 
 __all__ = [
+    "MAX_TOKEN_ID",
     "BlockHasher",
     "BlockKey",
     "HashAlgo",
@@ -55,6 +64,8 @@ _C64A: Final = 0xBF58476D1CE4E5B9
 _C64B: Final = 0x94D049BB133111EB
 _K: Final = 0x9E3779B9
 MAX_TOKEN_ID: Final = (1 << 31) - 1
+_DIGEST_SIZE: Final = 32
+_TOP_BYTE: Final = 3 if sys.byteorder == "little" else 0  # of a native u32
 
 BlockKey = int | bytes
 """A tree key: an int for ``v1_block_key``, a 32-byte digest for the sha256 algorithms."""
@@ -71,6 +82,8 @@ class HashAlgo(StrEnum):
 
 def hash_algo(value: str | HashAlgo) -> HashAlgo:
     """Parse an algorithm name; unknown names raise :class:`UnknownHashAlgorithmError`."""
+    if isinstance(value, HashAlgo):
+        return value
     try:
         return HashAlgo(value)
     except ValueError:
@@ -81,12 +94,20 @@ def hash_algo(value: str | HashAlgo) -> HashAlgo:
 
 
 # --------------------------------------------------------------------------------------------
-# token validation
+# validation
 
 
-def _bad_token_error(tokens: Iterable[object]) -> InvalidTokenError:
+def _bad_token_error(tokens: object) -> InvalidTokenError:
+    """The error naming the first bad token of ``tokens`` (called only once a check failed)."""
+    if isinstance(tokens, str | bytes | bytearray | memoryview) or not isinstance(
+        tokens, Iterable
+    ):
+        return InvalidTokenError(
+            f"tokens must be a sequence of int token ids, got {type(tokens).__name__} "
+            f"{tokens!r:.80}"
+        )
     for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+        if not isinstance(t, int | np.integer):
             return InvalidTokenError(
                 f"token at position {i} is {t!r} ({type(t).__name__}); token ids must be ints"
             )
@@ -94,57 +115,97 @@ def _bad_token_error(tokens: Iterable[object]) -> InvalidTokenError:
             return InvalidTokenError(
                 f"token at position {i} is {int(t)}; token ids must be in [0, 2**31)"
             )
-    return InvalidTokenError("invalid token ids")
+    return InvalidTokenError(f"invalid token ids {tokens!r:.80}")
 
 
-def tokens_to_u32(tokens: Sequence[int] | np.ndarray) -> array[int]:
-    """Validate token ids and return them as a native (little-endian here) u32 array.
+def _u32_array(seq: Sequence[int]) -> array[int]:
+    try:
+        # Rejects non-ints (floats, str, None) and ids outside [0, 2**32) in C.
+        return array("I", seq)
+    except (TypeError, OverflowError, ValueError):
+        raise _bad_token_error(seq) from None
 
-    Raises :class:`InvalidTokenError` naming the first bad token.
+
+def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]:
+    """Validate token ids and return them as a new native u32 array (``array("I")``).
+
+    Accepts a sequence (or iterable) of ints, an ``array`` of any integer typecode, or a 1-D
+    numpy array of an integer dtype. Raises :class:`InvalidTokenError` naming the first bad
+    token. The result never aliases the argument.
     """
-    if isinstance(tokens, np.ndarray):
+    if type(tokens) is list or type(tokens) is tuple:  # the common case first
+        out = _u32_array(tokens)
+    elif isinstance(tokens, array) and tokens.typecode == "I":
+        out = tokens[:]  # a memcpy, not a per-item conversion
+    elif isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise InvalidTokenError(
                 f"token array must be 1-D of an integer dtype, got {tokens.dtype} "
-                f"with shape {tokens.shape}"
+                f"with shape {tokens.shape}: {tokens!r:.80}"
             )
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > MAX_TOKEN_ID):
             raise _bad_token_error(tokens.tolist())
         out = array("I")
-        out.frombytes(tokens.astype("<u4", copy=False).tobytes())
+        out.frombytes(tokens.astype(np.uint32, copy=False).tobytes())
         return out
-    try:
-        out = array("I", tokens)
-    except (TypeError, OverflowError, ValueError):
-        raise _bad_token_error(tokens) from None
-    if out and int(np.frombuffer(out, dtype=np.uint32).max()) > MAX_TOKEN_ID:
+    elif isinstance(tokens, str | bytes | bytearray | memoryview) or not isinstance(
+        tokens, Iterable
+    ):
         raise _bad_token_error(tokens)
+    else:
+        out = _u32_array(list(tokens))  # a one-shot iterator must survive the error path
+    # An id >= 2**31 has the top bit of its u32 set: scan the most significant bytes in C.
+    if not out.tobytes()[_TOP_BYTE::4].isascii():
+        raise _bad_token_error(out)
     return out
 
 
-def validate_tokens(tokens: Sequence[int] | np.ndarray) -> list[int]:
-    """Validate token ids and return them as a list of ints."""
+def validate_tokens(tokens: Sequence[int] | np.ndarray | array[int]) -> list[int]:
+    """Validate token ids and return them as a new list of ints."""
     return tokens_to_u32(tokens).tolist()
 
 
-def _check_tpb(tokens_per_block: int) -> None:
+def _check_tpb(tokens_per_block: object) -> int:
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
         raise InvalidArgumentError(
-            f"tokens_per_block must be an int, got {tokens_per_block!r}"
+            f"tokens_per_block must be an int, got {tokens_per_block!r} "
+            f"({type(tokens_per_block).__name__})"
         )
     if tokens_per_block < 1:
         raise InvalidArgumentError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    return tokens_per_block
 
 
-def _check_u64(name: str, value: int | None) -> None:
+def _check_u64(name: str, value: object) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= M64:
         raise InvalidArgumentError(f"{name} must be an unsigned 64-bit int, got {value!r}")
 
 
+def _check_digest(name: str, value: object) -> bytes:
+    if not isinstance(value, bytes) or len(value) != _DIGEST_SIZE:
+        size = f" of {len(value)} bytes" if isinstance(value, bytes | str) else ""
+        raise InvalidArgumentError(
+            f"{name} must be a 32-byte digest (bytes), got {type(value).__name__}{size} "
+            f"{value!r:.200}"
+        )
+    return value
+
+
+def _check_salt(cache_salt: object) -> None:
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise InvalidArgumentError(f"cache_salt must be a str, got {cache_salt!r}")
+
+
 # --------------------------------------------------------------------------------------------
 # v1_block_key (TensorRT-LLM legacy)
+#
+# mix32(v, seed) = seed ^ ((w + (seed << 6) + (seed >> 2)) & M64), where w depends on the token
+# only. We precompute a = 4 * w for every token with numpy and use the identity
+#     (seed << 6) + (seed >> 2) + w == (seed * 257 + 4 * w) >> 2
+# (256 * seed + 4 * w is a multiple of 4, so the shift drops only seed's low two bits), which
+# leaves five int operations per token in the sequential loop: multiply, add, shift, mask, xor.
 
 
 def _mix64(v: int, seed: int) -> int:
@@ -154,36 +215,57 @@ def _mix64(v: int, seed: int) -> int:
     return seed ^ ((v + _K + (seed << 6) + (seed >> 2)) & M64)
 
 
-def _v1_premix(tokens: array[int]) -> list[int]:
-    """The seed-independent part of mix32 for every token, vectorised (u32 arithmetic)."""
-    v: np.ndarray = np.frombuffer(tokens, dtype=np.uint32)
+def _v1_premix4_array(v: np.ndarray) -> np.ndarray:
+    """4 × the seed-independent part of mix32 of u32 token ids ``v`` (u32 arithmetic)."""
     v = ((v >> 16) ^ v) * np.uint32(_C32)
     v = ((v >> 16) ^ v) * np.uint32(_C32)
-    v = ((v >> 16) ^ v) + np.uint32(_K)
-    out: list[int] = v.tolist()
+    v = ((v >> 16) ^ v) + np.uint32(_K)  # wraps in 32 bits, as the engine's does
+    return v.astype(np.int64) << 2
+
+
+# The premix of every id below 2**18 (the largest vocabularies in use have 262,144 entries): one
+# gather instead of a dozen numpy calls, which dominate for the short inputs of incremental use.
+_PREMIX_TABLE_SIZE: Final = 1 << 18
+_premix_table: np.ndarray | None = None
+
+
+def _v1_premix4(tokens: array[int]) -> list[int]:
+    """4 × the seed-independent part of mix32 for every token, as a list of ints."""
+    global _premix_table
+    v = np.frombuffer(tokens, dtype=np.uint32)
+    if _premix_table is None:
+        _premix_table = _v1_premix4_array(np.arange(_PREMIX_TABLE_SIZE, dtype=np.uint32))
+    try:
+        out: list[int] = _premix_table[v].tolist()
+    except IndexError:  # an id beyond the table
+        out = _v1_premix4_array(v).tolist()
     return out
 
 
-def _v1_combine(premixed: list[int], start: int, stop: int, parent: int, salt: int | None,
-                lora: int | None) -> int:
+def _v1_block(body: list[int], parent: int, salt: int | None, lora: int | None) -> int:
+    """The v1 key of one block whose premixed tokens (from :func:`_v1_premix4`) are ``body``."""
     m64 = M64
-    seed = (stop - start) ^ ((parent * _C64A) & m64)
+    seed = len(body) ^ (parent * _C64A & m64)
     if parent == 0 and salt is not None:
         seed = _mix64(salt, seed)
-    # seed * 64 == seed << 6; CPython's multiply by a small int is the faster of the two.
-    body = premixed[start:stop]
-    quads = len(body) & ~3
-    it = iter(body[:quads])
-    for a, b, c, d in zip(it, it, it, it, strict=True):
-        seed ^= (a + seed * 64 + (seed >> 2)) & m64
-        seed ^= (b + seed * 64 + (seed >> 2)) & m64
-        seed ^= (c + seed * 64 + (seed >> 2)) & m64
-        seed ^= (d + seed * 64 + (seed >> 2)) & m64
-    for v in body[quads:]:
-        seed ^= (v + seed * 64 + (seed >> 2)) & m64
+    # A plain loop: on CPython 3.11 unrolling it (zip over one iterator) measured slower.
+    for a in body:
+        seed ^= (seed * 257 + a >> 2) & m64
     if lora is not None:
         seed = _mix64(lora, seed)
     return seed
+
+
+def _v1_chain(
+    pre: list[int], tpb: int, parent: int, salt: int | None, lora: int | None
+) -> list[int]:
+    """Chained keys of consecutive blocks of ``pre`` (the last one may be partial)."""
+    out: list[int] = []
+    append = out.append
+    for start in range(0, len(pre), tpb):
+        parent = _v1_block(pre[start:start + tpb], parent, salt, lora)
+        append(parent)
+    return out
 
 
 def v1_block_key(
@@ -193,12 +275,15 @@ def v1_block_key(
     lora_id: int | None = None,
     salt_id: int | None = None,
 ) -> int:
-    """TensorRT-LLM's legacy block key of one block, chained on ``parent_hash`` (0 = first)."""
+    """TensorRT-LLM's legacy block key of one block, chained on ``parent_hash`` (0 = first).
+
+    The salt id is mixed in only when ``parent_hash == 0`` (the first block of a sequence); the
+    LoRA id into every block.
+    """
     _check_u64("parent_hash", parent_hash)
     _check_u64("lora_id", lora_id)
     _check_u64("salt_id", salt_id)
-    premixed = _v1_premix(tokens_to_u32(tokens))
-    return _v1_combine(premixed, 0, len(premixed), parent_hash, salt_id, lora_id)
+    return _v1_block(_v1_premix4(tokens_to_u32(tokens)), parent_hash, salt_id, lora_id)
 
 
 def v1_block_keys(
@@ -211,14 +296,11 @@ def v1_block_keys(
 ) -> list[int]:
     """Chained v1 keys of every block of ``tokens`` (a trailing partial block included)."""
     _check_tpb(tokens_per_block)
-    premixed = _v1_premix(tokens_to_u32(tokens))
-    keys: list[int] = []
-    parent = parent_hash
-    for start in range(0, len(premixed), tokens_per_block):
-        stop = min(start + tokens_per_block, len(premixed))
-        parent = _v1_combine(premixed, start, stop, parent, salt_id, lora_id)
-        keys.append(parent)
-    return keys
+    _check_u64("parent_hash", parent_hash)
+    _check_u64("lora_id", lora_id)
+    _check_u64("salt_id", salt_id)
+    pre = _v1_premix4(tokens_to_u32(tokens))
+    return _v1_chain(pre, tokens_per_block, parent_hash, salt_id, lora_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,24 +318,44 @@ def _scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:
 
 
 def v2_root_key(*, lora_id: int | None = None, salt_id: int | None = None) -> bytes:
-    """The root digest of a reuse scope (LoRA id and/or salt id)."""
+    """The root digest of a reuse scope (LoRA id and/or salt id): the parent of block 0."""
     _check_u64("lora_id", lora_id)
     _check_u64("salt_id", salt_id)
     return hashlib.sha256(_scope_bytes(lora_id, salt_id)).digest()
 
 
-def v2_block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
-    """sha256(parent_key + tokens as little-endian u32)."""
-    if not isinstance(parent_key, bytes) or len(parent_key) != 32:
-        raise InvalidArgumentError(f"parent_key must be 32 bytes, got {parent_key!r}")
-    return hashlib.sha256(parent_key + _le_bytes(tokens_to_u32(tokens))).digest()
-
-
 def _le_bytes(tokens: array[int]) -> bytes:
-    if array("I", [1]).tobytes()[0] != 1:  # pragma: no cover - big-endian hosts
-        tokens = array("I", tokens)
+    """Tokens as little-endian u32 bytes."""
+    if sys.byteorder == "big":  # pragma: no cover - big-endian hosts
+        tokens = tokens[:]
         tokens.byteswap()
     return tokens.tobytes()
+
+
+# A fresh sha256 object by copying an empty one skips OpenSSL's per-call algorithm lookup.
+_SHA256_NEW: Final = hashlib.sha256().copy
+
+
+def _v2_chain(raw: bytes, step: int, parent: bytes) -> list[bytes]:
+    """Chained v2 keys of consecutive ``step``-byte chunks of ``raw`` (the last may be short)."""
+    out: list[bytes] = []
+    append = out.append
+    new = _SHA256_NEW
+    for off in range(0, len(raw), step):
+        h = new()
+        h.update(parent + raw[off:off + step])
+        parent = h.digest()
+        append(parent)
+    return out
+
+
+def v2_block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
+    """sha256(parent_key + tokens as little-endian u32): the key of a block under its parent.
+
+    ``parent_key`` is the previous block's key, or :func:`v2_root_key` for the first block.
+    """
+    _check_digest("parent_key", parent_key)
+    return hashlib.sha256(parent_key + _le_bytes(tokens_to_u32(tokens))).digest()
 
 
 def cache_salt_id(cache_salt: str) -> int:
@@ -277,19 +379,62 @@ def vllm_none_hash() -> bytes:
 def vllm_sha256_cbor_block_hash(
     parent: bytes | None, tokens: Sequence[int], extra_keys: Sequence[object] | None = None
 ) -> bytes:
-    """vLLM's block hash: sha256 of canonical CBOR ``(parent or NONE_HASH, tokens, extra)``."""
-    toks = tuple(validate_tokens(tokens))
+    """vLLM's block hash: sha256 of canonical CBOR ``[parent or NONE_HASH, tokens, extra]``.
+
+    ``extra`` is ``tuple(extra_keys)``, or null when ``extra_keys`` is None or empty (vLLM never
+    passes an empty tuple).
+    """
+    if parent is not None:
+        _check_digest("parent", parent)
+    toks = validate_tokens(tokens)
     extra = tuple(extra_keys) if extra_keys else None
-    return _vllm_hash(parent if parent is not None else _VLLM_NONE_HASH, toks, extra)
+    payload = [parent if parent is not None else _VLLM_NONE_HASH, toks, extra]
+    try:
+        encoded = cbor2.dumps(payload, canonical=True)
+    except cbor2.CBOREncodeError as e:
+        raise InvalidArgumentError(f"extra_keys {extra_keys!r:.100} cannot be encoded: {e}") from e
+    return hashlib.sha256(encoded).digest()
 
 
-def _vllm_hash(parent: bytes, tokens: Sequence[int], extra: tuple[object, ...] | None) -> bytes:
-    # A list and a tuple encode to the same CBOR array; lists encode faster.
-    return hashlib.sha256(cbor2.dumps([parent, tokens, extra], canonical=True)).digest()
+def _vllm_chain(
+    tokens: list[int],
+    tpb: int,
+    parent: bytes,
+    first_extra: tuple[str, ...] | None,
+    extra: tuple[str, ...] | None,
+) -> list[bytes]:
+    """Chained vLLM hashes of the full blocks of ``tokens``.
+
+    ``first_extra`` goes with the first block, ``extra`` with the others.
+    """
+    out: list[bytes] = []
+    append = out.append
+    dumps = cbor2.dumps
+    sha = hashlib.sha256
+    extra_now = first_extra
+    for start in range(0, len(tokens) - tpb + 1, tpb):
+        # A list encodes as the same CBOR array as vLLM's tuple, and cbor2 takes it faster.
+        parent = sha(dumps([parent, tokens[start:start + tpb], extra_now], canonical=True)).digest()
+        append(parent)
+        extra_now = extra
+    return out
+
+
+def _vllm_extras(
+    lora_id: int | None, cache_salt: str | None
+) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+    """vLLM's extra keys (first block, later blocks): the LoRA name, then the salt on block 0.
+
+    kvpool has LoRA ids, not names; the id's decimal string stands in for the adapter name.
+    """
+    rest: tuple[str, ...] = () if lora_id is None else (str(lora_id),)
+    first = rest if cache_salt is None else (*rest, cache_salt)
+    return first or None, rest or None
 
 
 def vllm_event_int(block_hash: bytes) -> int:
     """The event id of a vLLM block hash: its last 8 bytes as an unsigned big-endian int."""
+    _check_digest("block_hash", block_hash)
     return int.from_bytes(block_hash[-8:], "big")
 
 
@@ -297,30 +442,38 @@ def vllm_event_int(block_hash: bytes) -> int:
 # projections and the incremental hasher
 
 
-def event_hash(algo: HashAlgo, key: BlockKey) -> int | str:
+def event_hash(algo: HashAlgo | str, key: BlockKey) -> int | str:
     """The value an event carries for a block whose tree key is ``key``."""
+    if not isinstance(algo, HashAlgo):
+        algo = hash_algo(algo)
     if algo is HashAlgo.V1_BLOCK_KEY:
-        assert isinstance(key, int)
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= M64:
+            raise InvalidArgumentError(f"a v1_block_key key must be a u64 int, got {key!r}")
         return key
-    assert isinstance(key, bytes)
+    digest = _check_digest(f"a {algo.value} key", key)
     if algo is HashAlgo.V2_SHA256:
-        return key.hex()
+        return digest.hex()
     if algo is HashAlgo.V2_SHA256_64:
-        return int.from_bytes(key[:8], "big")
-    return int.from_bytes(key[-8:], "big")
+        return int.from_bytes(digest[:8], "big")
+    return int.from_bytes(digest[-8:], "big")
 
 
 class BlockHasher:
     """Incremental block keys of one sequence in one reuse scope.
 
     ``extend(tokens)`` appends tokens and returns the keys of the blocks they complete; the
-    prefix is never rehashed. ``partial_key()`` is the key of the trailing partial block (or
-    None when the sequence ends on a block boundary). Keys chain exactly as the engines do, so
-    ``keys`` equal the one-shot functions above.
+    prefix is never rehashed (each block is hashed once, when its last token arrives), so
+    feeding a sequence in any number of pieces yields exactly the keys of one call.
+    ``partial_key()`` is the key of the trailing partial block, or None when the sequence ends
+    on a block boundary. Keys chain exactly as the engines do.
+
+    Invariants: ``len(keys) * tpb + pending_tokens`` is the number of tokens fed;
+    ``0 <= pending_tokens < tpb``; a call that raises changes nothing.
     """
 
     __slots__ = (
-        "_cache_salt", "_lora", "_parent", "_pending", "_root", "_salt", "algo", "keys", "tpb"
+        "_extra_first", "_extra_rest", "_lora", "_parent", "_pending", "_salt", "algo", "keys",
+        "tpb",
     )
 
     def __init__(
@@ -331,43 +484,50 @@ class BlockHasher:
         lora_id: int | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        _check_tpb(tokens_per_block)
-        _check_u64("lora_id", lora_id)
         self.algo = hash_algo(algo)
-        self.tpb = tokens_per_block
+        self.tpb = _check_tpb(tokens_per_block)
+        _check_u64("lora_id", lora_id)
+        _check_salt(cache_salt)
         self._lora = lora_id
-        self._cache_salt = cache_salt
-        salt_id = cache_salt_id(cache_salt) if cache_salt is not None else None
-        self._salt = salt_id
+        self._salt = cache_salt_id(cache_salt) if cache_salt is not None else None
+        self._extra_first, self._extra_rest = _vllm_extras(lora_id, cache_salt)
         self.keys: list[BlockKey] = []
+        """Keys of the full blocks so far, in order."""
         self._pending = array("I")
-        self._root: BlockKey = self.root_key(self.algo, lora_id=lora_id, salt_id=salt_id)
-        self._parent: BlockKey = self._root
+        self._parent: BlockKey = self.root_key(self.algo, lora_id=lora_id, salt_id=self._salt)
 
     @staticmethod
-    def root_key(algo: HashAlgo, *, lora_id: int | None, salt_id: int | None) -> BlockKey:
-        """The parent of a scope's first block (0 for v1, the scope digest for v2, ...)."""
+    def root_key(
+        algo: HashAlgo | str, *, lora_id: int | None = None, salt_id: int | None = None
+    ) -> BlockKey:
+        """The parent of a scope's first block (0 for v1, the scope digest for v2, NONE_HASH
+        for vLLM)."""
+        algo = hash_algo(algo)
         if algo is HashAlgo.V1_BLOCK_KEY:
             return 0
         if algo is HashAlgo.VLLM_SHA256_CBOR:
             return _VLLM_NONE_HASH
         return v2_root_key(lora_id=lora_id, salt_id=salt_id)
 
-    def extend(self, tokens: Sequence[int] | array[int]) -> list[BlockKey]:
-        """Append tokens; return the keys of the blocks they complete."""
-        toks = tokens if isinstance(tokens, array) else tokens_to_u32(tokens)
-        if self._pending:
-            self._pending.extend(toks)
-            data = self._pending
-        else:
-            data = toks
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens after the last full block."""
+        return len(self._pending)
+
+    def extend(self, tokens: Sequence[int] | np.ndarray | array[int]) -> list[BlockKey]:
+        """Append tokens; return the keys of the blocks they complete (possibly none)."""
+        toks = tokens_to_u32(tokens)
+        pending = self._pending
+        if pending:
+            pending.extend(toks)
+            toks = pending
         tpb = self.tpb
-        n_full = len(data) // tpb
-        if n_full == 0:
-            self._pending = array("I", data)
+        n_full = len(toks) // tpb * tpb
+        if not n_full:
+            self._pending = toks
             return []
-        new = self._hash_blocks(data, n_full)
-        self._pending = data[n_full * tpb:]
+        new = self._chain(toks, n_full, full=True)
+        self._pending = toks[n_full:]
         self.keys.extend(new)
         self._parent = new[-1]
         return new
@@ -376,72 +536,46 @@ class BlockHasher:
         """Key of the trailing partial block, or None if there is none."""
         if not self._pending:
             return None
-        return self._hash_one(self._parent, self._pending, 0, len(self._pending))
+        return self._chain(self._pending, len(self._pending), full=False)[0]
 
-    def key_of_prefix_block(self, tokens: array[int]) -> BlockKey:
-        """Key of a (possibly partial) block of ``tokens`` after the last full block."""
-        return self._hash_one(self._parent, tokens, 0, len(tokens))
+    def key_of_prefix_block(self, tokens: Sequence[int] | array[int]) -> BlockKey:
+        """Key of a block of 1..tpb ``tokens`` following the last full block (not recorded)."""
+        toks = tokens_to_u32(tokens)
+        if not 0 < len(toks) <= self.tpb:
+            raise InvalidArgumentError(
+                f"a block holds 1..{self.tpb} tokens, got {len(toks)}"
+            )
+        return self._chain(toks, len(toks), full=False)[0]
 
-    @property
-    def pending_tokens(self) -> int:
-        """Tokens after the last full block."""
-        return len(self._pending)
+    def _chain(self, data: array[int], stop: int, *, full: bool) -> list[BlockKey]:
+        """Keys of the blocks of ``data[:stop]`` chained on the last full block.
 
-    def _hash_one(self, parent: BlockKey, data: array[int], start: int, stop: int) -> BlockKey:
+        With ``full`` the blocks are whole; otherwise ``data[:stop]`` is one partial block
+        (vLLM never hashes those; kvpool hashes them the same way for its own tree).
+        """
         algo = self.algo
-        if algo is HashAlgo.V1_BLOCK_KEY:
-            assert isinstance(parent, int)
-            pre = _v1_premix(data[start:stop])
-            return _v1_combine(pre, 0, len(pre), parent, self._salt, self._lora)
-        assert isinstance(parent, bytes)
-        if algo is HashAlgo.VLLM_SHA256_CBOR:
-            return _vllm_hash(parent, data[start:stop].tolist(), self._vllm_extra(len(self.keys)))
-        return hashlib.sha256(parent + _le_bytes(data[start:stop])).digest()
-
-    def _vllm_extra(self, block_index: int) -> tuple[object, ...] | None:
-        extra: list[object] = []
-        if self._lora is not None:
-            extra.append(str(self._lora))
-        if self._cache_salt is not None and block_index == 0:
-            extra.append(self._cache_salt)
-        return tuple(extra) if extra else None
-
-    def _hash_blocks(self, data: array[int], n: int) -> list[BlockKey]:
-        tpb = self.tpb
         parent = self._parent
-        out: list[BlockKey] = []
-        algo = self.algo
+        first = not self.keys
+        keys: list[BlockKey]
         if algo is HashAlgo.V1_BLOCK_KEY:
             assert isinstance(parent, int)
-            pre = _v1_premix(data[: n * tpb])
-            salt, lora = self._salt, self._lora
-            p = parent
-            for b in range(n):
-                p = _v1_combine(pre, b * tpb, (b + 1) * tpb, p, salt, lora)
-                out.append(p)
-            return out
-        assert isinstance(parent, bytes)
-        if algo is HashAlgo.VLLM_SHA256_CBOR:
-            pb = parent
-            first = len(self.keys)
-            for b in range(n):
-                extra = self._vllm_extra(first + b)
-                pb = _vllm_hash(pb, data[b * tpb:(b + 1) * tpb].tolist(), extra)
-                out.append(pb)
-            return out
-        raw = _le_bytes(data[: n * tpb])
-        step = 4 * tpb
-        sha = hashlib.sha256
-        pb = parent
-        append = out.append
-        for off in range(0, n * step, step):
-            pb = sha(pb + raw[off:off + step]).digest()
-            append(pb)
-        return out
+            pre = _v1_premix4(data[:stop] if stop < len(data) else data)
+            keys = cast(list[BlockKey], _v1_chain(pre, self.tpb, parent, self._salt, self._lora))
+        elif algo is HashAlgo.VLLM_SHA256_CBOR:
+            assert isinstance(parent, bytes)
+            toks = (data[:stop] if stop < len(data) else data).tolist()
+            tpb = self.tpb if full else stop
+            extra = self._extra_first if first else self._extra_rest
+            keys = cast(list[BlockKey], _vllm_chain(toks, tpb, parent, extra, self._extra_rest))
+        else:
+            assert isinstance(parent, bytes)
+            raw = _le_bytes(data[:stop] if stop < len(data) else data)
+            keys = cast(list[BlockKey], _v2_chain(raw, 4 * self.tpb, parent))
+        return keys
 
 
 def request_block_hashes(
-    tokens: Sequence[int],
+    tokens: Sequence[int] | np.ndarray | array[int],
     tokens_per_block: int,
     algo: HashAlgo | str,
     *,
@@ -451,18 +585,27 @@ def request_block_hashes(
     """The event hashes a router computes for a request (COMPATIBILITY §1.5).
 
     Blocks cover the prompt minus its last token; a trailing partial chunk is included for the
-    TensorRT-LLM algorithms, full blocks only for vLLM's. The salt goes into the first block
-    (v1), the root (v2) or the first block's extra keys (vLLM). For vLLM a LoRA id is hashed as
-    its decimal string in the extra keys, standing in for the adapter name.
+    TensorRT-LLM algorithms, full blocks only for vLLM's. So a prompt of n tokens gives
+    ceil((n-1)/tpb) hashes for the TensorRT-LLM algorithms and floor((n-1)/tpb) for vLLM's.
+    The salt goes into the first block (v1), the root (v2) or the first block's extra keys
+    (vLLM). For vLLM a LoRA id is hashed as its decimal string in the extra keys, standing in
+    for the adapter name. Values are ints, or 64-character hex strings for ``v2_sha256``.
     """
     a = hash_algo(algo)
-    _check_tpb(tokens_per_block)
-    toks = tokens_to_u32(tokens)
-    body = toks[: max(len(toks) - 1, 0)]
-    hasher = BlockHasher(a, tokens_per_block, lora_id=lora_id, cache_salt=cache_salt)
-    keys = hasher.extend(body)
-    if a is not HashAlgo.VLLM_SHA256_CBOR:
-        tail = hasher.partial_key()
-        if tail is not None:
-            keys = [*keys, tail]
-    return [event_hash(a, k) for k in keys]
+    tpb = _check_tpb(tokens_per_block)
+    _check_u64("lora_id", lora_id)
+    _check_salt(cache_salt)
+    body = tokens_to_u32(tokens)  # a fresh array: dropping the last token copies nothing
+    if body:
+        del body[-1]
+    salt_id = cache_salt_id(cache_salt) if cache_salt is not None else None
+    if a is HashAlgo.V1_BLOCK_KEY:
+        return cast(list[int | str], _v1_chain(_v1_premix4(body), tpb, 0, salt_id, lora_id))
+    if a is HashAlgo.VLLM_SHA256_CBOR:
+        first, rest = _vllm_extras(lora_id, cache_salt)
+        digests = _vllm_chain(body.tolist(), tpb, _VLLM_NONE_HASH, first, rest)
+        return [int.from_bytes(d[-8:], "big") for d in digests]
+    digests = _v2_chain(_le_bytes(body), 4 * tpb, v2_root_key(lora_id=lora_id, salt_id=salt_id))
+    if a is HashAlgo.V2_SHA256:
+        return [d.hex() for d in digests]
+    return [int.from_bytes(d[:8], "big") for d in digests]

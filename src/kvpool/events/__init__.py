@@ -1,0 +1,55 @@
+"""KV cache events: the model, the batching manager, the reference consumer, wire formats and
+the ZeroMQ transport (ARCHITECTURE §4, COMPATIBILITY §2-3)."""
+
+from __future__ import annotations
+
+from kvpool.events.index import EventIndex
+from kvpool.events.manager import AttentionDpGather, EventManager
+from kvpool.events.model import (
+    DEFAULT_PRIORITY,
+    AllCleared,
+    BlockHash,
+    Created,
+    EventData,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from kvpool.events.trtllm_json import (
+    parse_trtllm_dicts,
+    parse_trtllm_json,
+    to_trtllm_dicts,
+    to_trtllm_json,
+)
+from kvpool.events.vllm_msgpack import VllmEventBatch, decode_vllm_batch, encode_vllm_batch
+from kvpool.events.zmq import SubscribedBatch, ZmqEventPublisher, ZmqEventSubscriber
+
+__all__ = [
+    "DEFAULT_PRIORITY",
+    "AllCleared",
+    "AttentionDpGather",
+    "BlockHash",
+    "Created",
+    "EventData",
+    "EventDiff",
+    "EventIndex",
+    "EventManager",
+    "KVCacheEvent",
+    "Removed",
+    "Stored",
+    "StoredBlock",
+    "SubscribedBatch",
+    "Updated",
+    "VllmEventBatch",
+    "ZmqEventPublisher",
+    "ZmqEventSubscriber",
+    "decode_vllm_batch",
+    "encode_vllm_batch",
+    "parse_trtllm_dicts",
+    "parse_trtllm_json",
+    "to_trtllm_dicts",
+    "to_trtllm_json",
+]

@@ -47,9 +47,16 @@ class Stored(msgspec.Struct, frozen=True):
 
 
 class Removed(msgspec.Struct, frozen=True):
-    """Blocks left the cache (every tier)."""
+    """Blocks left the cache.
+
+    ``cache_levels`` is None when the blocks left every tier (TensorRT-LLM semantics, and what
+    its JSON carries). kvpool's event manager fills it with each block's tier (parallel to
+    ``block_hashes``) so that tier-aware formats (vLLM's ``medium``) can say where each block
+    was; a removal decoded from vLLM carries the medium it named.
+    """
 
     block_hashes: tuple[BlockHash, ...]
+    cache_levels: tuple[int, ...] | None = None
 
 
 class Updated(msgspec.Struct, frozen=True):

@@ -1,0 +1,290 @@
+"""Two-phase batch admission (seeds 001 and 002): plan every request, claim, then allocate.
+
+``plan`` is pure: it walks the tree for every request of a batch, decides what each one
+reuses (full matches, one partial match), how the batch shares partial sources
+(:class:`PartialClaimTracker`) and how many GPU slots each request and the batch need per
+layer group. ``KVCacheManager.add_sequence_batch`` executes exactly that plan: phase 1 claims
+every matched block of every request (nothing can evict them afterwards), phase 2 onboards,
+copies and allocates. Since the plan is computed from the same state the execution starts
+from, ``plan_batch`` equals what ``add_sequence_batch`` realises (ARCHITECTURE §7.5).
+
+Token layout of one request of n prompt tokens (tpb = tokens per block):
+
+```
+| full matches (d blocks) | partial (k tokens) |  fresh blocks ...            |last|
+0                        d*tpb            d*tpb+k = L (reused)        n-1   n
+keys cover tokens[:n-1]: the last prompt token is computed in the step that samples
+```
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from kvpool.config import SequenceRequest
+from kvpool.errors import InvalidArgumentError
+from kvpool.hashing import BlockHasher, BlockKey, cache_salt_id
+from kvpool.radix import NO_SLOT, Node, best_partial_child
+
+if TYPE_CHECKING:
+    from kvpool.manager import KVCacheManager
+
+
+class PartialMode(Enum):
+    """How a request reuses its partially matched block."""
+
+    COPY = "copy"  # copy the matched tokens into a fresh slot
+    TAKEOVER = "takeover"  # take an unreferenced GPU leaf over in place
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    """What one request of a batch reuses and needs."""
+
+    seq_id: int | str
+    reused_tokens: int
+    new_blocks: dict[int, int]  # layer group -> GPU slots this request takes (fresh+copy+onboard)
+    # -- execution details (internal) --
+    request: SequenceRequest
+    hasher: BlockHasher
+    keys: list[BlockKey]
+    root_key: BlockKey
+    num_blocks: int  # context blocks (ceil(n / tpb))
+    last_shared: bool  # the last context block is shared by all beams
+    matched: list[Node]  # full matches, block order
+    claimed: dict[int, list[int]]  # layer group -> indices of matched blocks it claims
+    partial: Node | None = None
+    partial_tokens: int = 0
+    partial_mode: PartialMode | None = None
+    onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
+    claim_tiers: dict[int, dict[int, int]] = field(default_factory=dict)  # set by the claim
+    partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """The plan of a batch: per request, and totals per layer group (GPU tier)."""
+
+    requests: list[RequestPlan]
+    new_blocks: dict[int, int]
+    available: dict[int, int]  # free + evictable GPU slots not claimed by this batch
+
+    @property
+    def fits(self) -> bool:
+        return all(self.new_blocks[g] <= self.available[g] for g in self.new_blocks)
+
+    @property
+    def deficit(self) -> dict[tuple[int, int], int]:
+        """(tier, layer group) -> missing slots; empty when the batch fits."""
+        return {
+            (0, g): self.new_blocks[g] - self.available[g]
+            for g in self.new_blocks
+            if self.new_blocks[g] > self.available[g]
+        }
+
+    @property
+    def reused_tokens(self) -> dict[int | str, int]:
+        return {r.seq_id: r.reused_tokens for r in self.requests}
+
+
+class PartialClaimTracker:
+    """Who may take a partially matched source over, and who must copy from it.
+
+    Within one batch: a source that is an unreferenced GPU leaf, fully matched by no request
+    of the batch, is taken over in place by the first request that partially matches it (if
+    that request's partial block is shared by all its beams); every other request copies from
+    it. A source that is not taken over is claimed while the copies are made and released by
+    the last copier, unless some request holds it (a full match cancels the release).
+    """
+
+    __slots__ = ("_full", "_taker")
+
+    def __init__(self) -> None:
+        self._full: set[int] = set()  # id(node) fully matched by some request of the batch
+        self._taker: dict[int, int | str] = {}  # id(node) -> seq_id taking it over
+
+    def note_full_match(self, node: Node) -> None:
+        self._full.add(id(node))
+
+    def decide(self, mgr: KVCacheManager, node: Node, seq_id: int | str,
+               shared_block: bool) -> PartialMode:
+        key = id(node)
+        if (
+            key in self._taker
+            or key in self._full
+            or not shared_block
+            or not node.is_leaf
+            or not mgr.is_unreferenced_gpu_block(node)
+        ):
+            return PartialMode.COPY
+        self._taker[key] = seq_id
+        return PartialMode.TAKEOVER
+
+
+def _window_required(i: int, length: int, window: int, sink_blocks: int, tpb: int) -> bool:
+    """Is block i needed by a sliding-window group at sequence length ``length``?
+
+    A window of W tokens needs the blocks intersecting the last W+1 positions
+    [length - W - 1, length) plus its sink blocks.
+    """
+    return i < sink_blocks or (i + 1) * tpb > length - window - 1
+
+
+def _group_valid(mgr: KVCacheManager, g: int, nodes: list[Node], length: int) -> bool:
+    """Can layer group g reuse ``length`` tokens whose blocks are ``nodes``?"""
+    w = mgr.config.window_sizes[g]
+    if w is None:
+        return all(n.slot[g] != NO_SLOT for n in nodes)
+    tpb = mgr.tpb
+    sb = mgr.sink_blocks[g]
+    return all(
+        n.slot[g] != NO_SLOT for i, n in enumerate(nodes) if _window_required(i, length, w, sb, tpb)
+    )
+
+
+def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
+    BlockHasher, list[BlockKey], BlockKey, list[Node], Node | None, int
+]:
+    """Hash a request's prompt (minus its last token) and find its reuse.
+
+    Returns (hasher, full keys, root key, matched nodes, partial node, partial tokens), where
+    the matched prefix and the partial block are the longest reuse valid in every
+    self-attention layer group.
+    """
+    cfg = mgr.config
+    tpb = mgr.tpb
+    tokens = request.tokens
+    hasher = BlockHasher(
+        cfg.hash_algo, tpb, lora_id=request.lora_id, cache_salt=request.cache_salt
+    )
+    keys = hasher.extend(tokens[: len(tokens) - 1])
+    salt_id = cache_salt_id(request.cache_salt) if request.cache_salt is not None else None
+    root_key = BlockHasher.root_key(cfg.hash_algo, lora_id=request.lora_id, salt_id=salt_id)
+    if not cfg.enable_block_reuse:
+        return hasher, keys, root_key, [], None, 0
+    root = mgr.roots.get(root_key)
+    if root is None:
+        return hasher, keys, root_key, [], None, 0
+    matched: list[Node] = []
+    node = root
+    for k in keys:
+        child = node.children.get(k)
+        if child is None:
+            break
+        matched.append(child)
+        node = child
+    groups = mgr.self_groups
+    d = len(matched)
+    if cfg.enable_partial_reuse:
+        if d < len(keys):
+            target = hasher_tokens(tokens, d * tpb, (d + 1) * tpb)
+        else:
+            target = hasher_tokens(tokens, d * tpb, len(tokens) - 1)
+        parent = matched[-1] if matched else root
+        cand, k = best_partial_child(parent, target, groups)
+        if cand is not None:
+            length = d * tpb + k
+            nodes = [*matched, cand]
+            if all(_group_valid(mgr, g, nodes, length) for g in groups):
+                return hasher, keys, root_key, matched, cand, k
+    while d > 0:
+        if all(_group_valid(mgr, g, matched[:d], d * tpb) for g in groups):
+            break
+        d -= 1
+    return hasher, keys, root_key, matched[:d], None, 0
+
+
+def hasher_tokens(tokens: Sequence[int], start: int, stop: int) -> array[int]:
+    return array("I", tokens[start:stop])
+
+
+def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
+    """Plan a batch without changing anything (see the module docstring)."""
+    cfg = mgr.config
+    tpb = mgr.tpb
+    seen: set[int | str] = set()
+    for r in requests:
+        if not isinstance(r, SequenceRequest):
+            raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
+        if r.seq_id in seen or r.seq_id in mgr.sequences:
+            raise InvalidArgumentError(f"sequence id {r.seq_id!r} is already in use")
+        seen.add(r.seq_id)
+        if r.beam_width > cfg.max_beam_width:
+            raise InvalidArgumentError(
+                f"request {r.seq_id!r}: beam_width {r.beam_width} > max_beam_width "
+                f"{cfg.max_beam_width}"
+            )
+        if cfg.cross_attention_groups and r.encoder_tokens is None:
+            raise InvalidArgumentError(
+                f"request {r.seq_id!r} has no encoder_tokens but layer groups "
+                f"{list(cfg.cross_attention_groups)} are cross attention"
+            )
+    groups = range(cfg.num_groups)
+    tracker = PartialClaimTracker()
+    walked = [walk(mgr, r) for r in requests]
+    out: list[RequestPlan] = []
+    for r, (hasher, keys, root_key, matched, pnode, pk) in zip(requests, walked, strict=True):
+        n = len(r.tokens)
+        reused = len(matched) * tpb + pk
+        claimed: dict[int, list[int]] = {}
+        for g in mgr.self_groups:
+            w = cfg.window_sizes[g]
+            if w is None:
+                claimed[g] = list(range(len(matched)))
+            else:
+                sb = mgr.sink_blocks[g]
+                claimed[g] = [
+                    i for i in range(len(matched)) if _window_required(i, reused, w, sb, tpb)
+                ]
+            for i in claimed[g]:
+                tracker.note_full_match(matched[i])
+        num_blocks = -(-n // tpb)
+        out.append(RequestPlan(
+            seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
+            request=r, hasher=hasher, keys=keys, root_key=root_key, num_blocks=num_blocks,
+            last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, claimed=claimed,
+            partial=pnode, partial_tokens=pk,
+        ))
+    # partial sources are decided after every full match of the batch is known
+    onboarded: set[tuple[int, int]] = set()
+    claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
+    for p in out:
+        beams = p.request.beam_width
+        d = len(p.matched)
+        if p.partial is not None:
+            shared = p.last_shared or d < p.num_blocks - 1
+            p.partial_mode = tracker.decide(mgr, p.partial, p.seq_id, shared)
+        for g in groups:
+            if g in cfg.cross_attention_groups:
+                enc = p.request.encoder_tokens or []
+                p.new_blocks[g] = -(-len(enc) // tpb)
+                continue
+            first_fresh = d + (1 if p.partial is not None else 0)
+            per_beam_last = 0 if p.last_shared else beams - 1
+            fresh = p.num_blocks - first_fresh
+            if fresh > 0:
+                fresh += per_beam_last
+            copies = 0
+            if p.partial is not None:
+                copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
+                copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
+                if mgr.gpu_evictable(p.partial, g):
+                    claimed_evictable[g].add(p.partial.slot[g])
+            onboard = 0
+            for i in p.claimed[g]:
+                node = p.matched[i]
+                if node.tier[g] > 0:
+                    if (id(node), g) not in onboarded:
+                        onboarded.add((id(node), g))
+                        onboard += 1
+                elif mgr.gpu_evictable(node, g):
+                    claimed_evictable[g].add(node.slot[g])
+            p.onboard[g] = onboard
+            p.new_blocks[g] = fresh + copies + onboard
+    totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
+    available = {g: mgr.gpu_available(g) - len(claimed_evictable[g]) for g in groups}
+    return BatchPlan(requests=out, new_blocks=totals, available=available)

@@ -1,0 +1,65 @@
+"""``kvpool router``: run the KV-aware router service.
+
+Reads a YAML configuration (see :mod:`kvpool.router.config`), ingests every worker's KV events
+and serves ``/route``, ``/finished``, ``/workers``, ``/metrics`` and ``/health`` until
+interrupted (SIGINT or SIGTERM). Once listening it prints
+``kvpool router listening on http://HOST:PORT`` on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import replace
+from typing import Any
+
+from kvpool.router.config import ServiceConfig, load_config
+from kvpool.router.service import serve
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``router`` parser to the ``kvpool`` command."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "router",
+        help="run the KV-aware router service",
+        description=(
+            "Route requests to the engine that holds most of their prefix: ingest KV cache "
+            "events from vLLM (ZMQ), TensorRT-LLM (HTTP polling) and kvpool workers, and "
+            "answer POST /route with the chosen worker and every candidate's score."
+        ),
+    )
+    p.add_argument("--config", required=True, metavar="PATH", help="router YAML configuration")
+    p.add_argument("--host", help="listen on this address (overrides listen.host)")
+    p.add_argument("--port", type=int, help="listen on this port (overrides listen.port)")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config)
+    if args.host is not None:
+        config = replace(config, host=args.host)
+    if args.port is not None:
+        config = replace(config, port=args.port)
+    asyncio.run(_main(config))
+    return 0
+
+
+async def _main(config: ServiceConfig) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # platforms without signal handlers
+            loop.add_signal_handler(sig, task.cancel)
+
+    def ready(port: int) -> None:
+        print(f"kvpool router listening on http://{config.host}:{port}", flush=True)
+
+    with contextlib.suppress(asyncio.CancelledError):
+        await serve(config, ready)

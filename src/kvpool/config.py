@@ -1,0 +1,251 @@
+"""Configuration objects: the cache geometry and policies, requests and their retention.
+
+Everything is validated at construction; a bad value raises :class:`InvalidArgumentError`
+naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import InvalidArgumentError
+from kvpool.hashing import HashAlgo, hash_algo, validate_tokens
+
+if TYPE_CHECKING:
+    from kvpool.planner import PoolPlan
+
+DEFAULT_PRIORITY = 35
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+DEFAULT_MAX_SEQ_LEN = 131_072
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_priority(name: str, value: object) -> int:
+    p = _check_int(name, value, MIN_PRIORITY)
+    if p > MAX_PRIORITY:
+        raise InvalidArgumentError(f"{name} must be in [0, 100], got {p}")
+    return p
+
+
+def _check_duration(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRangeRetention:
+    """Blocks whose first token lies in [start, end) get ``priority``; ``end=None`` = to the end.
+
+    After ``duration_s`` seconds (from when the block became evictable) the priority falls
+    back to the default (35).
+    """
+
+    start: int
+    end: int | None
+    priority: int
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("TokenRangeRetention.start", self.start, 0)
+        if self.end is not None:
+            _check_int("TokenRangeRetention.end", self.end, self.start + 1)
+        _check_priority("TokenRangeRetention.priority", self.priority)
+        _check_duration("TokenRangeRetention.duration_s", self.duration_s)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """Per-request retention: token ranges for context blocks, a priority for generated ones."""
+
+    ranges: Sequence[TokenRangeRetention] = ()
+    decode_priority: int = DEFAULT_PRIORITY
+    decode_duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranges", tuple(self.ranges))
+        for r in self.ranges:
+            if not isinstance(r, TokenRangeRetention):
+                raise InvalidArgumentError(f"RetentionConfig.ranges holds {r!r}")
+        ordered = sorted(self.ranges, key=lambda r: r.start)
+        for a, b in itertools.pairwise(ordered):
+            if a.end is None or a.end > b.start:
+                raise InvalidArgumentError(f"retention ranges overlap: {a} and {b}")
+        _check_priority("RetentionConfig.decode_priority", self.decode_priority)
+        _check_duration("RetentionConfig.decode_duration_s", self.decode_duration_s)
+
+    def block_priority(self, first_token: int) -> tuple[int, float | None]:
+        """(priority, duration) of a context block starting at ``first_token``."""
+        for r in self.ranges:
+            if r.start <= first_token and (r.end is None or first_token < r.end):
+                return r.priority, r.duration_s
+        return DEFAULT_PRIORITY, None
+
+
+@dataclass(slots=True)
+class SequenceRequest:
+    """One request to admit: its id, prompt tokens and reuse scope.
+
+    ``encoder_tokens`` are required when the cache has cross-attention layer groups.
+    """
+
+    seq_id: int | str
+    tokens: Sequence[int]
+    beam_width: int = 1
+    lora_id: int | None = None
+    cache_salt: str | None = None
+    retention: RetentionConfig | None = None
+    encoder_tokens: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seq_id, int | str) or isinstance(self.seq_id, bool):
+            raise InvalidArgumentError(f"seq_id must be an int or str, got {self.seq_id!r}")
+        self.tokens = validate_tokens(self.tokens)
+        if not self.tokens:
+            raise InvalidArgumentError(f"request {self.seq_id!r} has no tokens")
+        _check_int("beam_width", self.beam_width, 1)
+        if self.lora_id is not None:
+            _check_int("lora_id", self.lora_id, 0)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidArgumentError(f"cache_salt must be a str, got {self.cache_salt!r}")
+        if self.retention is not None and not isinstance(self.retention, RetentionConfig):
+            raise InvalidArgumentError(
+                f"retention must be a RetentionConfig, got {self.retention!r}"
+            )
+        if self.encoder_tokens is not None:
+            self.encoder_tokens = validate_tokens(self.encoder_tokens)
+            if not self.encoder_tokens:
+                raise InvalidArgumentError(f"request {self.seq_id!r} has empty encoder_tokens")
+
+
+def _per_group(name: str, value: int | Mapping[int, int] | Sequence[int], groups: int,
+               minimum: int) -> tuple[int, ...]:
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(range(groups)))
+        if unknown:
+            raise InvalidArgumentError(f"{name} names unknown layer groups {unknown}")
+        missing = sorted(set(range(groups)) - set(value))
+        if missing and minimum > 0:
+            raise InvalidArgumentError(f"{name} lacks layer groups {missing}")
+        return tuple(_check_int(f"{name}[{g}]", value.get(g, 0), minimum) for g in range(groups))
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != groups:
+            raise InvalidArgumentError(f"{name} has {len(value)} entries for {groups} layer groups")
+        return tuple(_check_int(f"{name}[{g}]", v, minimum) for g, v in enumerate(value))
+    v = _check_int(name, value, minimum)
+    return (v,) * groups
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Geometry and policies of one manager.
+
+    ``window_sizes`` has one entry per layer group: None = full attention, an int = sliding
+    window of that many tokens. ``cross_attention_groups`` lists groups keyed by the request's
+    encoder tokens. Slot counts (``gpu_blocks``, ``host_blocks``, ``disk_blocks``) are an int
+    (same for every group), a sequence or a mapping layer group -> slots.
+    """
+
+    tokens_per_block: int
+    gpu_blocks: int | Mapping[int, int] | Sequence[int]
+    window_sizes: Sequence[int | None] = (None,)
+    sink_tokens: int | Sequence[int] = 0
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    max_beam_width: int = 1
+    hash_algo: HashAlgo | str = HashAlgo.V2_SHA256
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    cross_attention_groups: Sequence[int] = ()
+    host_blocks: int | Mapping[int, int] | Sequence[int] = 0
+    disk_blocks: int | Mapping[int, int] | Sequence[int] = 0
+    disk_path: str | None = None
+    offload_min_priority: int = DEFAULT_PRIORITY
+    eviction_policy: str = "lru"
+    event_buffer_max_size: int = 0
+    clock: Callable[[], float] | None = field(default=None, compare=False)
+
+    # normalised views, filled in __post_init__
+    num_groups: int = field(init=False)
+    slots: tuple[tuple[int, ...], ...] = field(init=False)
+    sinks: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tpb = _check_int("tokens_per_block", self.tokens_per_block, 1)
+        windows = tuple(self.window_sizes)
+        if not windows:
+            raise InvalidArgumentError("window_sizes needs at least one layer group")
+        for g, w in enumerate(windows):
+            if w is not None:
+                _check_int(f"window_sizes[{g}]", w, 1)
+        object.__setattr__(self, "window_sizes", windows)
+        groups = len(windows)
+        object.__setattr__(self, "num_groups", groups)
+        gpu = _per_group("gpu_blocks", self.gpu_blocks, groups, 1)
+        host = _per_group("host_blocks", self.host_blocks, groups, 0)
+        disk = _per_group("disk_blocks", self.disk_blocks, groups, 0)
+        slots: list[tuple[int, ...]] = [gpu]
+        if any(host) or any(disk):
+            slots.append(host)
+        if any(disk):
+            slots.append(disk)
+        object.__setattr__(self, "slots", tuple(slots))
+        sinks = _per_group("sink_tokens", self.sink_tokens, groups, 0)
+        for g, s in enumerate(sinks):
+            if s and windows[g] is None:
+                raise InvalidArgumentError(
+                    f"sink_tokens[{g}]={s} but layer group {g} is full attention"
+                )
+        object.__setattr__(self, "sinks", sinks)
+        cross = tuple(self.cross_attention_groups)
+        for g in cross:
+            if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < groups:
+                raise InvalidArgumentError(f"cross_attention_groups names unknown group {g!r}")
+            if windows[g] is not None:
+                raise InvalidArgumentError(f"cross-attention group {g} cannot have a window")
+        if len(set(cross)) == groups:
+            raise InvalidArgumentError("at least one layer group must be self attention")
+        object.__setattr__(self, "cross_attention_groups", cross)
+        _check_int("max_beam_width", self.max_beam_width, 1)
+        _check_int("max_seq_len", self.max_seq_len, 1)
+        _check_priority("offload_min_priority", self.offload_min_priority)
+        _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
+        object.__setattr__(self, "hash_algo", hash_algo(self.hash_algo))
+        if any(disk) and not any(host):
+            raise InvalidArgumentError("a disk tier needs a host tier (host_blocks > 0)")
+        for name in ("enable_block_reuse", "enable_partial_reuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.eviction_policy, str):
+            raise InvalidArgumentError(
+                f"eviction_policy must be a str, got {self.eviction_policy!r}"
+            )
+        del tpb
+
+    @property
+    def num_tiers(self) -> int:
+        return len(self.slots)
+
+    def window_size(self, group: int) -> int:
+        """The window a group reports in events: its window, or max_seq_len for full attention."""
+        w = self.window_sizes[group]
+        return self.max_seq_len if w is None else w
+
+    @classmethod
+    def from_plan(cls, plan: PoolPlan, **overrides: Any) -> CacheConfig:
+        """A config whose pools are the planner's (``kvpool.planner.plan_pools``)."""
+        kwargs: dict[str, Any] = dict(plan.cache_config_kwargs())
+        kwargs.update(overrides)
+        return cls(**kwargs)

@@ -1,0 +1,244 @@
+"""TensorRT-LLM's KV cache event JSON, shape for shape (COMPATIBILITY §2).
+
+An event list serializes as::
+
+    [{"event_id": 12, "data": {...}, "window_size": 4096,
+      "attention_dp_rank": 0,            # only when set
+      "hash_algo": "v1_block_key", "layer_group_id": 0}]
+
+with ``data`` one of ``created``, ``stored`` (blocks of ``stored_block`` with ``unique_token``
+tokens), ``removed`` or ``updated`` (``event_diff`` values). Hashes are ints (which may exceed
+2**63) or, for ``v2_sha256``, 64-character hex strings. Two kvpool additions have no field in
+TensorRT-LLM's JSON and are not written: a removed event's per-hash ``cache_levels`` and a stored
+block's ``lora_id`` (both parse back as None). kvpool's all-cleared event, which TensorRT-LLM
+does not emit, is written as ``{"type": "all_cleared"}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from kvpool.errors import EventFormatError
+from kvpool.events.model import (
+    DEFAULT_PRIORITY,
+    AllCleared,
+    BlockHash,
+    Created,
+    EventData,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+
+__all__ = ["parse_trtllm_dicts", "parse_trtllm_json", "to_trtllm_dicts", "to_trtllm_json"]
+
+_M64 = (1 << 64) - 1
+
+
+# ------------------------------------------------------------------------------------ encode
+
+
+def to_trtllm_dicts(events: Iterable[KVCacheEvent]) -> list[dict[str, Any]]:
+    """The JSON-ready objects of ``events`` (key order as TensorRT-LLM writes them)."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        obj: dict[str, Any] = {
+            "event_id": event.event_id,
+            "data": _data_to_dict(event.data),
+            "window_size": event.window_size,
+        }
+        if event.attention_dp_rank is not None:
+            obj["attention_dp_rank"] = event.attention_dp_rank
+        obj["hash_algo"] = event.hash_algo
+        obj["layer_group_id"] = event.layer_group_id
+        out.append(obj)
+    return out
+
+
+def to_trtllm_json(events: Iterable[KVCacheEvent]) -> str:
+    """The JSON text of ``events``: a list, as ``POST /kv_cache_events`` returns it."""
+    return msgspec.json.encode(to_trtllm_dicts(events)).decode()
+
+
+def _diff(diff: EventDiff | None) -> dict[str, Any] | None:
+    if diff is None:
+        return None
+    return {"type": "event_diff", "new_value": diff.new_value, "old_value": diff.old_value}
+
+
+def _data_to_dict(data: EventData) -> dict[str, Any]:
+    if type(data) is Stored:
+        return {
+            "type": "stored",
+            "parent_hash": data.parent_hash,
+            "blocks": [
+                {
+                    "type": "stored_block",
+                    "block_hash": b.block_hash,
+                    "tokens": [
+                        {"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                        for t in b.tokens
+                    ],
+                    "cache_level": b.cache_level,
+                    "priority": b.priority,
+                    "mm_keys": list(b.mm_keys),
+                }
+                for b in data.blocks
+            ],
+        }
+    if type(data) is Removed:
+        return {"type": "removed", "block_hashes": list(data.block_hashes)}
+    if type(data) is Updated:
+        return {
+            "type": "updated",
+            "block_hash": data.block_hash,
+            "cache_level": _diff(data.cache_level),
+            "priority": _diff(data.priority),
+        }
+    if type(data) is Created:
+        levels = list(data.num_blocks_per_cache_level)
+        return {"type": "created", "num_blocks_per_cache_level": levels}
+    assert type(data) is AllCleared
+    return {"type": "all_cleared"}
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def parse_trtllm_json(text: str | bytes) -> list[KVCacheEvent]:
+    """Parse an event list; raises :class:`EventFormatError` naming the first bad value."""
+    try:
+        obj = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise EventFormatError(f"KV event JSON does not parse: {exc}") from None
+    return parse_trtllm_dicts(obj)
+
+
+def parse_trtllm_dicts(obj: Any) -> list[KVCacheEvent]:
+    """Parse already-decoded JSON (a list of event objects). Unknown keys are ignored."""
+    if not isinstance(obj, list):
+        raise EventFormatError(f"KV event JSON must be a list, got {type(obj).__name__}")
+    return [_event(item, i) for i, item in enumerate(obj)]
+
+
+def _event(obj: Any, index: int) -> KVCacheEvent:
+    where = f"event {index}"
+    if not isinstance(obj, dict):
+        raise EventFormatError(f"{where}: expected an object, got {obj!r}")
+    rank = obj.get("attention_dp_rank")
+    algo = obj.get("hash_algo", "v1_block_key")
+    if not isinstance(algo, str):
+        raise EventFormatError(f"{where}: hash_algo must be a string, got {algo!r}")
+    return KVCacheEvent(
+        event_id=_int(obj.get("event_id"), f"{where}.event_id"),
+        data=_data(obj.get("data"), where),
+        window_size=_int(obj.get("window_size", 0), f"{where}.window_size"),
+        layer_group_id=_int(obj.get("layer_group_id", 0), f"{where}.layer_group_id"),
+        hash_algo=algo,
+        attention_dp_rank=None if rank is None else _int(rank, f"{where}.attention_dp_rank"),
+    )
+
+
+def _int(value: Any, where: str) -> int:
+    if type(value) is not int:
+        raise EventFormatError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _hash(value: Any, where: str) -> BlockHash:
+    if type(value) is int:
+        if not 0 <= value <= _M64:
+            raise EventFormatError(f"{where}: hash {value} is not an unsigned 64-bit integer")
+        return value
+    if type(value) is str:
+        return value
+    raise EventFormatError(f"{where}: a hash must be an integer or a hex string, got {value!r}")
+
+
+def _event_diff(value: Any, where: str) -> EventDiff | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise EventFormatError(f"{where}: expected an event_diff object or null, got {value!r}")
+    return EventDiff(
+        old_value=_int(value.get("old_value"), f"{where}.old_value"),
+        new_value=_int(value.get("new_value"), f"{where}.new_value"),
+    )
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise EventFormatError(f"{where}: expected a list, got {value!r}")
+    return value
+
+
+def _token(value: Any, where: str) -> int:
+    if isinstance(value, dict):
+        value = value.get("token_id")
+    if type(value) is not int or value < 0:
+        raise EventFormatError(f"{where}: expected a non-negative integer token id, got {value!r}")
+    return value
+
+
+def _mm_key(value: Any, where: str) -> str:
+    # TensorRT-LLM writes {"type": "mm_key", "hash": ..., "start_offset": ...}; kvpool a string.
+    if isinstance(value, dict):
+        value = value.get("hash")
+    if not isinstance(value, str):
+        raise EventFormatError(f"{where}: expected a multimodal key string, got {value!r}")
+    return value
+
+
+def _block(obj: Any, where: str) -> StoredBlock:
+    if not isinstance(obj, dict):
+        raise EventFormatError(f"{where}: expected a stored_block object, got {obj!r}")
+    tokens = _list(obj.get("tokens", []), f"{where}.tokens")
+    lora = obj.get("lora_id")
+    return StoredBlock(
+        block_hash=_hash(obj.get("block_hash"), f"{where}.block_hash"),
+        tokens=tuple(_token(t, f"{where}.tokens[{i}]") for i, t in enumerate(tokens)),
+        cache_level=_int(obj.get("cache_level", 0), f"{where}.cache_level"),
+        priority=_int(obj.get("priority", DEFAULT_PRIORITY), f"{where}.priority"),
+        lora_id=None if lora is None else _int(lora, f"{where}.lora_id"),
+        mm_keys=tuple(
+            _mm_key(k, f"{where}.mm_keys[{i}]")
+            for i, k in enumerate(_list(obj.get("mm_keys", []), f"{where}.mm_keys"))
+        ),
+    )
+
+
+def _data(obj: Any, where: str) -> EventData:
+    where = f"{where}.data"
+    if not isinstance(obj, dict):
+        raise EventFormatError(f"{where}: expected an object, got {obj!r}")
+    kind = obj.get("type")
+    if kind == "stored":
+        parent = obj.get("parent_hash")
+        blocks = _list(obj.get("blocks"), f"{where}.blocks")
+        return Stored(
+            parent_hash=None if parent is None else _hash(parent, f"{where}.parent_hash"),
+            blocks=tuple(_block(b, f"{where}.blocks[{i}]") for i, b in enumerate(blocks)),
+        )
+    if kind == "removed":
+        hashes = _list(obj.get("block_hashes"), f"{where}.block_hashes")
+        return Removed(tuple(_hash(h, f"{where}.block_hashes[{i}]") for i, h in enumerate(hashes)))
+    if kind == "updated":
+        return Updated(
+            block_hash=_hash(obj.get("block_hash"), f"{where}.block_hash"),
+            cache_level=_event_diff(obj.get("cache_level"), f"{where}.cache_level"),
+            priority=_event_diff(obj.get("priority"), f"{where}.priority"),
+        )
+    if kind == "created":
+        levels = _list(obj.get("num_blocks_per_cache_level"), f"{where}.num_blocks_per_cache_level")
+        return Created(
+            tuple(_int(n, f"{where}.num_blocks_per_cache_level[{i}]") for i, n in enumerate(levels))
+        )
+    if kind == "all_cleared":
+        return AllCleared()
+    raise EventFormatError(f"{where}.type: unknown event type {kind!r}")

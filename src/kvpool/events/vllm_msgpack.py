@@ -1,0 +1,542 @@
+"""vLLM's KV event batches in msgpack (COMPATIBILITY §3), encoder and tolerant decoder.
+
+A batch is the msgpack array ``[ts, events, data_parallel_rank]``. kvpool encodes each event
+as a map tagged by ``"type"``, as current vLLM does:
+
+* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name`` always (possibly nil), then ``extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window`` only when not nil;
+* ``BlockRemoved``: ``block_hashes, medium`` (+ ``group_idx`` when not nil);
+* ``AllBlocksCleared``.
+
+Mapping from kvpool events:
+
+* tier <-> medium: 0 ``"GPU"``, 1 ``"CPU"``, 2 ``"STORAGE"`` (older names ``"CPU_PINNED"`` and
+  ``"DISK"`` decode to 1 and 2);
+* layer group <-> ``group_idx``: group 0 is written as nil (vLLM's default, so single-group
+  output is byte-identical to vLLM's) and nil decodes to group 0;
+* hashes: ints as they are, hex strings (``v2_sha256``) as their raw bytes. Decoding turns bytes
+  back into hex for ``v2_sha256`` and into the last 8 bytes as an unsigned big-endian int
+  otherwise (vLLM's raw ``sha256_cbor`` digests, COMPATIBILITY §1.4);
+* a stored event's blocks go out as one ``BlockStored`` per run of blocks sharing tier and
+  LoRA id (usually one), ``token_ids`` the blocks' tokens concatenated;
+* a removed event's hashes go out as one ``BlockRemoved`` per tier, in order of first
+  appearance (nil medium when the event carries no tiers: "every tier");
+* an updated event that moves a block between tiers has no vLLM equivalent: it goes out as
+  ``BlockRemoved`` on the old medium followed by a placeholder ``BlockStored`` on the new one
+  (the hash only: no parent, no tokens, block size 0, as vLLM's own offloading connector does);
+  a priority-only update and a created event are not written;
+* the window size goes out only for the layer groups the caller names as sliding-window
+  (``kv_cache_spec_kind="sliding_window"``, ``kv_cache_spec_sliding_window=W``); decoding takes
+  the window from that field, else 0.
+
+The decoder also accepts older engines' positional events (``["BlockStored", block_hashes,
+parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kind,
+window]``, 6 to 12 elements; ``["BlockRemoved", block_hashes, medium, group_idx]``, 2 to 4),
+a batch written as a map, ignores unknown keys and tolerates missing optional fields.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from kvpool.errors import EventFormatError, InvalidArgumentError
+from kvpool.events.model import (
+    DEFAULT_PRIORITY,
+    AllCleared,
+    BlockHash,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from kvpool.hashing import HashAlgo
+
+__all__ = [
+    "MEDIUM_OF_TIER",
+    "TIER_OF_MEDIUM",
+    "VllmEventBatch",
+    "decode_vllm_batch",
+    "encode_vllm_batch",
+]
+
+MEDIUM_OF_TIER: Final[tuple[str, ...]] = ("GPU", "CPU", "STORAGE")
+TIER_OF_MEDIUM: Final[dict[str, int]] = {
+    "GPU": 0,
+    "CPU": 1,
+    "STORAGE": 2,
+    "CPU_PINNED": 1,
+    "DISK": 2,
+}
+_M64: Final = (1 << 64) - 1
+_V2_SHA256: Final = HashAlgo.V2_SHA256.value
+
+WireHash = int | bytes
+
+
+# ------------------------------------------------------------------------------ wire structs
+# Struct field order is the wire order; omit_defaults drops exactly the fields that vLLM only
+# writes when set (those with a default here), never the always-present ones.
+
+
+class _BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[WireHash]
+    parent_block_hash: WireHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[WireHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+_WireEvent = _BlockStored | _BlockRemoved | _AllBlocksCleared
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_WireEvent]
+    data_parallel_rank: int | None
+
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+# ------------------------------------------------------------------------------------ encode
+
+
+def encode_vllm_batch(
+    events: Iterable[KVCacheEvent],
+    ts: float | None = None,
+    data_parallel_rank: int | None = None,
+    *,
+    block_size: int | None = None,
+    sliding_window_groups: Collection[int] = (),
+) -> bytes:
+    """One vLLM event batch (the ZMQ payload) holding ``events``.
+
+    Args:
+        events: kvpool events, in order.
+        ts: the batch timestamp (seconds); now when None.
+        data_parallel_rank: written as the batch's third element.
+        block_size: tokens per block; when None each stored event writes its longest block's
+            token count (its full-block size unless every block is partial).
+        sliding_window_groups: layer groups whose stored events carry their window size.
+
+    Raises:
+        InvalidArgumentError: a tier with no vLLM medium, or a hash that is neither an
+            unsigned 64-bit int nor a hex string.
+    """
+    wire: list[_WireEvent] = []
+    for event in events:
+        data = event.data
+        group = event.layer_group_id or None
+        if type(data) is Stored:
+            _encode_stored(data, group, event, block_size, sliding_window_groups, wire)
+        elif type(data) is Removed:
+            _encode_removed(data.block_hashes, data.cache_levels, group, wire)
+        elif type(data) is Updated:
+            diff = data.cache_level
+            if diff is not None and diff.old_value != diff.new_value:
+                h = _wire_hash(data.block_hash)
+                wire.append(_BlockRemoved([h], _medium(diff.old_value), group))
+                wire.append(
+                    _BlockStored([h], None, [], 0, None, _medium(diff.new_value), None, None, group)
+                )
+        elif type(data) is AllCleared:
+            wire.append(_AllBlocksCleared())
+    batch = _Batch(time.time() if ts is None else float(ts), wire, data_parallel_rank)
+    try:
+        return _ENCODER.encode(batch)
+    except (OverflowError, TypeError) as exc:  # an int hash outside msgpack's range
+        raise InvalidArgumentError(f"KV event batch cannot be encoded: {exc}") from None
+
+
+def _medium(tier: int) -> str:
+    if 0 <= tier < len(MEDIUM_OF_TIER):
+        return MEDIUM_OF_TIER[tier]
+    raise InvalidArgumentError(f"tier {tier} has no vLLM medium (expected 0, 1 or 2)")
+
+
+def _wire_hash(h: BlockHash) -> WireHash:
+    if type(h) is int:
+        if not 0 <= h <= _M64:
+            raise InvalidArgumentError(f"block hash {h} is not an unsigned 64-bit integer")
+        return h
+    try:
+        return bytes.fromhex(h)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        raise InvalidArgumentError(
+            f"block hash {h!r} is neither an unsigned 64-bit int nor a hex string"
+        ) from None
+
+
+def _encode_stored(
+    data: Stored,
+    group: int | None,
+    event: KVCacheEvent,
+    block_size: int | None,
+    sliding: Collection[int],
+    wire: list[_WireEvent],
+) -> None:
+    blocks = data.blocks
+    if not blocks:
+        return
+    size = block_size if block_size is not None else max(len(b.tokens) for b in blocks)
+    kind: str | None = None
+    window: int | None = None
+    if event.layer_group_id in sliding:
+        kind, window = "sliding_window", event.window_size
+    parent = None if data.parent_hash is None else _wire_hash(data.parent_hash)
+    start = 0
+    n = len(blocks)
+    while start < n:
+        first = blocks[start]
+        level, lora = first.cache_level, first.lora_id
+        stop = start + 1
+        while stop < n and blocks[stop].cache_level == level and blocks[stop].lora_id == lora:
+            stop += 1
+        hashes: list[WireHash] = []
+        tokens: list[int] = []
+        for b in blocks[start:stop]:
+            h = b.block_hash
+            hashes.append(h if type(h) is int and 0 <= h <= _M64 else _wire_hash(h))
+            tokens.extend(b.tokens)
+        wire.append(
+            _BlockStored(
+                hashes, parent, tokens, size, lora, _medium(level), None, None, group, kind, window
+            )
+        )
+        parent = hashes[-1]
+        start = stop
+
+
+def _encode_removed(
+    hashes: tuple[BlockHash, ...],
+    levels: tuple[int, ...] | None,
+    group: int | None,
+    wire: list[_WireEvent],
+) -> None:
+    if not hashes:
+        return
+    if levels is None:
+        wire.append(_BlockRemoved([_wire_hash(h) for h in hashes], None, group))
+        return
+    if len(levels) != len(hashes):
+        raise InvalidArgumentError(
+            f"removed event has {len(hashes)} hashes but {len(levels)} cache levels"
+        )
+    first = levels[0]
+    if all(level == first for level in levels):
+        wire.append(_BlockRemoved([_wire_hash(h) for h in hashes], _medium(first), group))
+        return
+    by_level: dict[int, list[WireHash]] = {}
+    for h, level in zip(hashes, levels, strict=True):
+        by_level.setdefault(level, []).append(_wire_hash(h))
+    for level, level_hashes in by_level.items():
+        wire.append(_BlockRemoved(level_hashes, _medium(level), group))
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEventBatch:
+    """A decoded batch: its timestamp, its events as kvpool events, the engine's DP rank."""
+
+    ts: float
+    events: list[KVCacheEvent]
+    data_parallel_rank: int | None
+
+
+def decode_vllm_batch(
+    payload: bytes,
+    *,
+    hash_algo: str = HashAlgo.VLLM_SHA256_CBOR.value,
+    first_event_id: int = 0,
+) -> VllmEventBatch:
+    """Decode one batch (map-form or positional events) into kvpool events.
+
+    Events are numbered from ``first_event_id`` (vLLM events carry no ids) and stamped with
+    ``hash_algo`` and the batch's rank as ``attention_dp_rank``. A stored event's tokens are cut
+    into blocks of ``block_size`` (aligned to the last block when ``token_ids`` covers more
+    blocks than ``block_hashes`` names); a stored or removed event without hashes yields
+    nothing. An unknown event type is an error, not skipped: dropping it silently would break
+    the consumer's picture of the cache without a trace.
+
+    Raises:
+        EventFormatError: the payload is not msgpack or not a batch; the message names the
+            bad field.
+    """
+    try:
+        batch = _TYPED_DECODER.decode(payload)
+    except (msgspec.DecodeError, TypeError):
+        # Not the current shape (positional events, a map batch, unknown keys' types...) or
+        # garbage: the generic path accepts the former and names the fault in the latter.
+        return _decode_generic(payload, hash_algo, first_event_id)
+    decoder = _Decoder(hash_algo, first_event_id, batch.data_parallel_rank)
+    for index, ev in enumerate(batch.events):
+        where = f"event {index}"
+        if type(ev) is _InStored:
+            decoder.stored(
+                ev.block_hashes,
+                ev.parent_block_hash,
+                ev.token_ids,
+                ev.block_size,
+                ev.lora_id,
+                ev.medium,
+                ev.group_idx,
+                ev.kv_cache_spec_sliding_window,
+                where,
+            )
+        elif type(ev) is _InRemoved:
+            decoder.removed(ev.block_hashes, ev.medium, ev.group_idx, where)
+        else:
+            decoder.emit(AllCleared(), 0, 0)
+    return VllmEventBatch(batch.ts, decoder.out, batch.data_parallel_rank)
+
+
+# Decoding structs for the current shape: msgspec validates types in C and ignores unknown keys;
+# anything else falls back to the generic path.
+
+
+class _InStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _InRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _InCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class _InBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_InStored | _InRemoved | _InCleared]
+    data_parallel_rank: int | None = None
+
+
+_TYPED_DECODER: Final = msgspec.msgpack.Decoder(_InBatch)
+
+_STORED_FIELDS: Final = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+_REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx")
+
+
+def _decode_generic(payload: bytes, hash_algo: str, first_event_id: int) -> VllmEventBatch:
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise EventFormatError(f"vLLM event batch is not msgpack: {exc}") from None
+    if isinstance(obj, list) and len(obj) in (2, 3):
+        ts, raw_events = obj[0], obj[1]
+        rank = obj[2] if len(obj) == 3 else None
+    elif isinstance(obj, dict) and "events" in obj:
+        ts, raw_events, rank = obj.get("ts", 0.0), obj["events"], obj.get("data_parallel_rank")
+    else:
+        raise EventFormatError(
+            f"vLLM event batch must be [ts, events, data_parallel_rank], got {_short(obj)}"
+        )
+    if type(ts) not in (float, int):
+        raise EventFormatError(f"batch ts must be a number, got {ts!r}")
+    if not isinstance(raw_events, list):
+        raise EventFormatError(f"batch events must be an array, got {_short(raw_events)}")
+    if rank is not None and type(rank) is not int:
+        raise EventFormatError(f"batch data_parallel_rank must be an int or nil, got {rank!r}")
+    decoder = _Decoder(hash_algo, first_event_id, rank)
+    for index, raw in enumerate(raw_events):
+        decoder.generic(raw, f"event {index}")
+    return VllmEventBatch(float(ts), decoder.out, rank)
+
+
+class _Decoder:
+    """Turns one batch's wire events into kvpool events (shared by both decoding paths)."""
+
+    __slots__ = ("algo", "hex_bytes", "next_id", "out", "rank")
+
+    def __init__(self, algo: str, first_event_id: int, rank: int | None) -> None:
+        self.algo = algo
+        self.hex_bytes = algo == _V2_SHA256
+        self.next_id = first_event_id
+        self.rank = rank
+        self.out: list[KVCacheEvent] = []
+
+    def emit(self, data: Stored | Removed | AllCleared, group: int, window: int) -> None:
+        self.out.append(KVCacheEvent(self.next_id, data, window, group, self.algo, self.rank))
+        self.next_id += 1
+
+    def hash(self, value: Any, where: str) -> BlockHash:
+        if type(value) is int:
+            return value & _M64 if value < 0 else value
+        if type(value) is bytes:
+            return value.hex() if self.hex_bytes else int.from_bytes(value[-8:], "big")
+        raise EventFormatError(f"{where}: a block hash must be an int or bytes, got {value!r}")
+
+    def hashes(self, value: Any, where: str) -> list[BlockHash]:
+        if not isinstance(value, list):
+            raise EventFormatError(f"{where}.block_hashes: expected an array, got {_short(value)}")
+        if all(type(h) is int and h >= 0 for h in value):
+            return value  # the common case: already unsigned ints
+        return [self.hash(h, f"{where}.block_hashes[{i}]") for i, h in enumerate(value)]
+
+    @staticmethod
+    def tier(medium: Any, where: str) -> int | None:
+        if medium is None:
+            return None
+        tier = TIER_OF_MEDIUM.get(medium) if isinstance(medium, str) else None
+        if tier is None:
+            raise EventFormatError(f"{where}.medium: unknown medium {medium!r}")
+        return tier
+
+    @staticmethod
+    def check_int(value: Any, name: str, where: str) -> int | None:
+        if value is None:
+            return None
+        if type(value) is not int or value < 0:
+            raise EventFormatError(f"{where}.{name}: expected an int >= 0 or nil, got {value!r}")
+        return value
+
+    def generic(self, raw: Any, where: str) -> None:
+        if isinstance(raw, dict):
+            kind = raw.get("type")
+            fields = raw
+        elif isinstance(raw, list) and raw:
+            kind = raw[0]
+            if kind == "BlockStored" and not 6 <= len(raw) <= 12:
+                raise EventFormatError(
+                    f"{where}: positional BlockStored has {len(raw)} elements, expected 6 to 12"
+                )
+            if kind == "BlockRemoved" and not 2 <= len(raw) <= 4:
+                raise EventFormatError(
+                    f"{where}: positional BlockRemoved has {len(raw)} elements, expected 2 to 4"
+                )
+            names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
+            fields = dict(zip(names, raw[1:], strict=False))
+        else:
+            raise EventFormatError(f"{where}: expected a map or an array, got {_short(raw)}")
+        if kind == "BlockStored":
+            tokens = fields.get("token_ids")
+            if tokens is None:
+                tokens = ()
+            elif not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+                raise EventFormatError(
+                    f"{where}.token_ids: expected an array of ints, got {_short(tokens)}"
+                )
+            self.stored(
+                fields.get("block_hashes"),
+                fields.get("parent_block_hash"),
+                tuple(tokens),
+                fields.get("block_size"),
+                fields.get("lora_id"),
+                fields.get("medium"),
+                fields.get("group_idx"),
+                fields.get("kv_cache_spec_sliding_window"),
+                where,
+            )
+        elif kind == "BlockRemoved":
+            self.removed(
+                fields.get("block_hashes"), fields.get("medium"), fields.get("group_idx"), where
+            )
+        elif kind == "AllBlocksCleared":
+            self.emit(AllCleared(), 0, 0)
+        else:
+            raise EventFormatError(f"{where}: unknown event type {kind!r}")
+
+    def stored(
+        self,
+        raw_hashes: Any,
+        raw_parent: Any,
+        tokens: tuple[int, ...],
+        size: Any,
+        lora: Any,
+        medium: Any,
+        group: Any,
+        window: Any,
+        where: str,
+    ) -> None:
+        hashes = self.hashes(raw_hashes, where)
+        parent = None if raw_parent is None else self.hash(raw_parent, f"{where}.parent_block_hash")
+        size = self.check_int(size, "block_size", where) or 0
+        if lora is not None and type(lora) is not int:
+            raise EventFormatError(f"{where}.lora_id: expected an int or nil, got {lora!r}")
+        level = self.tier(medium, where) or 0
+        group = self.check_int(group, "group_idx", where) or 0
+        window = self.check_int(window, "kv_cache_spec_sliding_window", where) or 0
+        n = len(hashes)
+        if n == 0:
+            return
+        if size and tokens:
+            n_tokens = len(tokens)
+            if n == 1 and n_tokens <= size:
+                chunks: list[tuple[int, ...]] = [tokens]
+            else:
+                # Align to the last block: token_ids may span more blocks than hashes name.
+                base = max(0, -(-n_tokens // size) - n) * size
+                chunks = [tokens[base + i * size : base + (i + 1) * size] for i in range(n)]
+        else:
+            chunks = [()] * n
+        blocks = tuple(
+            [
+                StoredBlock(h, chunk, level, DEFAULT_PRIORITY, lora)
+                for h, chunk in zip(hashes, chunks, strict=True)
+            ]
+        )
+        self.emit(Stored(parent, blocks), group, window)
+
+    def removed(self, raw_hashes: Any, medium: Any, group: Any, where: str) -> None:
+        hashes = self.hashes(raw_hashes, where)
+        group = self.check_int(group, "group_idx", where) or 0
+        tier = self.tier(medium, where)
+        if not hashes:
+            return
+        levels = None if tier is None else (tier,) * len(hashes)
+        self.emit(Removed(tuple(hashes), levels), group, 0)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,137 @@
+"""The prefix tree: one node per block key, each holding at most one slot per layer group.
+
+```
+root(scope) ── K0 ── K1 ── K2          K = chained block key (tokens + every token before)
+                 │      └── K2'        children by key; a partial (short) block is always a leaf
+                 └── K1'
+```
+
+A node may hold a slot in some layer groups and not in others (a sliding-window group drops
+blocks that left its window; a full-attention group drops a block's descendants with it). A
+node with no slot left and no child leaves the tree (``prune``). Invariants: keys are unique
+among siblings (so in the tree, since keys chain); a non-leaf node is a full block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+from kvpool.hashing import BlockKey
+
+NO_SLOT = -1
+
+
+class Node:
+    """One cached block (or a path node with no slot left)."""
+
+    __slots__ = (
+        "alive", "by_first", "children", "duration", "key", "parent", "priority", "slot", "tier",
+        "tokens",
+    )
+
+    def __init__(
+        self, key: BlockKey, parent: Node | None, tokens: array[int], groups: int
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens
+        self.children: dict[BlockKey, Node] = {}
+        # first token -> children starting with it; built lazily for partial matching
+        self.by_first: dict[int, list[Node]] | None = None
+        self.slot: list[int] = [NO_SLOT] * groups
+        self.tier: list[int] = [0] * groups
+        self.priority = 35
+        self.duration: float | None = None
+        self.alive = True
+
+    def __repr__(self) -> str:
+        return f"Node(tokens={len(self.tokens)}, slot={self.slot}, tier={self.tier})"
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def has_any_slot(self) -> bool:
+        return any(s != NO_SLOT for s in self.slot)
+
+    def add_child(self, child: Node) -> None:
+        self.children[child.key] = child
+        if self.by_first is not None and child.tokens:
+            self.by_first.setdefault(child.tokens[0], []).append(child)
+
+    def remove_child(self, child: Node) -> None:
+        del self.children[child.key]
+        if self.by_first is not None and child.tokens:
+            bucket = self.by_first[child.tokens[0]]
+            bucket.remove(child)
+            if not bucket:
+                del self.by_first[child.tokens[0]]
+
+    def children_starting_with(self, token: int) -> list[Node]:
+        if self.by_first is None:
+            index: dict[int, list[Node]] = {}
+            for c in self.children.values():
+                if c.tokens:
+                    index.setdefault(c.tokens[0], []).append(c)
+            self.by_first = index
+        return self.by_first.get(token, [])
+
+    def descendants(self) -> Iterator[Node]:
+        """Every node below this one (depth first, children before grandchildren)."""
+        stack = list(self.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+
+def common_prefix(a: array[int], b: array[int]) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def best_partial_child(
+    parent: Node, tokens: array[int], groups: tuple[int, ...]
+) -> tuple[Node | None, int]:
+    """The child sharing the longest token prefix with ``tokens`` that holds a slot in every
+    group of ``groups``; returns (child, shared tokens) or (None, 0).
+    """
+    if not tokens:
+        return None, 0
+    best: Node | None = None
+    best_k = 0
+    for c in parent.children_starting_with(tokens[0]):
+        if any(c.slot[g] == NO_SLOT for g in groups):
+            continue
+        k = common_prefix(c.tokens, tokens)
+        if k > best_k:
+            best, best_k = c, k
+    return best, best_k
+
+
+def prune(node: Node | None) -> list[Node]:
+    """Detach ``node`` and then its ancestors while they hold no slot and no child.
+
+    Roots (nodes without a parent) are never detached. Returns the detached nodes.
+    """
+    out: list[Node] = []
+    while node is not None and node.parent is not None and node.alive:
+        if node.children or node.has_any_slot():
+            break
+        parent = node.parent
+        parent.remove_child(node)
+        node.alive = False
+        out.append(node)
+        node = parent
+    return out

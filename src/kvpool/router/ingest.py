@@ -1,0 +1,450 @@
+"""Event ingestion for the router: ZMQ subscribers, HTTP pollers and in-process feeds.
+
+* **vLLM-format workers** (``vllm``, and ``kvpool`` workers publishing over ZMQ): one thread
+  per worker runs a :class:`~kvpool.events.zmq.ZmqEventSubscriber` (sequence numbers, gap
+  repair through the replay socket, restart detection) and decodes each batch with
+  :func:`~kvpool.events.vllm_msgpack.decode_vllm_batch` (map and positional events). Decoded
+  events go to the event loop, which alone touches the index. Events are numbered per worker
+  from 0, consecutively, so the index can order them; a publisher restart resets the worker
+  and the numbering. Liveness: a replay request for a sequence number past anything buffered
+  must be answered (with the end marker) within ``http_timeout_s``, every
+  ``health_interval_s``; without a replay socket, ``GET {http_base_url}/health`` is probed if
+  a base URL is configured; a worker with neither is taken as healthy.
+* **TensorRT-LLM workers**: an asyncio task per worker reads ``GET {base}/server_info`` once for
+  ``kv_cache_hash_algo`` (when not configured), then ``POST {base}/kv_cache_events`` every
+  ``poll_interval_s`` (the call returns the engine's queued events as a JSON list and drains
+  it). A failed or non-200 poll marks the worker unhealthy; the next good one heals it. Event
+  ids that jump back to 0 (or far back) mean the engine restarted: the worker is reset.
+* **In-process feeds**: :meth:`Ingest.feed` applies :class:`~kvpool.events.model.KVCacheEvent`
+  objects from a kvpool manager directly; :meth:`Ingest.feed_vllm` and
+  :meth:`Ingest.feed_trtllm` decode wire payloads (for tests, benchmarks and bridges).
+
+Malformed payloads are counted (``decode_errors`` here, ``events_malformed`` in the index) and
+skipped; nothing an engine sends can stop ingestion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import zmq
+
+from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
+from kvpool.events.model import KVCacheEvent
+from kvpool.events.trtllm_json import parse_trtllm_json
+from kvpool.events.vllm_msgpack import decode_vllm_batch
+from kvpool.events.zmq import END_SEQ, SubscribedBatch, ZmqEventSubscriber
+from kvpool.hashing import HashAlgo
+from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
+from kvpool.router.index import HOLE_WINDOW, KvIndex
+
+__all__ = ["Ingest", "IngestCounters", "TransportStatus"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_SEQ = (1 << 63).to_bytes(8, "big")  # past anything a publisher buffers
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """Totals over every worker (for ``/metrics``)."""
+
+    batches: int = 0
+    events: int = 0
+    decode_errors: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    missed: int = 0
+    restarts: int = 0
+    polls: int = 0
+    poll_errors: int = 0
+    probe_failures: int = 0
+
+
+@dataclass(slots=True)
+class TransportStatus:
+    """How one worker's events reach the router (for ``GET /workers``)."""
+
+    transport: str  # "zmq", "http" or "feed"
+    endpoint: str | None = None
+    last_batch_at: float | None = None  # time.monotonic()
+    last_seq: int | None = None
+    last_event_id: int | None = None
+    batches: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    missed: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    poll_errors: int = 0
+    unhealthy_reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "transport": self.transport,
+            "endpoint": self.endpoint,
+            "seconds_since_last_batch": (
+                None if self.last_batch_at is None else round(now - self.last_batch_at, 3)
+            ),
+            "last_seq": self.last_seq,
+            "batches": self.batches,
+            "gaps": self.gaps,
+            "replayed": self.replayed,
+            "missed": self.missed,
+            "restarts": self.restarts,
+            "decode_errors": self.decode_errors,
+            "poll_errors": self.poll_errors,
+            "unhealthy_reason": self.unhealthy_reason,
+        }
+
+
+@dataclass(slots=True)
+class _Delivery:
+    """What a ZMQ reader thread hands to the event loop for one recv."""
+
+    resets: list[int] = field(default_factory=list)  # positions in ``batches`` after a restart
+    batches: list[tuple[int, list[KVCacheEvent] | None]] = field(default_factory=list)
+    gaps: int = 0
+    replayed: int = 0
+    missed: int = 0
+    restarts: int = 0
+
+
+class Ingest:
+    """Feeds a :class:`KvIndex` from its workers. The index must already know every worker
+    added here; the event loop that runs :meth:`start` is the only one touching the index."""
+
+    def __init__(self, index: KvIndex, options: IngestOptions | None = None) -> None:
+        self.index = index
+        self.options = options or IngestOptions()
+        self.counters = IngestCounters()
+        self._workers: dict[str, WorkerConfig] = {}
+        self._status: dict[str, TransportStatus] = {}
+        self._next_id: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._readers: list[_ZmqReader] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------------------ setup
+
+    def add(self, worker: WorkerConfig) -> None:
+        """Ingest ``worker``'s events once started (it must be registered in the index)."""
+        if not self.index.has_worker(worker.id):
+            raise UnknownWorkerError(f"worker {worker.id!r} is not registered in the index")
+        self._workers[worker.id] = worker
+        if worker.zmq_endpoint is not None:
+            self._status[worker.id] = TransportStatus("zmq", worker.zmq_endpoint)
+        elif worker.kind is WorkerKind.TRTLLM:
+            self._status[worker.id] = TransportStatus("http", worker.http_base_url)
+        else:
+            self._status[worker.id] = TransportStatus("feed")
+
+    def status(self, worker_id: str) -> TransportStatus:
+        status = self._status.get(worker_id)
+        if status is None:
+            if not self.index.has_worker(worker_id):
+                raise UnknownWorkerError(f"unknown worker {worker_id!r}")
+            status = self._status[worker_id] = TransportStatus("feed")
+        return status
+
+    async def start(self) -> None:
+        """Start every transport (ZMQ threads, HTTP pollers, health probes)."""
+        self._loop = asyncio.get_running_loop()
+        timeout = aiohttp.ClientTimeout(total=self.options.http_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        for w in self._workers.values():
+            if w.zmq_endpoint is not None:
+                reader = _ZmqReader(self, self._loop, w)
+                self._readers.append(reader)
+                reader.start()
+                if w.replay_endpoint is None and w.http_base_url is not None:
+                    self._tasks.append(asyncio.create_task(self._probe_http(w)))
+            elif w.kind is WorkerKind.TRTLLM:
+                self._tasks.append(asyncio.create_task(self._poll_trtllm(w)))
+            elif w.http_base_url is not None:
+                self._tasks.append(asyncio.create_task(self._probe_http(w)))
+
+    async def stop(self) -> None:
+        """Stop every transport and wait for them."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for reader in self._readers:
+            reader.stop_event.set()
+        for reader in self._readers:
+            await asyncio.to_thread(reader.join, 5.0)
+        self._readers.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------------------ feeds
+
+    def feed(self, worker_id: str, events: Iterable[KVCacheEvent]) -> int:
+        """Apply a kvpool manager's events in-process; returns how many were applied."""
+        status = self.status(worker_id)
+        batch = list(events)
+        applied = self.index.apply_many(worker_id, batch)
+        self._account(worker_id, status, len(batch))
+        return applied
+
+    def feed_vllm(self, worker_id: str, payload: bytes) -> int:
+        """Decode one vLLM msgpack batch and apply it (events numbered per worker)."""
+        status = self.status(worker_id)
+        cfg = self._workers.get(worker_id)
+        algo = (cfg.hash_algo if cfg is not None else None) or HashAlgo.VLLM_SHA256_CBOR.value
+        first = self._next_id.get(worker_id, 0)
+        try:
+            batch = decode_vllm_batch(payload, hash_algo=algo, first_event_id=first)
+        except EventFormatError:
+            self._malformed(worker_id, status)
+            return 0
+        self._next_id[worker_id] = first + len(batch.events)
+        applied = self.index.apply_many(worker_id, batch.events)
+        self._account(worker_id, status, len(batch.events))
+        return applied
+
+    def feed_trtllm(self, worker_id: str, text: str | bytes) -> int:
+        """Decode one TensorRT-LLM JSON event list and apply it."""
+        status = self.status(worker_id)
+        try:
+            events = parse_trtllm_json(text)
+        except EventFormatError:
+            self._malformed(worker_id, status)
+            return 0
+        self._detect_id_restart(worker_id, status, events)
+        applied = self.index.apply_many(worker_id, events)
+        self._account(worker_id, status, len(events))
+        return applied
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _account(self, worker_id: str, status: TransportStatus, n_events: int) -> None:
+        status.batches += 1
+        status.last_batch_at = time.monotonic()
+        self.counters.batches += 1
+        self.counters.events += n_events
+
+    def _malformed(self, worker_id: str, status: TransportStatus) -> None:
+        status.decode_errors += 1
+        self.counters.decode_errors += 1
+        self.index.note_malformed(worker_id)
+
+    def _set_health(self, worker_id: str, healthy: bool, reason: str | None = None) -> None:
+        if not self.index.has_worker(worker_id):
+            return
+        was = self.index.is_healthy(worker_id)
+        self.index.set_healthy(worker_id, healthy)
+        self.status(worker_id).unhealthy_reason = None if healthy else reason
+        if was and not healthy:
+            logger.warning("worker %s is unhealthy: %s", worker_id, reason)
+        elif healthy and not was:
+            logger.info("worker %s is healthy again", worker_id)
+
+    def _detect_id_restart(
+        self, worker_id: str, status: TransportStatus, events: list[KVCacheEvent]
+    ) -> None:
+        if not events:
+            return
+        first, last = events[0].event_id, status.last_event_id
+        if last is not None and (first < last - HOLE_WINDOW or first == 0 < last):
+            logger.warning("worker %s restarted (event id %d after %d)", worker_id, first, last)
+            status.restarts += 1
+            self.counters.restarts += 1
+            self.index.reset_worker(worker_id)
+        status.last_event_id = max(e.event_id for e in events)
+
+    def _deliver(self, worker_id: str, delivery: _Delivery) -> None:
+        """Runs on the event loop: apply what a ZMQ reader decoded."""
+        if not self.index.has_worker(worker_id):
+            return
+        status = self.status(worker_id)
+        status.gaps += delivery.gaps
+        status.replayed += delivery.replayed
+        status.missed += delivery.missed
+        status.restarts += delivery.restarts
+        c = self.counters
+        c.gaps += delivery.gaps
+        c.replayed += delivery.replayed
+        c.missed += delivery.missed
+        c.restarts += delivery.restarts
+        resets = set(delivery.resets)
+        for pos, (seq, events) in enumerate(delivery.batches):
+            if pos in resets:
+                self.index.reset_worker(worker_id)
+            if events is None:
+                self._malformed(worker_id, status)
+                continue
+            self.index.apply_many(worker_id, events)
+            status.last_seq = seq
+            self._account(worker_id, status, len(events))
+        if delivery.batches and not self.index.is_healthy(worker_id):
+            self._set_health(worker_id, True)
+
+    async def _poll_trtllm(self, w: WorkerConfig) -> None:
+        assert self._session is not None and w.http_base_url is not None
+        session, base = self._session, w.http_base_url
+        status = self.status(w.id)
+        need_algo = w.hash_algo is None
+        while True:
+            try:
+                if need_algo:
+                    need_algo = not await self._read_server_info(session, base, w.id)
+                async with session.post(f"{base}/kv_cache_events") as resp:
+                    if resp.status != 200:
+                        raise TransportError(f"POST /kv_cache_events answered {resp.status}")
+                    body = await resp.read()
+                self.counters.polls += 1
+                self._set_health(w.id, True)
+                self.feed_trtllm(w.id, body)
+            except (aiohttp.ClientError, TimeoutError, TransportError) as exc:
+                status.poll_errors += 1
+                self.counters.poll_errors += 1
+                self._set_health(w.id, False, f"event poll failed: {exc or type(exc).__name__}")
+            await asyncio.sleep(self.options.poll_interval_s)
+
+    async def _read_server_info(
+        self, session: aiohttp.ClientSession, base: str, worker_id: str
+    ) -> bool:
+        """Configure the worker's algorithm from ``/server_info``; True when settled."""
+        async with session.get(f"{base}/server_info") as resp:
+            if resp.status == 404:
+                return True  # an engine without /server_info: its events name the algorithm
+            if resp.status != 200:
+                raise TransportError(f"GET /server_info answered {resp.status}")
+            try:
+                info = await resp.json(content_type=None)
+            except ValueError as exc:
+                raise TransportError(f"GET /server_info is not JSON: {exc}") from None
+        algo = info.get("kv_cache_hash_algo") if isinstance(info, dict) else None
+        if algo is not None:
+            try:
+                self.index.configure_worker(worker_id, hash_algo=algo)
+            except KVPoolError as exc:
+                logger.warning("worker %s advertises %s: %s", worker_id, algo, exc)
+        return True
+
+    async def _probe_http(self, w: WorkerConfig) -> None:
+        assert self._session is not None
+        while True:
+            try:
+                async with self._session.get(f"{w.http_base_url}/health") as resp:
+                    ok = resp.status == 200
+                    reason = f"GET /health answered {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                ok, reason = False, f"GET /health failed: {exc or type(exc).__name__}"
+            if not ok:
+                self.counters.probe_failures += 1
+            self._set_health(w.id, ok, reason)
+            await asyncio.sleep(self.options.health_interval_s)
+
+
+class _ZmqReader(threading.Thread):
+    """Owns one worker's ZMQ sockets (ZeroMQ sockets stay on the thread that made them)."""
+
+    def __init__(self, ingest: Ingest, loop: asyncio.AbstractEventLoop, w: WorkerConfig) -> None:
+        super().__init__(name=f"kvpool-router-zmq-{w.id}", daemon=True)
+        self.ingest = ingest
+        self.loop = loop
+        self.w = w
+        self.algo = w.hash_algo or HashAlgo.VLLM_SHA256_CBOR.value
+        self.options = ingest.options
+        self.stop_event = threading.Event()
+        self.next_id = 0
+        self._seen = (0, 0, 0, 0)  # subscriber counters already reported
+
+    def run(self) -> None:
+        w = self.w
+        assert w.zmq_endpoint is not None
+        try:
+            sub = ZmqEventSubscriber(
+                w.zmq_endpoint,
+                w.replay_endpoint,
+                w.topic,
+                start_seq=0,
+                replay_timeout_s=self.options.http_timeout_s,
+            )
+        except TransportError as exc:
+            self._post_health(False, str(exc))
+            return
+        with sub:
+            try:
+                self._handle(sub, sub.catch_up())
+                next_probe = time.monotonic()
+                while not self.stop_event.is_set():
+                    self._handle(sub, sub.recv(timeout_s=0.05))
+                    if w.replay_endpoint is not None and time.monotonic() >= next_probe:
+                        ok = self._probe(w.replay_endpoint)
+                        self._post_health(ok, "replay socket did not answer a liveness probe")
+                        next_probe = time.monotonic() + self.options.health_interval_s
+            except Exception:  # a dead reader would silently freeze this worker's index
+                logger.exception("ZMQ reader of worker %s failed", w.id)
+                self._post_health(False, "event reader failed")
+
+    def _handle(self, sub: ZmqEventSubscriber, batches: list[SubscribedBatch]) -> None:
+        counters = (sub.gaps, sub.replayed, sub.missed, sub.restarts)
+        if not batches and counters == self._seen:
+            return
+        d = _Delivery()
+        d.gaps, d.replayed, d.missed, d.restarts = (
+            now - before for now, before in zip(counters, self._seen, strict=True)
+        )
+        self._seen = counters
+        for b in batches:
+            if b.restart:
+                self.next_id = 0
+                d.resets.append(len(d.batches))
+            try:
+                decoded = decode_vllm_batch(
+                    b.payload, hash_algo=self.algo, first_event_id=self.next_id
+                )
+            except EventFormatError as exc:
+                logger.debug("worker %s sent a malformed batch %d: %s", self.w.id, b.seq, exc)
+                d.batches.append((b.seq, None))
+                continue
+            self.next_id += len(decoded.events)
+            d.batches.append((b.seq, decoded.events))
+        self._post(self.ingest._deliver, self.w.id, d)
+
+    def _probe(self, endpoint: str) -> bool:
+        dealer: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(endpoint)
+            dealer.send_multipart((b"", _PROBE_SEQ))
+            deadline = time.monotonic() + self.options.http_timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not dealer.poll(int(left * 1000) + 1):
+                    break
+                if END_SEQ in dealer.recv_multipart():  # [b"", b"", END_SEQ, b""]
+                    return True
+            return False
+        except zmq.ZMQError:
+            return False
+        finally:
+            dealer.close(linger=0)
+
+    def _post_health(self, ok: bool, reason: str) -> None:
+        if not ok:
+            self._post(self._count_probe_failure)
+        self._post(self.ingest._set_health, self.w.id, ok, reason)
+
+    def _count_probe_failure(self) -> None:
+        self.ingest.counters.probe_failures += 1
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed while we were stopping
+            self.loop.call_soon_threadsafe(fn, *args)

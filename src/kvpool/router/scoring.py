@@ -1,0 +1,593 @@
+"""Routing decisions: prefix overlap per worker and tier, load, and the choice (ARCHITECTURE §5).
+
+For a request (token ids, optional cache salt) the :class:`Router`
+
+1. hashes the request once per hashing group in use (scheme × tokens per block, see
+   :data:`kvpool.router.index.GroupKey`): blocks cover the prompt minus its last token, a
+   trailing partial block included for TensorRT-LLM's algorithms and the token chain, full
+   blocks only for vLLM's (COMPATIBILITY §1.5);
+2. walks the hashes over the index's presence masks, all workers of a group at once, and finds
+   per worker the consecutive matched blocks and the tier of each (a block counts at its
+   hottest tier present);
+3. scores every healthy worker and picks one.
+
+Modes
+-----
+``trtllm`` (COMPATIBILITY §4, TensorRT-LLM's ``KvCacheAwareRouter``)::
+
+    score = matched_tokens / max(total_blocks * tpb, 1) - active_requests / max_batch_size
+
+where ``matched_tokens`` = consecutive block hits (any tier) × tpb. The highest score wins;
+ties go round-robin over the tied workers in registration order, with a counter that advances
+on every decision. Predictions are off by default in this mode, so it reproduces the engine's
+router.
+
+``cost`` (the default), in tokens, lower is better (``score = -cost``)::
+
+    credit = sum over tiers t of tier_weights[t] * matched tokens at tier t
+    cost   = max(prompt_tokens - credit, 0)
+             + load_weight * (pending_prefill_tokens + active_tokens)
+
+``pending_prefill_tokens`` are the tokens that requests routed to the worker and not finished
+had to compute; ``active_tokens`` their prompt lengths (the KV they hold while decoding).
+Workers with ``max_batch_size`` active requests are *saturated*: they are chosen only when
+every healthy worker is. Ties: fewer active requests, then registration order. With
+``temperature > 0`` the choice is sampled from a softmax over the scores normalized to [0, 1]
+(``p ∝ exp(norm_score / temperature)``) with a RNG seeded by ``seed``.
+
+Predictions: the blocks of a just-routed request count as GPU-resident on its worker for
+``prediction_ttl_s`` seconds, so a burst of requests sharing a prefix lands together before the
+worker's stored events arrive.
+
+The router is not thread-safe; one thread (the service's event loop) owns it and its index.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+import msgspec
+import numpy as np
+
+from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
+from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id, tokens_to_u32
+from kvpool.router.index import (
+    TIERS,
+    GroupKey,
+    KvIndex,
+    token_chain_keys,
+    token_chain_root,
+)
+
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "CandidateScore",
+    "RouteDecision",
+    "RouteMode",
+    "Router",
+    "RouterStats",
+    "request_keys",
+]
+
+LATENCY_BUCKETS_S: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+)
+"""Upper bounds of the decision-latency histogram (seconds); a last bucket catches the rest."""
+
+_SCHEME_ALGO: Final = {
+    "v1": HashAlgo.V1_BLOCK_KEY,
+    "v2": HashAlgo.V2_SHA256,
+    "vllm": HashAlgo.VLLM_SHA256_CBOR,
+}
+
+
+class RouteMode(StrEnum):
+    COST = "cost"
+    TRTLLM = "trtllm"
+
+
+class CandidateScore(msgspec.Struct, frozen=True):
+    """How one worker scored for one request."""
+
+    worker_id: str
+    score: float
+    matched_blocks: tuple[int, ...]
+    """Consecutive matched blocks per tier (GPU, host, disk); each at its hottest tier."""
+    matched_tokens: int
+    total_blocks: int
+    active_requests: int
+    pending_prefill_tokens: int
+    saturated: bool
+
+
+class RouteDecision(msgspec.Struct, frozen=True):
+    """The router's answer: where to send the request, and why (every candidate's score)."""
+
+    worker_id: str
+    request_id: str
+    mode: str
+    score: float
+    matched_blocks: tuple[int, ...]
+    matched_tokens: int
+    total_blocks: int
+    prefill_tokens: int
+    candidates: tuple[CandidateScore, ...]
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Counters for ``/metrics``. ``latency_buckets[i]`` counts decisions that took at most
+    ``LATENCY_BUCKETS_S[i]`` (not cumulative); the last entry counts the slower ones."""
+
+    routes_total: int = 0
+    hit_blocks: list[int] = field(default_factory=lambda: [0] * TIERS)
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    finished_total: int = 0
+    expired_total: int = 0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    latency_sum_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Active:
+    worker_id: str
+    prefill_tokens: int
+    tokens: int
+    started: float
+
+
+@dataclass(slots=True)
+class _Load:
+    active: int = 0
+    prefill_tokens: int = 0
+    tokens: int = 0
+
+
+def request_keys(
+    scheme: str, tokens_per_block: int, tokens: array[int], cache_salt: str | None
+) -> list[int]:
+    """The normalized block keys of a request (``tokens`` already validated u32) for one
+    hashing group: what :func:`kvpool.router.index.normalize_hash` makes of the hashes the
+    group's workers publish for the same blocks."""
+    body = tokens[: max(len(tokens) - 1, 0)]
+    if scheme == "tokens":
+        salt = cache_salt_id(cache_salt) if cache_salt is not None else None
+        return token_chain_keys(body, tokens_per_block, token_chain_root(None, salt))
+    algo = _SCHEME_ALGO[scheme]
+    hasher = BlockHasher(algo, tokens_per_block, cache_salt=cache_salt)
+    keys = hasher.extend(body)
+    if scheme == "v1":
+        tail = hasher.partial_key()
+        out: list[int] = [k for k in keys if isinstance(k, int)]
+        if isinstance(tail, int):
+            out.append(tail)
+        return out
+    if scheme == "v2":
+        tail = hasher.partial_key()
+        if tail is not None:
+            keys.append(tail)
+        return [int.from_bytes(k[:8], "big") for k in keys if isinstance(k, bytes)]
+    return [int.from_bytes(k[-8:], "big") for k in keys if isinstance(k, bytes)]
+
+
+class Router:
+    """Chooses a worker for each request from a :class:`KvIndex` and the load it routed.
+
+    Contract: :meth:`route` validates everything before it changes anything; a decision
+    registers the request as active on the chosen worker until :meth:`request_finished`
+    (or ``request_timeout_s`` later, for callers that never report; 0 keeps them forever).
+    """
+
+    def __init__(
+        self,
+        index: KvIndex,
+        *,
+        mode: RouteMode | str = RouteMode.COST,
+        tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
+        load_weight: float = 0.1,
+        temperature: float = 0.0,
+        prediction_ttl_s: float | None = None,
+        max_batch_size: int = 64,
+        request_timeout_s: float = 600.0,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        try:
+            self.mode = RouteMode(mode)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"mode must be 'cost' or 'trtllm', got {mode!r}"
+            ) from None
+        weights = tuple(float(w) for w in tier_weights)
+        if len(weights) != TIERS or not all(0.0 <= w <= 1.0 for w in weights):
+            raise InvalidArgumentError(
+                f"tier_weights must be {TIERS} numbers in [0, 1], got {tier_weights!r}"
+            )
+        _check_nonneg("load_weight", load_weight)
+        _check_nonneg("temperature", temperature)
+        if prediction_ttl_s is None:
+            prediction_ttl_s = 2.0 if self.mode is RouteMode.COST else 0.0
+        _check_nonneg("prediction_ttl_s", prediction_ttl_s)
+        _check_nonneg("request_timeout_s", request_timeout_s)
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or (
+            max_batch_size < 1
+        ):
+            raise InvalidArgumentError(
+                f"max_batch_size must be an int >= 1, got {max_batch_size!r}"
+            )
+        self.index = index
+        self.tier_weights = weights
+        self.load_weight = float(load_weight)
+        self.temperature = float(temperature)
+        self.prediction_ttl_s = float(prediction_ttl_s)
+        self.max_batch_size = max_batch_size
+        self.request_timeout_s = float(request_timeout_s)
+        self.stats = RouterStats()
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._rr = 0
+        self._auto_id = 0
+        self._active: dict[str, _Active] = {}
+        self._load: dict[str, _Load] = {}
+        # Predicted blocks: hash -> mask of slots (tier-0 bit positions), with references per
+        # (hash, slot) and an expiry queue (a constant TTL keeps it sorted).
+        self._pred: dict[int, int] = {}
+        self._pred_refs: dict[tuple[int, int], int] = {}
+        self._pred_queue: deque[tuple[float, int, list[int]]] = deque()
+        index.add_reset_listener(self._on_reset)
+
+    # ---------------------------------------------------------------------------------------
+
+    def route(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        prefill_tokens: int | None = None,
+    ) -> RouteDecision:
+        """Choose a worker for a request and register it as active there.
+
+        Raises :class:`~kvpool.errors.InvalidTokenError` (bad token ids),
+        :class:`~kvpool.errors.InvalidArgumentError` (empty prompt, bad salt, request id
+        already active, negative ``prefill_tokens``) or :class:`NoWorkerAvailableError`, all
+        before any state changes.
+        """
+        started = time.perf_counter()
+        toks = tokens_to_u32(token_ids)
+        if not toks:
+            raise InvalidArgumentError("token_ids must not be empty")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidArgumentError(f"cache_salt must be a str, got {cache_salt!r}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id is not None and request_id in self._active:
+            raise InvalidArgumentError(f"request_id {request_id!r} is already active")
+        if prefill_tokens is not None and (
+            isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int)
+            or prefill_tokens < 0
+        ):
+            raise InvalidArgumentError(
+                f"prefill_tokens must be an int >= 0, got {prefill_tokens!r}"
+            )
+        now = self._clock()
+        self._expire(now)
+        index = self.index
+        healthy = index.healthy_mask()
+        if not healthy:
+            raise NoWorkerAvailableError(
+                f"no healthy worker among {len(index.worker_ids)} registered"
+            )
+
+        # Hash once per group and walk all its healthy workers at once.
+        per_slot: dict[int, tuple[list[int], int, int]] = {}  # slot -> (tiers, tpb, n_blocks)
+        group_keys: dict[GroupKey, list[int]] = {}
+        for gkey, gmask in index.groups().items():
+            alive = gmask & healthy
+            if not alive:
+                continue
+            scheme, tpb = gkey
+            keys = request_keys(scheme, tpb, toks, cache_salt)
+            group_keys[gkey] = keys
+            for slot, hits in self._walk(keys, alive).items():
+                per_slot[slot] = (hits, tpb, len(keys))
+
+        prompt = len(toks)
+        body = prompt - 1
+        trt = self.mode is RouteMode.TRTLLM
+        cands: list[CandidateScore] = []
+        for wid, slot in index.healthy_workers():
+            hits, tpb, n_blocks = per_slot.get(slot, ([0] * TIERS, 0, 0))
+            load = self._load.get(wid) or _Load()
+            total_hits = sum(hits)
+            saturated = load.active >= self.max_batch_size
+            if trt:
+                matched = total_hits * tpb
+                score = matched / max(n_blocks * tpb, 1) - load.active / self.max_batch_size
+            else:
+                matched = min(total_hits * tpb, body)
+                credit = 0.0
+                if total_hits:
+                    scale = matched / total_hits
+                    weighted = sum(w * h for w, h in zip(self.tier_weights, hits, strict=True))
+                    credit = scale * weighted
+                cost = max(prompt - credit, 0.0) + self.load_weight * (
+                    load.prefill_tokens + load.tokens
+                )
+                score = -cost
+            cands.append(CandidateScore(
+                worker_id=wid,
+                score=score,
+                matched_blocks=tuple(hits),
+                matched_tokens=matched,
+                total_blocks=n_blocks,
+                active_requests=load.active,
+                pending_prefill_tokens=load.prefill_tokens,
+                saturated=saturated,
+            ))
+
+        chosen = self._choose(cands)
+        winner = cands[chosen]
+
+        # Commit: register the request, predict its blocks, count.
+        if request_id is None:
+            self._auto_id += 1
+            request_id = f"auto-{self._auto_id}"
+            while request_id in self._active:
+                self._auto_id += 1
+                request_id = f"auto-{self._auto_id}"
+        prefill = prefill_tokens if prefill_tokens is not None else max(
+            prompt - winner.matched_tokens, 0
+        )
+        self._active[request_id] = _Active(winner.worker_id, prefill, prompt, now)
+        load = self._load.setdefault(winner.worker_id, _Load())
+        load.active += 1
+        load.prefill_tokens += prefill
+        load.tokens += prompt
+        gkey_w = index.group_of(winner.worker_id)
+        if self.prediction_ttl_s > 0 and gkey_w is not None and gkey_w in group_keys:
+            self._predict(index.slot_of(winner.worker_id), group_keys[gkey_w], now)
+
+        decision = RouteDecision(
+            worker_id=winner.worker_id,
+            request_id=request_id,
+            mode=self.mode.value,
+            score=winner.score,
+            matched_blocks=winner.matched_blocks,
+            matched_tokens=winner.matched_tokens,
+            total_blocks=winner.total_blocks,
+            prefill_tokens=prefill,
+            candidates=tuple(cands),
+        )
+        st = self.stats
+        st.routes_total += 1
+        for t in range(TIERS):
+            st.hit_blocks[t] += winner.matched_blocks[t]
+        st.prompt_tokens += prompt
+        st.matched_tokens += winner.matched_tokens
+        elapsed = time.perf_counter() - started
+        st.latency_sum_s += elapsed
+        b = 0
+        while b < len(LATENCY_BUCKETS_S) and elapsed > LATENCY_BUCKETS_S[b]:
+            b += 1
+        st.latency_buckets[b] += 1
+        return decision
+
+    def request_finished(self, request_id: str) -> bool:
+        """The request left its worker: its load goes away. False if it was not active."""
+        entry = self._active.pop(request_id, None)
+        if entry is None:
+            return False
+        self._unload(entry)
+        self.stats.finished_total += 1
+        return True
+
+    def active_requests(self, worker_id: str) -> int:
+        """Requests routed to ``worker_id`` and not finished."""
+        self.index.slot_of(worker_id)  # UnknownWorkerError for strangers
+        load = self._load.get(worker_id)
+        return load.active if load is not None else 0
+
+    def pending_prefill_tokens(self, worker_id: str) -> int:
+        self.index.slot_of(worker_id)
+        load = self._load.get(worker_id)
+        return load.prefill_tokens if load is not None else 0
+
+    def predicted_blocks(self) -> int:
+        """Distinct (hash, worker) predictions alive now."""
+        self._expire(self._clock())
+        return len(self._pred_refs)
+
+    # ---------------------------------------------------------------------------------------
+
+    def _walk(self, keys: list[int], alive: int) -> dict[int, list[int]]:
+        """Consecutive matched blocks per slot of ``alive`` and per hottest tier."""
+        masks_get = self.index.masks.get
+        pred = self._pred
+        pred_get = pred.get
+        stride = self.index.stride
+        full = (1 << stride) - 1
+        s2 = 2 * stride
+        depth: dict[int, int] = {}
+        rows1: list[int] = []
+        rows2: list[int] = []
+        n = 0
+        for h in keys:
+            m = masks_get(h, 0)
+            if pred:
+                m |= pred_get(h, 0)  # predictions sit in the GPU tier's bits
+            if m <= full:  # GPU copies only: the common case
+                hit = m & alive
+                if hit != alive:
+                    _set_depth(depth, alive & ~hit, n)
+                    alive = hit
+                    if not hit:
+                        break
+                n += 1
+                continue
+            t0 = m & full
+            t1 = (m >> stride) & full
+            t2 = m >> s2
+            hit = (t0 | t1 | t2) & alive
+            if hit != alive:
+                _set_depth(depth, alive & ~hit, n)
+                alive = hit
+                if not hit:
+                    break
+            c1 = t1 & hit & ~t0
+            if c1:
+                rows1.append(c1)
+            c2 = t2 & hit & ~(t0 | t1)
+            if c2:
+                rows2.append(c2)
+            n += 1
+        _set_depth(depth, alive, n)
+        on1 = _bit_counts(rows1, stride)
+        on2 = _bit_counts(rows2, stride)
+        out: dict[int, list[int]] = {}
+        for slot, d in depth.items():
+            h1 = on1.get(slot, 0)
+            h2 = on2.get(slot, 0)
+            out[slot] = [d - h1 - h2, h1, h2]
+        return out
+
+    def _choose(self, cands: list[CandidateScore]) -> int:
+        if self.mode is RouteMode.TRTLLM:
+            best = max(c.score for c in cands)
+            tied = [i for i, c in enumerate(cands) if c.score == best]
+            pick = tied[self._rr % len(tied)]
+            self._rr += 1
+            return pick
+        eligible = [i for i, c in enumerate(cands) if not c.saturated] or list(range(len(cands)))
+        if self.temperature > 0 and len(eligible) > 1:
+            scores = [cands[i].score for i in eligible]
+            hi, lo = max(scores), min(scores)
+            span = hi - lo
+            weights = [
+                math.exp((s - hi) / (span * self.temperature)) if span > 0 else 1.0
+                for s in scores
+            ]
+            r = self._rng.random() * sum(weights)
+            for i, w in zip(eligible, weights, strict=True):
+                r -= w
+                if r < 0:
+                    return i
+            return eligible[-1]
+        return min(eligible, key=lambda i: (-cands[i].score, cands[i].active_requests, i))
+
+    def _predict(self, slot: int, keys: list[int], now: float) -> None:
+        bit = 1 << slot
+        pred = self._pred
+        refs = self._pred_refs
+        for h in keys:
+            k = (h, slot)
+            c = refs.get(k, 0)
+            refs[k] = c + 1
+            if c == 0:
+                pred[h] = pred.get(h, 0) | bit
+        self._pred_queue.append((now + self.prediction_ttl_s, slot, keys))
+
+    def _unpredict(self, slot: int, keys: list[int]) -> None:
+        clear = ~(1 << slot)
+        pred = self._pred
+        refs = self._pred_refs
+        for h in keys:
+            k = (h, slot)
+            c = refs[k]
+            if c > 1:
+                refs[k] = c - 1
+                continue
+            del refs[k]
+            m = pred[h] & clear
+            if m:
+                pred[h] = m
+            else:
+                del pred[h]
+
+    def _expire(self, now: float) -> None:
+        q = self._pred_queue
+        while q and q[0][0] <= now:
+            _, slot, keys = q.popleft()
+            self._unpredict(slot, keys)
+        if self.request_timeout_s > 0:
+            deadline = now - self.request_timeout_s
+            while self._active:
+                rid, entry = next(iter(self._active.items()))
+                if entry.started > deadline:
+                    break
+                del self._active[rid]
+                self._unload(entry)
+                self.stats.expired_total += 1
+
+    def _unload(self, entry: _Active) -> None:
+        load = self._load.get(entry.worker_id)
+        if load is None:
+            return
+        load.active -= 1
+        load.prefill_tokens -= entry.prefill_tokens
+        load.tokens -= entry.tokens
+        if load.active <= 0:
+            del self._load[entry.worker_id]
+
+    def _on_reset(self, worker_id: str, slot: int, removed: bool) -> None:
+        # The worker's cache is gone: so are the blocks we predicted there. A removed worker's
+        # slot may be reused, and its requests will never be reported finished.
+        kept: deque[tuple[float, int, list[int]]] = deque()
+        for item in self._pred_queue:
+            if item[1] == slot:
+                self._unpredict(slot, item[2])
+            else:
+                kept.append(item)
+        self._pred_queue = kept
+        if removed:
+            for rid in [r for r, a in self._active.items() if a.worker_id == worker_id]:
+                del self._active[rid]
+            self._load.pop(worker_id, None)
+
+
+def _set_depth(depth: dict[int, int], mask: int, n: int) -> None:
+    while mask:
+        low = mask & -mask
+        depth[low.bit_length() - 1] = n
+        mask ^= low
+
+
+def _bit_counts(rows: list[int], stride: int) -> dict[int, int]:
+    """Per slot, how many of ``rows`` have its bit set."""
+    if not rows:
+        return {}
+    if len(rows) <= 8:
+        out: dict[int, int] = {}
+        for m in rows:
+            while m:
+                low = m & -m
+                s = low.bit_length() - 1
+                out[s] = out.get(s, 0) + 1
+                m ^= low
+        return out
+    nbytes = stride // 8
+    if stride == 64 and sys.byteorder == "little":
+        raw = np.array(rows, dtype=np.uint64).view(np.uint8).reshape(len(rows), nbytes)
+    else:
+        buf = b"".join(m.to_bytes(nbytes, "little") for m in rows)
+        raw = np.frombuffer(buf, dtype=np.uint8).reshape(len(rows), nbytes)
+    bits = np.unpackbits(raw, axis=1, bitorder="little")
+    counts = bits.sum(axis=0)
+    return {int(s): int(counts[s]) for s in np.flatnonzero(counts)}
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or (
+        math.isinf(value)
+    ):
+        raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")

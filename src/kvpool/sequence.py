@@ -1,0 +1,60 @@
+"""Per-sequence state: tokens, beams, block tables per layer group, retention, hashing."""
+
+from __future__ import annotations
+
+from kvpool.config import RetentionConfig
+from kvpool.hashing import BlockHasher, BlockKey
+from kvpool.radix import Node
+
+
+class Sequence:
+    """One admitted request's KV.
+
+    ``tables[g][b]`` is beam b's block table in layer group g: GPU slot ids in block order,
+    ``-1`` for a block a sliding window released (or never needed). Every table entry holds one
+    reference on its slot. ``tokens`` are beam 0's tokens (the ones committed for reuse).
+    """
+
+    __slots__ = (
+        "beam_width", "cache_salt", "commit_nodes", "committed_blocks", "committed_floor",
+        "encoder_tokens", "hashed", "hasher", "keys", "lora_id", "prompt_len", "retention",
+        "root", "seq_id", "suspended", "tables", "tokens",
+    )
+
+    def __init__(
+        self,
+        seq_id: int | str,
+        tokens: list[int],
+        beam_width: int,
+        hasher: BlockHasher,
+        keys: list[BlockKey],
+        hashed: int,
+        root: Node,
+        tables: list[list[list[int]]],
+        *,
+        lora_id: int | None,
+        cache_salt: str | None,
+        retention: RetentionConfig | None,
+        encoder_tokens: list[int] | None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.tokens = tokens
+        self.prompt_len = len(tokens)
+        self.beam_width = beam_width
+        self.hasher = hasher
+        self.keys = keys  # keys of full blocks hashed so far
+        self.hashed = hashed  # tokens fed to the hasher
+        self.root = root
+        self.tables = tables
+        self.lora_id = lora_id
+        self.cache_salt = cache_salt
+        self.retention = retention
+        self.encoder_tokens = encoder_tokens
+        self.commit_nodes: list[Node] = []  # node of each committed full block, in order
+        self.committed_blocks = 0
+        self.committed_floor = len(tokens)  # rewind_tokens never goes below this
+        self.suspended = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)

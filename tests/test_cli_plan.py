@@ -1,0 +1,97 @@
+"""``kvpool plan`` as a user runs it: a subprocess, its table, its JSON and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.errors import CapacityError
+from kvpool.planner import ModelSpec, plan_pools, presets
+
+
+def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "240"}  # wide enough that rich never wraps a row
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_table_and_json_match_plan_pools(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    res = kvpool(
+        "plan",
+        "--model",
+        "gemma-3-12b",
+        "--gpu-mem",
+        "40GiB",
+        "--host-mem",
+        "64GB",
+        "--max-batch-size",
+        "128",
+        "--max-num-tokens",
+        "4096",
+        "--json",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    expected = plan_pools(
+        ModelSpec.preset("gemma-3-12b"),
+        32,
+        40 * 2**30,
+        64 * 10**9,
+        max_batch_size=128,
+        max_num_tokens=4096,
+        max_seq_len=131072,
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(expected.to_dict()))
+
+    rows = [line for line in res.stdout.splitlines() if "window 1024" in line or "│ full" in line]
+    assert len(rows) >= 2
+    for g in expected.groups:
+        row = next(r for r in rows if g.label in r and "─" not in r)
+        cells = [c.strip() for c in row.strip("│ ").split("│")]
+        assert cells[0] == str(g.index)
+        assert cells[4] == f"{g.slots_per_tier[0]:,}"
+        assert cells[5] == f"{g.slots_per_tier[1]:,}"
+        assert cells[7] == f"{g.min_slots:,}"
+        assert cells[8] == g.floor_reason
+
+
+def test_list_models_names_every_preset() -> None:
+    res = kvpool("plan", "--list-models")
+    assert res.returncode == 0, res.stderr
+    for name in presets():
+        assert name in res.stdout
+
+
+def test_bad_preset_lists_valid_ones() -> None:
+    res = kvpool("plan", "--model", "gpt-9", "--gpu-mem", "1GiB", "--max-batch-size", "8")
+    assert res.returncode == 2
+    assert "gpt-9" in res.stderr and "Traceback" not in res.stderr
+    for name in presets():
+        assert name in res.stderr
+
+
+def test_bad_size() -> None:
+    res = kvpool("plan", "--model", "tiny", "--gpu-mem", "40 gigs", "--max-batch-size", "8")
+    assert res.returncode == 2
+    assert "bad size" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_infeasible_budget_says_the_minimum() -> None:
+    model = ModelSpec.preset("llama-3-8b")
+    with pytest.raises(CapacityError) as err:
+        plan_pools(model, 32, 512 * 2**20, max_batch_size=8, max_num_tokens=8192, max_seq_len=8192)
+    res = kvpool("plan", "--model", "llama-3-8b", "--gpu-mem", "512MiB", "--max-batch-size", "8")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert f"{err.value.min_budget_bytes} bytes" in res.stderr

@@ -1,0 +1,252 @@
+"""The ZeroMQ transport on 127.0.0.1 with real sockets: wire frames, ordered delivery, replay of a
+dropped batch, restart detection."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from kvpool.errors import InvalidArgumentError, TransportError
+from kvpool.events import SubscribedBatch, ZmqEventPublisher, ZmqEventSubscriber
+from kvpool.events.zmq import END_SEQ
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+@pytest.fixture
+def publisher() -> Iterator[ZmqEventPublisher]:
+    pub = ZmqEventPublisher(LOCAL, LOCAL, topic="kv")
+    yield pub
+    pub.close()
+
+
+def collect(sub: ZmqEventSubscriber, count: int, timeout_s: float = 10.0) -> list[SubscribedBatch]:
+    """Receive until ``count`` batches arrived (or fail after ``timeout_s``)."""
+    out: list[SubscribedBatch] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < count:
+        left = deadline - time.monotonic()
+        assert left > 0, f"got {len(out)} of {count} batches: {[b.seq for b in out]}"
+        out += sub.recv(min(left, 0.5))
+    return out
+
+
+def connected(pub: ZmqEventPublisher) -> ZmqEventSubscriber:
+    """A subscriber whose SUB socket is known to be joined: a warm-up batch reached it.
+
+    It starts at whatever seq arrives first, so the warm-ups it missed are no gaps."""
+    sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv", start_seq=None)
+    pub.publish(b"warm-up")
+    deadline = time.monotonic() + 10
+    while sub.recv(0.05) == []:
+        assert time.monotonic() < deadline, "subscriber never joined"
+        pub.publish(b"warm-up")
+    sub.recv(0.1)  # drain any further warm-ups
+    return sub
+
+
+def _raw_socket(kind: int, endpoint: str) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    return sock
+
+
+# --------------------------------------------------------------------------------- wire frames
+
+
+def test_ephemeral_endpoints_are_exposed(publisher: ZmqEventPublisher) -> None:
+    assert publisher.endpoint.startswith("tcp://127.0.0.1:")
+    assert publisher.replay_endpoint is not None
+    ports = {int(publisher.endpoint.rsplit(":", 1)[1]), int(publisher.replay_endpoint.rsplit(":", 1)[1])}
+    assert len(ports) == 2 and 0 not in ports
+
+
+def test_pub_frames_are_topic_seq_payload(publisher: ZmqEventPublisher) -> None:
+    sub = _raw_socket(zmq.SUB, publisher.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        frames: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while not frames:  # the slow joiner misses the first batches: keep publishing
+            assert time.monotonic() < deadline
+            publisher.publish(b"payload")
+            if sub.poll(50):
+                frames = sub.recv_multipart()
+        topic, seq, payload = frames
+        assert topic == b"kv" and len(seq) == 8 and payload == b"payload"
+        first = int.from_bytes(seq, "big")
+        publisher.publish(b"next")
+        while True:  # later batches carry the following seqs, big-endian
+            topic, seq, payload = sub.recv_multipart()
+            if payload == b"next":
+                break
+        assert int.from_bytes(seq, "big") > first
+    finally:
+        sub.close()
+
+
+def test_replay_socket_speaks_the_dealer_protocol(publisher: ZmqEventPublisher) -> None:
+    for i in range(5):
+        publisher.publish(b"batch-%d" % i)
+    dealer = _raw_socket(zmq.DEALER, publisher.replay_endpoint or "")
+    try:
+        replies: list[list[bytes]] = []
+        deadline = time.monotonic() + 10
+        while len(replies) < 4:  # the publisher thread may not have sent all 5 yet
+            assert time.monotonic() < deadline
+            dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+            replies = []
+            while True:
+                frames = dealer.recv_multipart()
+                replies.append(frames)
+                if frames[2] == END_SEQ:
+                    break
+        assert replies[:-1] == [
+            [b"", b"kv", i.to_bytes(8, "big"), b"batch-%d" % i] for i in range(2, 5)
+        ]
+        assert replies[-1] == [b"", b"", b"\xff" * 8, b""]
+    finally:
+        dealer.close()
+
+
+# ---------------------------------------------------------------------------------- delivery
+
+
+def test_batches_are_delivered_in_order(publisher: ZmqEventPublisher) -> None:
+    sub = connected(publisher)
+    try:
+        first = publisher.next_seq
+        payloads = [b"p%d" % i for i in range(300)]
+        for payload in payloads:
+            publisher.publish(payload)
+        got = collect(sub, 300)
+        assert [b.seq for b in got] == list(range(first, first + 300))
+        assert [b.payload for b in got] == payloads
+        assert sub.missed == 0 and sub.restarts == 0 and not any(b.restart for b in got)
+    finally:
+        sub.close()
+
+
+def test_a_batch_dropped_on_pub_is_recovered_by_replay(publisher: ZmqEventPublisher) -> None:
+    sub = connected(publisher)
+    try:
+        first = publisher.next_seq
+        publisher.skip_on_pub(first + 2)  # never sent on PUB, kept for replay
+        for i in range(6):
+            publisher.publish(b"b%d" % i)
+        got = collect(sub, 6)
+        assert [b.seq for b in got] == list(range(first, first + 6))
+        assert [b.payload for b in got] == [b"b%d" % i for i in range(6)]
+        assert sub.gaps == 1 and sub.replayed >= 1 and sub.missed == 0
+        assert sub.recv(0.2) == []  # the replayed batches arriving again are dropped
+    finally:
+        sub.close()
+
+
+def test_without_replay_a_gap_is_counted_as_missed() -> None:
+    with ZmqEventPublisher(LOCAL, None, topic="kv") as pub:
+        sub = connected(pub)
+        try:
+            first = pub.next_seq
+            pub.skip_on_pub(first + 1)
+            for i in range(3):
+                pub.publish(b"%d" % i)
+            got = collect(sub, 2)
+            assert [b.seq for b in got] == [first, first + 2]
+            assert sub.missed == 1 and sub.gaps == 1
+        finally:
+            sub.close()
+
+
+def test_catch_up_fetches_what_was_published_before_joining(publisher: ZmqEventPublisher) -> None:
+    for i in range(4):
+        publisher.publish(b"early-%d" % i)
+    sub = ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint, topic="kv")
+    try:
+        got: list[SubscribedBatch] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 4:
+            assert time.monotonic() < deadline
+            got += sub.catch_up()
+        assert [(b.seq, b.payload) for b in got] == [(i, b"early-%d" % i) for i in range(4)]
+        assert sub.expected_seq == 4
+    finally:
+        sub.close()
+
+
+def _rebind(endpoint: str, replay: str | None) -> ZmqEventPublisher:
+    deadline = time.monotonic() + 10
+    while True:  # the old sockets' ports are released asynchronously
+        try:
+            return ZmqEventPublisher(endpoint, replay, topic="kv")
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_publisher_restart_is_detected_and_flagged() -> None:
+    old = ZmqEventPublisher(LOCAL, LOCAL, topic="kv")
+    endpoint, replay = old.endpoint, old.replay_endpoint
+    sub = connected(old)
+    try:
+        for i in range(40):
+            old.publish(b"old-%d" % i)
+        before = collect(sub, 40)
+        assert before[-1].seq == old.next_seq - 1 and sub.restarts == 0
+        old.close()
+        new = _rebind(endpoint, replay)
+        try:
+            got: list[SubscribedBatch] = []
+            deadline = time.monotonic() + 10
+            while not got:  # until the SUB socket has reconnected
+                assert time.monotonic() < deadline
+                new.publish(b"new-%d" % new.next_seq)
+                got += sub.recv(0.1)
+            assert sub.restarts == 1
+            assert got[0].restart and got[0].seq == 0 and got[0].payload == b"new-0"
+            assert [b.seq for b in got] == list(range(len(got)))
+            assert not any(b.restart for b in got[1:])
+        finally:
+            new.close()
+    finally:
+        sub.close()
+
+
+# -------------------------------------------------------------------------------- lifecycle
+
+
+def test_publish_never_blocks_and_close_sends_the_queue() -> None:
+    pub = ZmqEventPublisher(LOCAL, LOCAL, topic="kv")
+    sub = connected(pub)
+    try:
+        first = pub.next_seq
+        start = time.monotonic()
+        for i in range(2000):
+            pub.publish(b"x" * 100)
+        assert time.monotonic() - start < 2.0
+        pub.close()
+        got = collect(sub, 2000)
+        assert [b.seq for b in got] == list(range(first, first + 2000))
+    finally:
+        sub.close()
+        pub.close()
+    with pytest.raises(TransportError, match="closed"):
+        pub.publish(b"late")
+
+
+def test_bind_conflicts_and_bad_arguments_are_typed_errors(publisher: ZmqEventPublisher) -> None:
+    with pytest.raises(TransportError, match=publisher.endpoint.rsplit(":", 1)[1]):
+        ZmqEventPublisher(publisher.endpoint, None)
+    with pytest.raises(InvalidArgumentError, match="buffer_steps"):
+        ZmqEventPublisher(LOCAL, None, buffer_steps=0)
+    sub = ZmqEventSubscriber(publisher.endpoint)
+    sub.close()
+    with pytest.raises(TransportError, match="closed"):
+        sub.recv(0)

@@ -1,0 +1,190 @@
+"""Stateful property tests of the block manager (ARCHITECTURE §7, invariants 1-6).
+
+Random configurations (1-3 layer groups, windows, sinks, beams, reuse on/off, tiny pools,
+optional host/disk tiers) and random interleavings of every public call. After every step the
+manager's internal invariants hold; every admission realises exactly its plan; every failed
+call leaves the state unchanged; removing everything and clearing the cache frees every slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.errors import KVPoolError, OutOfBlocksError
+from kvpool.manager import KVCacheManager
+
+PREFIXES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [1, 2, 3, 4, 50, 51, 52, 53, 54],
+    [7, 7, 7, 7, 7, 7, 7, 7],
+]
+
+
+@st.composite
+def configs(draw: st.DrawFn, tiers: bool) -> CacheConfig:
+    groups = draw(st.integers(1, 3))
+    windows = [draw(st.one_of(st.none(), st.integers(1, 12))) for _ in range(groups)]
+    if all(w is not None for w in windows) and draw(st.booleans()):
+        windows[0] = None
+    sinks = [draw(st.integers(0, 4)) if w is not None else 0 for w in windows]
+    host = draw(st.integers(0, 6)) if tiers else 0
+    disk = draw(st.integers(0, 6)) if tiers and host else 0
+    return CacheConfig(
+        tokens_per_block=draw(st.integers(1, 4)),
+        gpu_blocks=[draw(st.integers(2, 14)) for _ in range(groups)],
+        window_sizes=windows,
+        sink_tokens=sinks,
+        enable_block_reuse=draw(st.booleans()) or True,
+        enable_partial_reuse=draw(st.booleans()),
+        max_beam_width=draw(st.integers(1, 3)),
+        host_blocks=host,
+        disk_blocks=disk,
+        offload_min_priority=draw(st.sampled_from([0, 35, 50])),
+    )
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> list[int]:
+    base = list(draw(st.sampled_from(PREFIXES)))
+    base = base[: draw(st.integers(1, len(base)))]
+    tail = draw(st.lists(st.integers(0, 3), max_size=6))
+    return base + tail
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Drives one manager through random calls, checking the invariants after each."""
+
+    tiers = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m: KVCacheManager | None = None
+        self.next_id = 0
+        self.live: dict[int, int] = {}  # seq id -> beam width
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        cfg = data.draw(configs(self.tiers))
+        if not data.draw(st.booleans()):
+            cfg = CacheConfig(**{**_kwargs(cfg), "enable_block_reuse": False})
+        self.m = KVCacheManager(cfg)
+
+    @property
+    def mgr(self) -> KVCacheManager:
+        assert self.m is not None
+        return self.m
+
+    def _unchanged_on_failure(self, call: Any) -> bool:
+        before = self.mgr._debug_state()
+        stats_before = self.mgr.stats()
+        try:
+            call()
+        except KVPoolError:
+            assert self.mgr._debug_state() == before, "a failed call changed the manager"
+            assert self.mgr.stats() == stats_before
+            return False
+        return True
+
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def admit_batch(self, data: st.DataObject, n: int) -> None:
+        reqs = []
+        for _ in range(n):
+            beams = data.draw(st.integers(1, self.mgr.config.max_beam_width))
+            reqs.append(SequenceRequest(self.next_id, data.draw(prompts()), beam_width=beams,
+                                        cache_salt=data.draw(st.sampled_from([None, None, "s"]))))
+            self.next_id += 1
+        plan = self.mgr.plan_batch(reqs)
+        state = self.mgr._debug_state()
+        assert self.mgr._debug_state() == state  # planning is pure
+        try:
+            results = self.mgr.add_sequence_batch(reqs)
+        except OutOfBlocksError as e:
+            assert not plan.fits
+            assert e.deficit == plan.deficit
+            assert self.mgr._debug_state() == state
+            return
+        assert plan.fits
+        for p, r in zip(plan.requests, results, strict=True):
+            assert r.reused_tokens == p.reused_tokens
+            assert r.new_blocks == p.new_blocks, (r.new_blocks, p.new_blocks)
+            assert r.reused_tokens <= len(p.request.tokens) - 1
+        for q in reqs:
+            assert isinstance(q.seq_id, int)
+            self.live[q.seq_id] = q.beam_width
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), k=st.integers(1, 4))
+    def grow(self, data: st.DataObject, k: int) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.live)))
+        need = self.mgr.needed_blocks_one_step(sid, k)
+        toks = data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k))
+        before = {g: self.mgr.num_free_blocks(g) for g in need}
+        ok = self._unchanged_on_failure(lambda: self.mgr.add_tokens(sid, toks))
+        if ok:
+            assert len(self.mgr.block_ids(sid, 0)) == -(-len(self.mgr.sequences[sid].tokens)
+                                                       // self.mgr.tpb)
+        elif all(need[g] <= before[g] for g in need):
+            raise AssertionError("add_tokens failed although the pool had the blocks")
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), k=st.integers(0, 3))
+    def rewind(self, data: st.DataObject, k: int) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.live)))
+        self._unchanged_on_failure(lambda: self.mgr.rewind_tokens(sid, k))
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def store(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.live)))
+        n = data.draw(st.integers(0, len(self.mgr.sequences[sid].tokens)))
+        self.mgr.store_context_blocks(sid, n)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), store=st.booleans())
+    def remove(self, data: st.DataObject, store: bool) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.live)))
+        self.mgr.remove_sequence(sid, store_for_reuse=store)
+        del self.live[sid]
+
+    @rule(data=st.data())
+    def count_matches_plan(self, data: st.DataObject) -> None:
+        toks = data.draw(prompts())
+        n = self.mgr.count_reusable_tokens(toks)
+        plan = self.mgr.plan_batch([SequenceRequest(-1, toks)])
+        assert n == plan.requests[0].reused_tokens
+
+    @invariant()
+    def internal_invariants(self) -> None:
+        if self.m is not None:
+            self.m.check_invariants()
+
+    def teardown(self) -> None:
+        if self.m is None:
+            return
+        for sid in list(self.live):
+            self.m.remove_sequence(sid)
+        self.m.clear_cache()
+        self.m.check_invariants()
+        for t, per_group in enumerate(self.m.config.slots):
+            for g, n in enumerate(per_group):
+                usage = self.m.slot_usage(t, g)
+                assert usage["free"] == n, f"tier {t} group {g} leaked: {usage}"
+
+
+def _kwargs(cfg: CacheConfig) -> dict[str, Any]:
+    names = ("tokens_per_block", "gpu_blocks", "window_sizes", "sink_tokens",
+             "enable_block_reuse", "enable_partial_reuse", "max_beam_width", "host_blocks",
+             "disk_blocks", "offload_min_priority")
+    return {n: getattr(cfg, n) for n in names}
+
+
+class TieredManagerMachine(ManagerMachine):
+    tiers = True
+
+
+TestManager = ManagerMachine.TestCase
+TestTieredManager = TieredManagerMachine.TestCase
