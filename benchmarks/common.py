@@ -54,7 +54,7 @@ def report(
         )
     for row in rows:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
-    Console().print(table)
+    Console(width=max(120, Console().width)).print(table)
     path = Path(out) if out else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine(), "rows": list(rows), **(extra or {})}

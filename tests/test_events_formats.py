@@ -42,9 +42,7 @@ HEX = "e432228522a304ab556d66e6e40979ad05575f28b19b554264dd3c6277aaf073"  # §1.
 def test_json_golden_matches_the_compatibility_shapes() -> None:
     events = [
         KVCacheEvent(12, Created((1024, 4096)), 4096, 0, "v1_block_key", attention_dp_rank=0),
-        KVCacheEvent(
-            13, Stored(None, (StoredBlock(H1, (1,), 0, 35),)), 4096, 0, "v1_block_key"
-        ),
+        KVCacheEvent(13, Stored(None, (StoredBlock(H1, (1,), 0, 35),)), 4096, 0, "v1_block_key"),
         KVCacheEvent(14, Removed((H1,), (0,)), 4096, 0, "v1_block_key"),
         KVCacheEvent(15, Updated(H1, cache_level=EventDiff(0, 1)), 4096, 2, "v1_block_key"),
     ]
@@ -188,7 +186,8 @@ def test_json_parse_accepts_engine_output_with_optional_fields_missing() -> None
         ('[{"event_id": 1, "window_size": 0, "data": {"type": "frobbed"}}]', "frobbed"),
         ('[{"event_id": "x", "window_size": 0, "data": {"type": "all_cleared"}}]', "event_id"),
         (
-            '[{"event_id": 1, "window_size": 0, "data": {"type": "removed", "block_hashes": [1.5]}}]',
+            '[{"event_id": 1, "window_size": 0, "data": {"type": "removed", '
+            '"block_hashes": [1.5]}}]',
             r"block_hashes\[0\]",
         ),
         (
@@ -218,7 +217,7 @@ HEXES = st.binary(min_size=32, max_size=32).map(bytes.hex)
 def event_streams(draw: st.DrawFn, *, vllm: bool = False) -> tuple[str, list[KVCacheEvent]]:
     """Events of one engine: one algorithm, one tokens-per-block, consistent per-event tiers."""
     algo = draw(st.sampled_from(["v1_block_key", "v2_sha256"]))
-    hashes = U64 if algo == "v1_block_key" else HEXES
+    hashes: st.SearchStrategy[int | str] = U64 if algo == "v1_block_key" else HEXES
     tpb = draw(st.integers(1, 6))
     rank = draw(st.none() | st.integers(0, 3))
     events: list[KVCacheEvent] = []
@@ -239,8 +238,8 @@ def event_streams(draw: st.DrawFn, *, vllm: bool = False) -> tuple[str, list[KVC
                     draw(hashes),
                     tuple(draw(st.lists(st.integers(0, 2**31 - 1), min_size=s, max_size=s))),
                     tier,
-                    lora_id=lora,
-                    **({} if vllm else {"priority": draw(st.integers(0, 100))}),
+                    35 if vllm else draw(st.integers(0, 100)),
+                    lora,
                 )
                 for s in sizes
             )
@@ -295,27 +294,24 @@ def test_vllm_golden_batch_matches_the_compatibility_shapes() -> None:
         KVCacheEvent(2, AllCleared(), 4096),
     ]
     payload = encode_vllm_batch(events, ts=1700000000.5, data_parallel_rank=3)
-    expected = [
-        1700000000.5,
-        [
-            {
-                "type": "BlockStored",
-                "block_hashes": [H1, M64],
-                "parent_block_hash": None,
-                "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-                "block_size": 4,
-                "lora_id": None,
-                "medium": "GPU",
-                "lora_name": None,
-            },
-            {"type": "BlockRemoved", "block_hashes": [H1, M64], "medium": "CPU"},
-            {"type": "AllBlocksCleared"},
-        ],
-        3,
+    expected_events: list[dict[str, Any]] = [
+        {
+            "type": "BlockStored",
+            "block_hashes": [H1, M64],
+            "parent_block_hash": None,
+            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        },
+        {"type": "BlockRemoved", "block_hashes": [H1, M64], "medium": "CPU"},
+        {"type": "AllBlocksCleared"},
     ]
+    expected = [1700000000.5, expected_events, 3]
     decoded = _plain(payload)
     assert decoded == expected
-    assert [list(e) for e in decoded[1]] == [list(e) for e in expected[1]]  # key order
+    assert [list(e) for e in decoded[1]] == [list(e) for e in expected_events]  # key order
     assert payload[0] == 0x93  # a 3-element array
     assert payload[1:10] == b"\xcb" + struct.pack(">d", 1700000000.5)  # ts as float64
     # Byte for byte what an independent msgpack encoder writes for the same objects.
@@ -349,7 +345,12 @@ def test_vllm_optional_fields_only_when_not_default() -> None:
     }
     assert "kv_cache_spec_kind" not in full and full["group_idx"] == 2
     assert "extra_keys" not in full
-    assert removed == {"type": "BlockRemoved", "block_hashes": [8], "medium": "STORAGE", "group_idx": 1}
+    assert removed == {
+        "type": "BlockRemoved",
+        "block_hashes": [8],
+        "medium": "STORAGE",
+        "group_idx": 1,
+    }
     assert _plain(encode_vllm_batch([], ts=1.0)) == [1.0, [], None]
 
 
@@ -481,7 +482,12 @@ def test_vllm_decode_map_form_ignores_unknown_keys_and_tolerates_missing_ones() 
 def test_vllm_decode_cuts_tokens_aligned_to_the_last_block() -> None:
     # A sliding-window group: token_ids cover 3 blocks, hashes name the last 2.
     payload = _batch(
-        {"type": "BlockStored", "block_hashes": [5, 6], "token_ids": list(range(6)), "block_size": 2}
+        {
+            "type": "BlockStored",
+            "block_hashes": [5, 6],
+            "token_ids": list(range(6)),
+            "block_size": 2,
+        }
     )
     (event,) = decode_vllm_batch(payload).events
     assert isinstance(event.data, Stored)
@@ -587,7 +593,7 @@ def test_vllm_decode_rejects_garbage(payload: bytes, match: str) -> None:
 def _expected_after_vllm(
     events: list[KVCacheEvent], sliding: set[int], rank: int | None
 ) -> list[KVCacheEvent]:
-    out = []
+    out: list[KVCacheEvent] = []
     for event in events:
         data, window = event.data, 0
         if isinstance(data, Stored):
@@ -605,7 +611,9 @@ def test_vllm_round_trips(
 ) -> None:
     algo, events = stream
     rank = events[0].attention_dp_rank if events else None
-    payload = encode_vllm_batch(events, ts=ts, data_parallel_rank=rank, sliding_window_groups=sliding)
+    payload = encode_vllm_batch(
+        events, ts=ts, data_parallel_rank=rank, sliding_window_groups=sliding
+    )
     batch = decode_vllm_batch(payload, hash_algo=algo)
     assert batch.ts == ts and batch.data_parallel_rank == rank
     assert batch.events == _expected_after_vllm(events, sliding, rank)
@@ -640,5 +648,7 @@ def test_vllm_path_preserves_what_a_consumer_holds(
     events = em.get_latest_events(0)
     direct, via_vllm = EventIndex(strict=True), EventIndex(strict=True)
     direct.apply_all(events)
-    via_vllm.apply_all(decode_vllm_batch(encode_vllm_batch(events), hash_algo="v1_block_key").events)
+    via_vllm.apply_all(
+        decode_vllm_batch(encode_vllm_batch(events), hash_algo="v1_block_key").events
+    )
     assert via_vllm.cached == direct.cached == em.announced_blocks()

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvpool.errors import EventStreamError, InvalidArgumentError, UnknownHashAlgorithmError
 from kvpool.events import (
     AllCleared,
+    AttentionDpGather,
     Created,
     EventDiff,
     EventIndex,
@@ -401,7 +402,7 @@ class ThreadGather:
         self.barrier = threading.Barrier(size)
         self.slots: list[list[KVCacheEvent]] = [[] for _ in range(size)]
 
-    def for_rank(self, rank: int):  # type: ignore[no-untyped-def]
+    def for_rank(self, rank: int) -> AttentionDpGather:
         def gather(events: list[KVCacheEvent]) -> list[list[KVCacheEvent]] | None:
             self.slots[rank] = list(events)
             self.barrier.wait()

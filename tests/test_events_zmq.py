@@ -63,7 +63,10 @@ def _raw_socket(kind: int, endpoint: str) -> zmq.Socket[Any]:
 def test_ephemeral_endpoints_are_exposed(publisher: ZmqEventPublisher) -> None:
     assert publisher.endpoint.startswith("tcp://127.0.0.1:")
     assert publisher.replay_endpoint is not None
-    ports = {int(publisher.endpoint.rsplit(":", 1)[1]), int(publisher.replay_endpoint.rsplit(":", 1)[1])}
+    ports = {
+        int(publisher.endpoint.rsplit(":", 1)[1]),
+        int(publisher.replay_endpoint.rsplit(":", 1)[1]),
+    }
     assert len(ports) == 2 and 0 not in ports
 
 
@@ -228,7 +231,7 @@ def test_publish_never_blocks_and_close_sends_the_queue() -> None:
     try:
         first = pub.next_seq
         start = time.monotonic()
-        for i in range(2000):
+        for _ in range(2000):
             pub.publish(b"x" * 100)
         assert time.monotonic() - start < 2.0
         pub.close()

@@ -624,10 +624,12 @@ def test_bad_digests(bad: object) -> None:
         event_hash(HashAlgo.V1_BLOCK_KEY, -1)
 
 
-def test_unencodable_extra_keys() -> None:
+def test_bad_extra_keys() -> None:
     bad = object()
     with pytest.raises(InvalidArgumentError, match=re.escape(repr(bad))):
         vllm_sha256_cbor_block_hash(None, [1, 2], [bad])
+    with pytest.raises(InvalidArgumentError, match="'lora-name'"):
+        vllm_sha256_cbor_block_hash(None, [1, 2], "lora-name")
 
 
 def test_failed_calls_leave_the_hasher_unchanged() -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.config import SequenceRequest
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import BlockHasher, BlockKey, cache_salt_id
+from kvpool.hashing import BlockKey
 from kvpool.radix import NO_SLOT, Node, best_partial_child
 
 if TYPE_CHECKING:
@@ -50,13 +50,11 @@ class RequestPlan:
     new_blocks: dict[int, int]  # layer group -> GPU slots this request takes (fresh+copy+onboard)
     # -- execution details (internal) --
     request: SequenceRequest
-    hasher: BlockHasher
-    keys: list[BlockKey]
     root_key: BlockKey
     num_blocks: int  # context blocks (ceil(n / tpb))
     last_shared: bool  # the last context block is shared by all beams
     matched: list[Node]  # full matches, block order
-    claimed: dict[int, list[int]]  # layer group -> indices of matched blocks it claims
+    claimed: dict[int, Sequence[int]]  # layer group -> indices of matched blocks it claims
     partial: Node | None = None
     partial_tokens: int = 0
     partial_mode: PartialMode | None = None
@@ -147,58 +145,54 @@ def _group_valid(mgr: KVCacheManager, g: int, nodes: list[Node], length: int) ->
 
 
 def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
-    BlockHasher, list[BlockKey], BlockKey, list[Node], Node | None, int
+    BlockKey, list[Node], Node | None, int
 ]:
-    """Hash a request's prompt (minus its last token) and find its reuse.
+    """Find a request's reuse: the longest prefix valid in every self-attention layer group.
 
-    Returns (hasher, full keys, root key, matched nodes, partial node, partial tokens), where
-    the matched prefix and the partial block are the longest reuse valid in every
-    self-attention layer group.
+    Blocks cover the prompt minus its last token. The tree is walked by token bytes, so a
+    matched block is never hashed again. Returns (root key, matched nodes, partial node,
+    partial tokens).
     """
     cfg = mgr.config
     tpb = mgr.tpb
     tokens = request.tokens
-    hasher = BlockHasher(
-        cfg.hash_algo, tpb, lora_id=request.lora_id, cache_salt=request.cache_salt
-    )
-    keys = hasher.extend(tokens[: len(tokens) - 1])
-    salt_id = cache_salt_id(request.cache_salt) if request.cache_salt is not None else None
-    root_key = BlockHasher.root_key(cfg.hash_algo, lora_id=request.lora_id, salt_id=salt_id)
+    root_key = mgr.root_key(request.lora_id, request.cache_salt)
     if not cfg.enable_block_reuse:
-        return hasher, keys, root_key, [], None, 0
+        return root_key, [], None, 0
     root = mgr.roots.get(root_key)
     if root is None:
-        return hasher, keys, root_key, [], None, 0
+        return root_key, [], None, 0
+    body = len(tokens) - 1
+    raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
+    step = 4 * tpb
     matched: list[Node] = []
     node = root
-    for k in keys:
-        child = node.children.get(k)
+    for off in range(0, body // tpb * step, step):
+        child = node.children.get(raw[off:off + step])
         if child is None:
             break
         matched.append(child)
         node = child
     groups = mgr.self_groups
     d = len(matched)
-    if cfg.enable_partial_reuse:
-        if d < len(keys):
-            target = hasher_tokens(tokens, d * tpb, (d + 1) * tpb)
-        else:
-            target = hasher_tokens(tokens, d * tpb, len(tokens) - 1)
-        parent = matched[-1] if matched else root
-        cand, k = best_partial_child(parent, target, groups)
+    if cfg.enable_partial_reuse and d * tpb < body:
+        target = hasher_tokens(tokens, d * tpb, min((d + 1) * tpb, body))
+        cand, k = best_partial_child(node, target, groups)
         if cand is not None:
             length = d * tpb + k
             nodes = [*matched, cand]
             if all(_group_valid(mgr, g, nodes, length) for g in groups):
-                return hasher, keys, root_key, matched, cand, k
+                return root_key, matched, cand, k
     while d > 0:
         if all(_group_valid(mgr, g, matched[:d], d * tpb) for g in groups):
             break
         d -= 1
-    return hasher, keys, root_key, matched[:d], None, 0
+    return root_key, matched[:d], None, 0
 
 
 def hasher_tokens(tokens: Sequence[int], start: int, stop: int) -> array[int]:
+    if isinstance(tokens, array):
+        return tokens[start:stop]
     return array("I", tokens[start:stop])
 
 
@@ -225,31 +219,33 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             )
     groups = range(cfg.num_groups)
     tracker = PartialClaimTracker()
-    walked = [walk(mgr, r) for r in requests]
     out: list[RequestPlan] = []
-    for r, (hasher, keys, root_key, matched, pnode, pk) in zip(requests, walked, strict=True):
+    for r in requests:
+        root_key, matched, pnode, pk = walk(mgr, r)
         n = len(r.tokens)
         reused = len(matched) * tpb + pk
-        claimed: dict[int, list[int]] = {}
+        d = len(matched)
+        claimed: dict[int, Sequence[int]] = {}
         for g in mgr.self_groups:
             w = cfg.window_sizes[g]
             if w is None:
-                claimed[g] = list(range(len(matched)))
+                claimed[g] = range(d)
             else:
                 sb = mgr.sink_blocks[g]
-                claimed[g] = [
-                    i for i in range(len(matched)) if _window_required(i, reused, w, sb, tpb)
-                ]
-            for i in claimed[g]:
-                tracker.note_full_match(matched[i])
+                claimed[g] = [i for i in range(d) if _window_required(i, reused, w, sb, tpb)]
         num_blocks = -(-n // tpb)
         out.append(RequestPlan(
             seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
-            request=r, hasher=hasher, keys=keys, root_key=root_key, num_blocks=num_blocks,
+            request=r, root_key=root_key, num_blocks=num_blocks,
             last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, claimed=claimed,
             partial=pnode, partial_tokens=pk,
         ))
-    # partial sources are decided after every full match of the batch is known
+    if any(p.partial is not None for p in out):
+        # partial sources are decided once every full match of the batch is known
+        for p in out:
+            for idxs in p.claimed.values():
+                for i in idxs:
+                    tracker.note_full_match(p.matched[i])
     onboarded: set[tuple[int, int]] = set()
     claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
     for p in out:
@@ -264,10 +260,9 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
                 p.new_blocks[g] = -(-len(enc) // tpb)
                 continue
             first_fresh = d + (1 if p.partial is not None else 0)
-            per_beam_last = 0 if p.last_shared else beams - 1
             fresh = p.num_blocks - first_fresh
-            if fresh > 0:
-                fresh += per_beam_last
+            if fresh > 0 and not p.last_shared:
+                fresh += beams - 1
             copies = 0
             if p.partial is not None:
                 copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
@@ -275,14 +270,19 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
                 if mgr.gpu_evictable(p.partial, g):
                     claimed_evictable[g].add(p.partial.slot[g])
             onboard = 0
+            ref = mgr.gpu_refs(g)
+            ce = claimed_evictable[g]
+            matched = p.matched
             for i in p.claimed[g]:
-                node = p.matched[i]
-                if node.tier[g] > 0:
+                node = matched[i]
+                if node.tier[g]:
                     if (id(node), g) not in onboarded:
                         onboarded.add((id(node), g))
                         onboard += 1
-                elif mgr.gpu_evictable(node, g):
-                    claimed_evictable[g].add(node.slot[g])
+                else:
+                    s = node.slot[g]
+                    if not ref[s]:
+                        ce.add(s)
             p.onboard[g] = onboard
             p.new_blocks[g] = fresh + copies + onboard
     totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}

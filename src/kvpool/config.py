@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import HashAlgo, hash_algo, validate_tokens
+from kvpool.hashing import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:
     from kvpool.planner import PoolPlan
@@ -113,7 +113,8 @@ class SequenceRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.seq_id, int | str) or isinstance(self.seq_id, bool):
             raise InvalidArgumentError(f"seq_id must be an int or str, got {self.seq_id!r}")
-        self.tokens = validate_tokens(self.tokens)
+        # validated once, kept as a compact u32 array (a Sequence[int]); slices are memcpys
+        self.tokens = tokens_to_u32(self.tokens)
         if not self.tokens:
             raise InvalidArgumentError(f"request {self.seq_id!r} has no tokens")
         _check_int("beam_width", self.beam_width, 1)
@@ -126,7 +127,7 @@ class SequenceRequest:
                 f"retention must be a RetentionConfig, got {self.retention!r}"
             )
         if self.encoder_tokens is not None:
-            self.encoder_tokens = validate_tokens(self.encoder_tokens)
+            self.encoder_tokens = tokens_to_u32(self.encoder_tokens)
             if not self.encoder_tokens:
                 raise InvalidArgumentError(f"request {self.seq_id!r} has empty encoder_tokens")
 

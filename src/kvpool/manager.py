@@ -34,7 +34,7 @@ from kvpool.errors import (
 )
 from kvpool.events.model import EventDiff, StoredBlock
 from kvpool.eviction import EvictionPolicy, make_policy
-from kvpool.hashing import BlockHasher, BlockKey, cache_salt_id, event_hash, validate_tokens
+from kvpool.hashing import BlockHasher, BlockKey, cache_salt_id, event_hash, tokens_to_u32
 from kvpool.radix import NO_SLOT, Node, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
@@ -119,6 +119,7 @@ class KVCacheManager:
         ]
         self._ref: list[list[int]] = [[0] * n for n in config.slots[0]]
         self.roots: dict[BlockKey, Node] = {}
+        self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self.sequences: dict[int | str, Seq] = {}
         self.storage: Storage = storage or MetadataStorage(self.tpb)
         self._events = events
@@ -135,6 +136,20 @@ class KVCacheManager:
                                   [config.slots[t][g] for t in range(self._tiers)])
 
     # ------------------------------------------------------------------ queries used by planning
+
+    def root_key(self, lora_id: int | None, cache_salt: str | None) -> BlockKey:
+        """The root key of a reuse scope (cached: v2 roots are a sha256 each)."""
+        scope = (lora_id, cache_salt)
+        key = self._root_keys.get(scope)
+        if key is None:
+            salt = cache_salt_id(cache_salt) if cache_salt is not None else None
+            key = BlockHasher.root_key(self.config.hash_algo, lora_id=lora_id, salt_id=salt)
+            self._root_keys[scope] = key
+        return key
+
+    def gpu_refs(self, g: int) -> list[int]:
+        """Reference counts of group g's GPU slots (read only)."""
+        return self._ref[g]
 
     def gpu_available(self, g: int) -> int:
         """Free plus evictable GPU slots of group g."""
@@ -223,85 +238,106 @@ class KVCacheManager:
         beams = r.beam_width
         tpb = self.tpb
         d = len(p.matched)
+        matched = p.matched
         st = RequestStats()
         before = list(self._new_count)
         tables: list[list[list[int]]] = []
+        tier_hits = self._stats.tier_hits
         for g in range(cfg.num_groups):
+            ref = self._ref[g]
             if g in cfg.cross_attention_groups:
                 enc = r.encoder_tokens or []
-                row = [self._alloc(g) for _ in range(-(-len(enc) // tpb))]
+                row = self._alloc_n(g, -(-len(enc) // tpb))
                 for s in row:
-                    self._ref[g][s] += beams
+                    ref[s] += beams
                 tables.append([list(row) for _ in range(beams)])
                 st.alloc_total += len(row)
                 continue
-            shared: list[int] = [NO_SLOT] * p.num_blocks
+            shared: list[int] = [NO_SLOT] * d
             claimed = p.claimed[g]
+            claim_tiers = p.claim_tiers[g]
             for i in claimed:
-                node = p.matched[i]
-                claim_tier = p.claim_tiers[g][i]
-                self._stats.tier_hits[claim_tier] += 1
-                if claim_tier > 0:  # GPU claims took their reference in phase 1
+                node = matched[i]
+                claim_tier = claim_tiers[i]
+                tier_hits[claim_tier] += 1
+                if claim_tier:  # GPU claims took their reference in phase 1
                     st.onboarded += self._onboard(node, g, beams)
                 shared[i] = node.slot[g]
             st.full_reused += len(claimed)
             last = p.num_blocks - 1
+            per_beam_last = not p.last_shared
             per_beam: list[list[int]] = [[] for _ in range(beams)]
-            first_fresh = d
             if p.partial is not None:
-                first_fresh = d + 1
                 src = p.partial
-                copies = beams if (not p.last_shared and d == last) else 1
+                on_last = per_beam_last and d == last
+                copies = beams if on_last else 1
                 targets: list[int] = []
                 if p.partial_mode is PartialMode.TAKEOVER:
                     targets.append(self._take_over(src, g, beams))
                     copies -= 1
                 src_tier, src_slot = p.partial_loc[g]
-                for _ in range(copies):
-                    s = self._alloc(g)
+                for s in self._alloc_n(g, copies):
                     self._add_copy(BlockCopy(src_tier, src_slot, 0, s, g))
-                    self._ref[g][s] += 1 if (not p.last_shared and d == last) else beams
+                    ref[s] += 1 if on_last else beams
                     targets.append(s)
-                if not p.last_shared and d == last:
+                if on_last:
                     for b in range(beams):
                         per_beam[b].append(targets[b])
                 else:
-                    shared[d] = targets[0]
+                    shared.append(targets[0])
                 st.partial_reused += 1
-            for i in range(first_fresh, p.num_blocks):
-                if i == last and not p.last_shared:
-                    for b in range(beams):
-                        s = self._alloc(g)
-                        self._ref[g][s] += 1
-                        per_beam[b].append(s)
-                else:
-                    s = self._alloc(g)
-                    self._ref[g][s] += beams
-                    shared[i] = s
+            first_fresh = len(shared)
+            n_shared_fresh = p.num_blocks - first_fresh - (1 if per_beam_last else 0)
+            if n_shared_fresh > 0:
+                fresh = self._alloc_n(g, n_shared_fresh)
+                for s in fresh:
+                    ref[s] += beams
+                shared.extend(fresh)
+                st.missed += n_shared_fresh
+            if per_beam_last and first_fresh <= last:
+                for b, s in enumerate(self._alloc_n(g, beams)):
+                    ref[s] += 1
+                    per_beam[b].append(s)
                 st.missed += 1
-            if not p.last_shared:
-                shared = shared[:last]
             tables.append([shared + per_beam[b] for b in range(beams)])
-            st.alloc_total += sum(1 for s in shared if s != NO_SLOT) + sum(map(len, per_beam))
+            st.alloc_total += len(shared) - shared.count(NO_SLOT) + sum(map(len, per_beam))
         st.reused = st.full_reused + st.partial_reused
         new = {g: self._new_count[g] - before[g] for g in range(cfg.num_groups)}
         st.alloc_new = sum(new[g] for g in self.self_groups)
         seq = Seq(
-            r.seq_id, list(r.tokens), beams, p.hasher, list(p.keys),
-            len(r.tokens) - 1, self._root(p.root_key), tables,
+            r.seq_id, array("I", r.tokens), beams, [n.key for n in matched],
+            self._root(p.root_key), tables,
             lora_id=r.lora_id, cache_salt=r.cache_salt, retention=r.retention,
-            encoder_tokens=list(r.encoder_tokens) if r.encoder_tokens is not None else None,
+            encoder_tokens=(
+                array("I", r.encoder_tokens) if r.encoder_tokens is not None else None
+            ),
         )
+        seq.commit_nodes = list(matched)
+        seq.committed_blocks = d
         self.sequences[r.seq_id] = seq
-        self._stats.add_request(st)
-        self._stats.reused_tokens += p.reused_tokens
-        self._stats.prompt_tokens += len(r.tokens)
-        self._stats.admitted_requests += 1
-        self._stats.onboard_blocks += st.onboarded
+        stats = self._stats
+        stats.add_request(st)
+        stats.reused_tokens += p.reused_tokens
+        stats.prompt_tokens += len(r.tokens)
+        stats.admitted_requests += 1
+        stats.onboard_blocks += st.onboarded
         return AdmitResult(
             seq_id=r.seq_id, reused_tokens=p.reused_tokens,
             block_ids=[[list(b) for b in t] for t in tables], new_blocks=new, stats=st,
         )
+
+    def _alloc_n(self, g: int, n: int) -> list[int]:
+        """``n`` GPU slots of group g (free ones first, then evicted victims)."""
+        if n <= 0:
+            return []
+        free = self._free[0][g]
+        if len(free) >= n:
+            self._new_count[g] += n
+            out = free[-n:]
+            del free[-n:]
+            out.reverse()
+            return out
+        return [self._alloc(g) for _ in range(n)]
 
     def _root(self, key: BlockKey) -> Node:
         root = self.roots.get(key)
@@ -530,7 +566,7 @@ class KVCacheManager:
             # blocks that become per-beam: with beams, new blocks are per beam
             need[g] = add * seq.beam_width
             released = 0
-            limit = self._stale_limit(g, new_len)
+            limit = self._stale_limit(g, seq.num_tokens + 1)
             counts: dict[int, int] = {}
             for b in range(seq.beam_width):
                 tb = seq.tables[g][b]
@@ -548,14 +584,15 @@ class KVCacheManager:
         """Grow a sequence by ``token_ids`` (decode; several for speculative decoding).
 
         Allocates a block at each block boundary (per beam), and releases blocks that left a
-        sliding window (sink blocks stay). All or nothing: raises :class:`OutOfBlocksError`
+        sliding window (sink blocks stay) as seen from the first new token, whose KV the next
+        step computes. All or nothing: raises :class:`OutOfBlocksError`
         with the manager unchanged when the pool cannot provide the blocks.
         """
         with self._lock:
             seq = self._seq(seq_id)
             if seq.suspended:
                 raise SequenceStateError(f"sequence {seq_id!r} is suspended; resume it first")
-            toks = validate_tokens(token_ids)
+            toks = tokens_to_u32(token_ids)
             if not toks:
                 return
             new_len = seq.num_tokens + len(toks)
@@ -575,7 +612,9 @@ class KVCacheManager:
             for g in range(self.config.num_groups):
                 if g in self.config.cross_attention_groups:
                     continue
-                self._release_stale(seq, g, new_len)
+                # The step computes the new tokens' KV; its first token still attends back a
+                # window from the old end, so staleness is judged at old length + 1.
+                self._release_stale(seq, g, seq.num_tokens + 1)
             blocks_after = -(-new_len // self.tpb)
             for g in range(self.config.num_groups):
                 if g in self.config.cross_attention_groups:
@@ -612,6 +651,44 @@ class KVCacheManager:
                     self._clock() + node.duration if node.duration is not None else None
                 )
                 self._queue[0][g].push(s, node.priority, expires)
+
+    def _unref_many(self, g: int, slots: list[int]) -> None:
+        """Drop one reference on each slot of a block table (NO_SLOT entries skipped).
+
+        Cached blocks whose last reference goes join the eviction queue tail first, so that
+        within one release a sequence's tail is evicted before its head: evicting a head block
+        would take every block after it along (a full-attention block without its prefix
+        cannot be matched). Uncached blocks become free.
+        """
+        ref = self._ref[g]
+        node_at = self._node_at[0][g]
+        free = self._free[0][g]
+        queue = self._queue[0][g]
+        batch: list[int] = []
+        batch_prio = -1
+        for s in reversed(slots):
+            if s == NO_SLOT:
+                continue
+            r = ref[s] - 1
+            ref[s] = r
+            if r:
+                continue
+            node = node_at[s]
+            if node is None:
+                free.append(s)
+            elif node.duration is None:
+                if node.priority != batch_prio and batch:
+                    queue.push_many(batch, batch_prio)
+                    batch = []
+                batch_prio = node.priority
+                batch.append(s)
+            else:
+                if batch:
+                    queue.push_many(batch, batch_prio)
+                    batch = []
+                queue.push(s, node.priority, self._clock() + node.duration)
+        if batch:
+            queue.push_many(batch, batch_prio)
 
     def rewind_tokens(self, seq_id: int | str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens (rejected speculative tokens).
@@ -669,78 +746,92 @@ class KVCacheManager:
             self._commit(seq, num_computed_tokens // self.tpb)
             self._finish_call()
 
-    def _keys_upto(self, seq: Seq, blocks: int) -> None:
-        need_tokens = blocks * self.tpb
-        if len(seq.keys) >= blocks:
-            return
-        fed = seq.hashed
-        seq.keys.extend(seq.hasher.extend(seq.tokens[fed:need_tokens]))
-        seq.hashed = max(fed, need_tokens)
+    def _hasher_after(self, seq: Seq, blocks: int) -> BlockHasher:
+        """A hasher positioned after the sequence's first ``blocks`` full blocks."""
+        h = BlockHasher(self.config.hash_algo, self.tpb, lora_id=seq.lora_id,
+                        cache_salt=seq.cache_salt)
+        h.resume(seq.keys[:blocks])
+        return h
 
     def _commit(self, seq: Seq, upto: int) -> None:
-        """Insert the sequence's full blocks [committed, upto) into the tree (beam 0)."""
-        if not self.config.enable_block_reuse or upto <= seq.committed_blocks:
+        """Insert the sequence's full blocks [committed, upto) into the tree (beam 0).
+
+        Blocks already in the tree (another sequence committed them) are found by their
+        tokens; keys are computed, in one chained batch, only for the blocks that are new.
+        """
+        start = seq.committed_blocks
+        if not self.config.enable_block_reuse or upto <= start:
             return
-        self._keys_upto(seq, upto)
+        tpb = self.tpb
         nodes = seq.commit_nodes
-        if nodes and not all(n.alive for n in nodes[-1:]):
+        if nodes and not nodes[-1].alive:
             nodes = seq.commit_nodes = self._path(seq, len(nodes))
         parent = nodes[-1] if nodes else seq.root
         groups = self.config.num_groups
+        self_groups = self.self_groups
+        node_at = self._node_at[0]
+        tables = [seq.tables[g][0] for g in range(groups)]
         chains: dict[int, tuple[Node, list[Node]]] = {}
-        tpb = self.tpb
-        for i in range(seq.committed_blocks, upto):
-            key = seq.keys[i]
-            node = parent.children.get(key)
+        events = self._events is not None
+        tokens = seq.tokens
+        raw = tokens.tobytes()
+        step = 4 * tpb
+        new_keys: list[BlockKey] | None = None
+        for i in range(start, upto):
+            node = parent.children.get(raw[i * step:(i + 1) * step])
             if node is None:
-                node = Node(key, parent, array("I", seq.tokens[i * tpb:(i + 1) * tpb]), groups)
-                self._set_priority(seq, node, i * tpb)
+                if new_keys is None:
+                    new_keys = self._hasher_after(seq, i).extend(tokens[i * tpb:upto * tpb])
+                    first_new = i
+                node = Node(new_keys[i - first_new], parent, tokens[i * tpb:(i + 1) * tpb],
+                            groups)
+                if seq.retention is not None:
+                    self._set_priority(seq, node, i * tpb)
                 parent.add_child(node)
-            for g in self.self_groups:
-                tb = seq.tables[g][0]
+            seq.keys.append(node.key)
+            slots = node.slot
+            for g in self_groups:
+                tb = tables[g]
                 s = tb[i] if i < len(tb) else NO_SLOT
-                chain = chains.get(g)
-                if s != NO_SLOT and node.slot[g] == NO_SLOT and self._node_at[0][g][s] is None:
-                    node.slot[g] = s
+                if s != NO_SLOT and slots[g] == NO_SLOT and node_at[g][s] is None:
+                    slots[g] = s
                     node.tier[g] = 0
-                    self._node_at[0][g][s] = node
-                    if chain is None:
-                        chains[g] = (parent, [node])
-                    else:
-                        chain[1].append(node)
-                elif chain is not None:
-                    self._emit_stored(g, chain[0], chain[1], seq.lora_id)
-                    del chains[g]
+                    node_at[g][s] = node
+                    if events:
+                        chain = chains.get(g)
+                        if chain is None:
+                            chains[g] = (parent, [node])
+                        else:
+                            chain[1].append(node)
+                elif events and g in chains:
+                    chain_parent, chain_nodes = chains.pop(g)
+                    self._emit_stored(g, chain_parent, chain_nodes, seq.lora_id)
             nodes.append(node)
             parent = node
         for g, (chain_parent, chain_nodes) in chains.items():
             self._emit_stored(g, chain_parent, chain_nodes, seq.lora_id)
         seq.committed_blocks = upto
-        for n in nodes[-1:]:
-            if not n.has_any_slot() and not n.children:
-                prune(n)
+        last = nodes[-1]
+        if not last.has_any_slot() and not last.children:
+            prune(last)
 
     def _path(self, seq: Seq, blocks: int) -> list[Node]:
         """Nodes of the sequence's first ``blocks`` committed blocks, recreating path nodes a
         prune removed (keys are still valid; only slots were lost)."""
         out: list[Node] = []
-        parent = self._root(self._seq_root_key(seq))
+        parent = self._root(self.root_key(seq.lora_id, seq.cache_salt))
         seq.root = parent
+        tpb = self.tpb
         for i in range(blocks):
-            key = seq.keys[i]
-            node = parent.children.get(key)
+            tokens = seq.tokens[i * tpb:(i + 1) * tpb]
+            node = parent.children.get(tokens.tobytes())
             if node is None:
-                node = Node(key, parent, array("I", seq.tokens[i * self.tpb:(i + 1) * self.tpb]),
-                            self.config.num_groups)
-                self._set_priority(seq, node, i * self.tpb)
+                node = Node(seq.keys[i], parent, tokens, self.config.num_groups)
+                self._set_priority(seq, node, i * tpb)
                 parent.add_child(node)
             out.append(node)
             parent = node
         return out
-
-    def _seq_root_key(self, seq: Seq) -> BlockKey:
-        salt = cache_salt_id(seq.cache_salt) if seq.cache_salt is not None else None
-        return BlockHasher.root_key(self.config.hash_algo, lora_id=seq.lora_id, salt_id=salt)
 
     def _set_priority(self, seq: Seq, node: Node, first_token: int) -> None:
         ret = seq.retention
@@ -766,9 +857,7 @@ class KVCacheManager:
                     self._commit_partial(seq, computed)
             for g in range(self.config.num_groups):
                 for tb in seq.tables[g]:
-                    for s in tb:
-                        if s != NO_SLOT:
-                            self._unref(g, s)
+                    self._unref_many(g, tb)
             del self.sequences[seq_id]
             self._finish_call()
 
@@ -781,11 +870,10 @@ class KVCacheManager:
         parent = nodes[full - 1] if full else seq.root
         if not parent.alive:
             return
-        self._keys_upto(seq, full)
-        tokens = array("I", seq.tokens[full * self.tpb:computed])
-        key = seq.hasher.key_of_prefix_block(tokens)
-        if key in parent.children:
+        tokens = seq.tokens[full * self.tpb:computed]
+        if tokens.tobytes() in parent.children:
             return
+        key = self._hasher_after(seq, full).key_of_prefix_block(tokens)
         node = Node(key, parent, tokens, self.config.num_groups)
         self._set_priority(seq, node, full * self.tpb)
         stored: list[int] = []
@@ -838,7 +926,7 @@ class KVCacheManager:
             enc = [0] if self.config.cross_attention_groups else None
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
-            _, _, _, matched, _, k = admission.walk(self, req)
+            _, matched, _, k = admission.walk(self, req)
             return len(matched) * self.tpb + k
 
     def num_free_blocks(self, layer_group: int = 0) -> int:

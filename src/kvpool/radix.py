@@ -2,9 +2,13 @@
 
 ```
 root(scope) ── K0 ── K1 ── K2          K = chained block key (tokens + every token before)
-                 │      └── K2'        children by key; a partial (short) block is always a leaf
+                 │      └── K2'        a partial (short) block is always a leaf
                  └── K1'
 ```
+
+Children are indexed by their tokens' bytes: under one parent (one chain, one scope) equal
+tokens mean an equal key, and looking a block up by its bytes costs a dict probe where its
+key would cost a hash-chain step. Keys are computed once, when a block enters the tree.
 
 A node may hold a slot in some layer groups and not in others (a sliding-window group drops
 blocks that left its window; a full-attention group drops a block's descendants with it). A
@@ -27,7 +31,7 @@ class Node:
 
     __slots__ = (
         "alive", "by_first", "children", "duration", "key", "parent", "priority", "slot", "tier",
-        "tokens",
+        "tkey", "tokens",
     )
 
     def __init__(
@@ -36,7 +40,8 @@ class Node:
         self.key = key
         self.parent = parent
         self.tokens = tokens
-        self.children: dict[BlockKey, Node] = {}
+        self.tkey = tokens.tobytes()
+        self.children: dict[bytes, Node] = {}
         # first token -> children starting with it; built lazily for partial matching
         self.by_first: dict[int, list[Node]] | None = None
         self.slot: list[int] = [NO_SLOT] * groups
@@ -56,12 +61,12 @@ class Node:
         return any(s != NO_SLOT for s in self.slot)
 
     def add_child(self, child: Node) -> None:
-        self.children[child.key] = child
+        self.children[child.tkey] = child
         if self.by_first is not None and child.tokens:
             self.by_first.setdefault(child.tokens[0], []).append(child)
 
     def remove_child(self, child: Node) -> None:
-        del self.children[child.key]
+        del self.children[child.tkey]
         if self.by_first is not None and child.tokens:
             bucket = self.by_first[child.tokens[0]]
             bucket.remove(child)

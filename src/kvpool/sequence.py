@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from array import array
+
 from kvpool.config import RetentionConfig
-from kvpool.hashing import BlockHasher, BlockKey
+from kvpool.hashing import BlockKey
 from kvpool.radix import Node
 
 
@@ -17,33 +19,29 @@ class Sequence:
 
     __slots__ = (
         "beam_width", "cache_salt", "commit_nodes", "committed_blocks", "committed_floor",
-        "encoder_tokens", "hashed", "hasher", "keys", "lora_id", "prompt_len", "retention",
-        "root", "seq_id", "suspended", "tables", "tokens",
+        "encoder_tokens", "keys", "lora_id", "prompt_len", "retention", "root", "seq_id",
+        "suspended", "tables", "tokens",
     )
 
     def __init__(
         self,
         seq_id: int | str,
-        tokens: list[int],
+        tokens: array[int],
         beam_width: int,
-        hasher: BlockHasher,
         keys: list[BlockKey],
-        hashed: int,
         root: Node,
         tables: list[list[list[int]]],
         *,
         lora_id: int | None,
         cache_salt: str | None,
         retention: RetentionConfig | None,
-        encoder_tokens: list[int] | None,
+        encoder_tokens: array[int] | None,
     ) -> None:
         self.seq_id = seq_id
         self.tokens = tokens
         self.prompt_len = len(tokens)
         self.beam_width = beam_width
-        self.hasher = hasher
-        self.keys = keys  # keys of full blocks hashed so far
-        self.hashed = hashed  # tokens fed to the hasher
+        self.keys = keys  # keys of the first full blocks (matched, then committed)
         self.root = root
         self.tables = tables
         self.lora_id = lora_id

@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -82,10 +82,13 @@ WireHash = int | bytes
 
 # ------------------------------------------------------------------------------ wire structs
 # Struct field order is the wire order; omit_defaults drops exactly the fields that vLLM only
-# writes when set (those with a default here), never the always-present ones.
+# writes when set (those with a default here), never the always-present ones. gc=False: these
+# hold no cycles, and the cyclic collector has millions of them to skip.
 
 
-class _BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+class _BlockStored(
+    msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False
+):
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None
     token_ids: list[int]
@@ -99,20 +102,22 @@ class _BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_def
     kv_cache_spec_sliding_window: int | None = None
 
 
-class _BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+class _BlockRemoved(
+    msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False
+):
     block_hashes: list[WireHash]
     medium: str | None
     group_idx: int | None = None
 
 
-class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
     pass
 
 
 _WireEvent = _BlockStored | _BlockRemoved | _AllBlocksCleared
 
 
-class _Batch(msgspec.Struct, array_like=True):
+class _Batch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_WireEvent]
     data_parallel_rank: int | None
@@ -190,6 +195,16 @@ def _wire_hash(h: BlockHash) -> WireHash:
         ) from None
 
 
+def _wire_hashes(hashes: list[BlockHash]) -> list[WireHash]:
+    # Fast path in C: a list of ints within u64 passes through as it is.
+    try:
+        if min(hashes) >= 0 and max(hashes) <= _M64:  # type: ignore[operator]
+            return hashes  # type: ignore[return-value]
+    except TypeError:  # strings (v2_sha256) or a mix
+        pass
+    return [_wire_hash(h) for h in hashes]
+
+
 def _encode_stored(
     data: Stored,
     group: int | None,
@@ -201,26 +216,26 @@ def _encode_stored(
     blocks = data.blocks
     if not blocks:
         return
-    size = block_size if block_size is not None else max(len(b.tokens) for b in blocks)
+    size = block_size if block_size is not None else max([len(b.tokens) for b in blocks])
     kind: str | None = None
     window: int | None = None
     if event.layer_group_id in sliding:
         kind, window = "sliding_window", event.window_size
     parent = None if data.parent_hash is None else _wire_hash(data.parent_hash)
-    start = 0
-    n = len(blocks)
+    # Usually one run; otherwise one BlockStored per run of equal (tier, LoRA), still chained.
+    # Plain loops: measured faster here than map/attrgetter/chain (extend copies a tuple in C).
+    start, n = 0, len(blocks)
     while start < n:
         first = blocks[start]
         level, lora = first.cache_level, first.lora_id
         stop = start + 1
         while stop < n and blocks[stop].cache_level == level and blocks[stop].lora_id == lora:
             stop += 1
-        hashes: list[WireHash] = []
+        run = blocks[start:stop] if start or stop < n else blocks
         tokens: list[int] = []
-        for b in blocks[start:stop]:
-            h = b.block_hash
-            hashes.append(h if type(h) is int and 0 <= h <= _M64 else _wire_hash(h))
+        for b in run:
             tokens.extend(b.tokens)
+        hashes = _wire_hashes([b.block_hash for b in run])
         wire.append(
             _BlockStored(
                 hashes, parent, tokens, size, lora, _medium(level), None, None, group, kind, window
@@ -239,15 +254,15 @@ def _encode_removed(
     if not hashes:
         return
     if levels is None:
-        wire.append(_BlockRemoved([_wire_hash(h) for h in hashes], None, group))
+        wire.append(_BlockRemoved(_wire_hashes(list(hashes)), None, group))
         return
     if len(levels) != len(hashes):
         raise InvalidArgumentError(
             f"removed event has {len(hashes)} hashes but {len(levels)} cache levels"
         )
     first = levels[0]
-    if all(level == first for level in levels):
-        wire.append(_BlockRemoved([_wire_hash(h) for h in hashes], _medium(first), group))
+    if levels.count(first) == len(levels):
+        wire.append(_BlockRemoved(_wire_hashes(list(hashes)), _medium(first), group))
         return
     by_level: dict[int, list[WireHash]] = {}
     for h, level in zip(hashes, levels, strict=True):
@@ -293,9 +308,8 @@ def decode_vllm_batch(
         # Not the current shape (positional events, a map batch, unknown keys' types...) or
         # garbage: the generic path accepts the former and names the fault in the latter.
         return _decode_generic(payload, hash_algo, first_event_id)
-    decoder = _Decoder(hash_algo, first_event_id, batch.data_parallel_rank)
+    decoder = _Decoder(hash_algo, first_event_id, batch.data_parallel_rank, typed=True)
     for index, ev in enumerate(batch.events):
-        where = f"event {index}"
         if type(ev) is _InStored:
             decoder.stored(
                 ev.block_hashes,
@@ -306,10 +320,10 @@ def decode_vllm_batch(
                 ev.medium,
                 ev.group_idx,
                 ev.kv_cache_spec_sliding_window,
-                where,
+                index,
             )
         elif type(ev) is _InRemoved:
-            decoder.removed(ev.block_hashes, ev.medium, ev.group_idx, where)
+            decoder.removed(ev.block_hashes, ev.medium, ev.group_idx, index)
         else:
             decoder.emit(AllCleared(), 0, 0)
     return VllmEventBatch(batch.ts, decoder.out, batch.data_parallel_rank)
@@ -318,32 +332,33 @@ def decode_vllm_batch(
 # Decoding structs for the current shape: msgspec validates types in C and ignores unknown keys;
 # anything else falls back to the generic path.
 
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
-class _InStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+
+class _InStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    # Fields kvpool does not use (lora_name, extra_keys, kv_cache_spec_kind) are left out so
+    # msgspec skips them without building objects.
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None = None
     token_ids: tuple[int, ...] = ()
-    block_size: int = 0
+    block_size: _NonNegative | None = 0
     lora_id: int | None = None
     medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: Any = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+    group_idx: _NonNegative | None = None
+    kv_cache_spec_sliding_window: _NonNegative | None = None
 
 
-class _InRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+class _InRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[int | bytes]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: _NonNegative | None = None
 
 
-class _InCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+class _InCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
     pass
 
 
-class _InBatch(msgspec.Struct, array_like=True):
+class _InBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_InStored | _InRemoved | _InCleared]
     data_parallel_rank: int | None = None
@@ -387,18 +402,26 @@ def _decode_generic(payload: bytes, hash_algo: str, first_event_id: int) -> Vllm
         raise EventFormatError(f"batch events must be an array, got {_short(raw_events)}")
     if rank is not None and type(rank) is not int:
         raise EventFormatError(f"batch data_parallel_rank must be an int or nil, got {rank!r}")
-    decoder = _Decoder(hash_algo, first_event_id, rank)
+    decoder = _Decoder(hash_algo, first_event_id, rank, typed=False)
     for index, raw in enumerate(raw_events):
-        decoder.generic(raw, f"event {index}")
+        decoder.generic(raw, index)
     return VllmEventBatch(float(ts), decoder.out, rank)
 
 
+def _where(index: int, field: str = "") -> str:
+    return f"event {index}.{field}" if field else f"event {index}"
+
+
 class _Decoder:
-    """Turns one batch's wire events into kvpool events (shared by both decoding paths)."""
+    """Turns one batch's wire events into kvpool events (shared by both decoding paths).
 
-    __slots__ = ("algo", "hex_bytes", "next_id", "out", "rank")
+    Error locations are built only when an error is raised: this is a hot path.
+    """
 
-    def __init__(self, algo: str, first_event_id: int, rank: int | None) -> None:
+    __slots__ = ("algo", "hex_bytes", "next_id", "out", "rank", "typed")
+
+    def __init__(self, algo: str, first_event_id: int, rank: int | None, typed: bool) -> None:
+        self.typed = typed
         self.algo = algo
         self.hex_bytes = algo == _V2_SHA256
         self.next_id = first_event_id
@@ -409,38 +432,53 @@ class _Decoder:
         self.out.append(KVCacheEvent(self.next_id, data, window, group, self.algo, self.rank))
         self.next_id += 1
 
-    def hash(self, value: Any, where: str) -> BlockHash:
+    def hash(self, value: Any, index: int, field: str) -> BlockHash:
         if type(value) is int:
             return value & _M64 if value < 0 else value
         if type(value) is bytes:
             return value.hex() if self.hex_bytes else int.from_bytes(value[-8:], "big")
-        raise EventFormatError(f"{where}: a block hash must be an int or bytes, got {value!r}")
+        raise EventFormatError(
+            f"{_where(index, field)}: a block hash must be an int or bytes, got {value!r}"
+        )
 
-    def hashes(self, value: Any, where: str) -> list[BlockHash]:
-        if not isinstance(value, list):
-            raise EventFormatError(f"{where}.block_hashes: expected an array, got {_short(value)}")
-        if all(type(h) is int and h >= 0 for h in value):
-            return value  # the common case: already unsigned ints
-        return [self.hash(h, f"{where}.block_hashes[{i}]") for i, h in enumerate(value)]
+    def hashes(self, value: Any, index: int) -> list[BlockHash]:
+        if type(value) is not list:
+            raise EventFormatError(
+                f"{_where(index, 'block_hashes')}: expected an array, got {_short(value)}"
+            )
+        if not value:
+            return value
+        if self.typed:
+            # The common case, checked in C: msgspec already made every hash an int or bytes,
+            # and unsigned ints pass through as they are.
+            try:
+                if min(value) >= 0:
+                    return value
+            except TypeError:  # bytes
+                pass
+        return [self.hash(h, index, f"block_hashes[{i}]") for i, h in enumerate(value)]
 
     @staticmethod
-    def tier(medium: Any, where: str) -> int | None:
+    def tier(medium: Any, index: int) -> int | None:
         if medium is None:
             return None
-        tier = TIER_OF_MEDIUM.get(medium) if isinstance(medium, str) else None
+        tier = TIER_OF_MEDIUM.get(medium) if type(medium) is str else None
         if tier is None:
-            raise EventFormatError(f"{where}.medium: unknown medium {medium!r}")
+            raise EventFormatError(f"{_where(index, 'medium')}: unknown medium {medium!r}")
         return tier
 
     @staticmethod
-    def check_int(value: Any, name: str, where: str) -> int | None:
+    def check_int(value: Any, field: str, index: int) -> int:
+        """A non-negative int, or 0 for nil."""
         if value is None:
-            return None
+            return 0
         if type(value) is not int or value < 0:
-            raise EventFormatError(f"{where}.{name}: expected an int >= 0 or nil, got {value!r}")
+            raise EventFormatError(
+                f"{_where(index, field)}: expected an int >= 0 or nil, got {value!r}"
+            )
         return value
 
-    def generic(self, raw: Any, where: str) -> None:
+    def generic(self, raw: Any, index: int) -> None:
         if isinstance(raw, dict):
             kind = raw.get("type")
             fields = raw
@@ -448,65 +486,73 @@ class _Decoder:
             kind = raw[0]
             if kind == "BlockStored" and not 6 <= len(raw) <= 12:
                 raise EventFormatError(
-                    f"{where}: positional BlockStored has {len(raw)} elements, expected 6 to 12"
+                    f"{_where(index)}: positional BlockStored has {len(raw)} elements, "
+                    "expected 6 to 12"
                 )
             if kind == "BlockRemoved" and not 2 <= len(raw) <= 4:
                 raise EventFormatError(
-                    f"{where}: positional BlockRemoved has {len(raw)} elements, expected 2 to 4"
+                    f"{_where(index)}: positional BlockRemoved has {len(raw)} elements, "
+                    "expected 2 to 4"
                 )
             names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
             fields = dict(zip(names, raw[1:], strict=False))
         else:
-            raise EventFormatError(f"{where}: expected a map or an array, got {_short(raw)}")
+            raise EventFormatError(
+                f"{_where(index)}: expected a map or an array, got {_short(raw)}"
+            )
         if kind == "BlockStored":
             tokens = fields.get("token_ids")
             if tokens is None:
                 tokens = ()
             elif not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                 raise EventFormatError(
-                    f"{where}.token_ids: expected an array of ints, got {_short(tokens)}"
+                    f"{_where(index, 'token_ids')}: expected an array of ints, got {_short(tokens)}"
+                )
+            lora = fields.get("lora_id")
+            if lora is not None and type(lora) is not int:
+                raise EventFormatError(
+                    f"{_where(index, 'lora_id')}: expected an int or nil, got {lora!r}"
                 )
             self.stored(
                 fields.get("block_hashes"),
                 fields.get("parent_block_hash"),
                 tuple(tokens),
-                fields.get("block_size"),
-                fields.get("lora_id"),
+                self.check_int(fields.get("block_size"), "block_size", index),
+                lora,
                 fields.get("medium"),
-                fields.get("group_idx"),
-                fields.get("kv_cache_spec_sliding_window"),
-                where,
+                self.check_int(fields.get("group_idx"), "group_idx", index),
+                self.check_int(
+                    fields.get("kv_cache_spec_sliding_window"),
+                    "kv_cache_spec_sliding_window",
+                    index,
+                ),
+                index,
             )
         elif kind == "BlockRemoved":
-            self.removed(
-                fields.get("block_hashes"), fields.get("medium"), fields.get("group_idx"), where
-            )
+            group = self.check_int(fields.get("group_idx"), "group_idx", index)
+            self.removed(fields.get("block_hashes"), fields.get("medium"), group, index)
         elif kind == "AllBlocksCleared":
             self.emit(AllCleared(), 0, 0)
         else:
-            raise EventFormatError(f"{where}: unknown event type {kind!r}")
+            raise EventFormatError(f"{_where(index)}: unknown event type {kind!r}")
 
     def stored(
         self,
         raw_hashes: Any,
         raw_parent: Any,
         tokens: tuple[int, ...],
-        size: Any,
-        lora: Any,
+        size: int | None,
+        lora: int | None,
         medium: Any,
-        group: Any,
-        window: Any,
-        where: str,
+        group: int | None,
+        window: int | None,
+        index: int,
     ) -> None:
-        hashes = self.hashes(raw_hashes, where)
-        parent = None if raw_parent is None else self.hash(raw_parent, f"{where}.parent_block_hash")
-        size = self.check_int(size, "block_size", where) or 0
-        if lora is not None and type(lora) is not int:
-            raise EventFormatError(f"{where}.lora_id: expected an int or nil, got {lora!r}")
-        level = self.tier(medium, where) or 0
-        group = self.check_int(group, "group_idx", where) or 0
-        window = self.check_int(window, "kv_cache_spec_sliding_window", where) or 0
+        """Emit one stored event; ints arrive checked (by msgspec or by :meth:`generic`)."""
+        hashes = self.hashes(raw_hashes, index)
         n = len(hashes)
+        parent = None if raw_parent is None else self.hash(raw_parent, index, "parent_block_hash")
+        level = self.tier(medium, index) or 0
         if n == 0:
             return
         if size and tokens:
@@ -525,16 +571,15 @@ class _Decoder:
                 for h, chunk in zip(hashes, chunks, strict=True)
             ]
         )
-        self.emit(Stored(parent, blocks), group, window)
+        self.emit(Stored(parent, blocks), group or 0, window or 0)
 
-    def removed(self, raw_hashes: Any, medium: Any, group: Any, where: str) -> None:
-        hashes = self.hashes(raw_hashes, where)
-        group = self.check_int(group, "group_idx", where) or 0
-        tier = self.tier(medium, where)
+    def removed(self, raw_hashes: Any, medium: Any, group: int | None, index: int) -> None:
+        hashes = self.hashes(raw_hashes, index)
+        tier = self.tier(medium, index)
         if not hashes:
             return
         levels = None if tier is None else (tier,) * len(hashes)
-        self.emit(Removed(tuple(hashes), levels), group, 0)
+        self.emit(Removed(tuple(hashes), levels), group or 0, 0)
 
 
 def _short(value: Any) -> str:

@@ -249,6 +249,10 @@ class ZmqEventSubscriber:
     ``start_seq`` is the first seq expected (0: a subscriber started before or with its
     publisher gets everything still buffered); None accepts whatever seq arrives first.
 
+    A restart is recognised by the sequence going back. If the first batch the subscriber sees
+    from a restarted publisher already has a seq beyond the old publisher's last, the two are
+    indistinguishable by sequence alone and the restart looks like a gap.
+
     Not thread-safe: one thread calls :meth:`recv` / :meth:`catch_up`.
     """
 

@@ -1,0 +1,146 @@
+"""Admission throughput of the block manager on two workloads.
+
+W1: 8 system prompts of 1,024 tokens; 2,000 requests, request i = prompt (i % 8) + 1,024
+    unique tokens; tpb 32, 20,000 GPU blocks; each request added, stored and removed alone.
+W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesised per hash
+    id, 512 tokens per id); tpb 32, 20,000 GPU blocks; each request admitted in trace order and
+    held while the next 31 are admitted; a request that does not fit releases the oldest held
+    request early and retries (counted).
+
+"Hashing excluded" subtracts the time the same block keys take to compute alone (BlockHasher
+over the same token streams), measured separately in the same run.
+
+Usage: python benchmarks/bench_admission.py [--quick] [--host-blocks N] [--trace PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import report
+from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.errors import OutOfBlocksError
+from kvpool.hashing import BlockHasher, HashAlgo
+from kvpool.manager import KVCacheManager
+
+TPB = 32
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def w1_requests(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 2**31 - 1) for _ in range(1024)] for _ in range(8)]
+    return [prompts[i % 8] + [rng.randrange(1, 2**31 - 1) for _ in range(1024)] for i in range(n)]
+
+
+def hashing_time(token_lists: list[list[int]], algo: HashAlgo) -> float:
+    """Time to compute the keys admission and commit compute: prompt minus last, then rest."""
+    t0 = time.perf_counter()
+    for toks in token_lists:
+        h = BlockHasher(algo, TPB)
+        h.extend(toks[: len(toks) - 1])
+        h.extend(toks[len(toks) - 1:])
+    return time.perf_counter() - t0
+
+
+def run_w1(n: int, algo: HashAlgo, host_blocks: int) -> dict[str, object]:
+    reqs = w1_requests(n)
+    m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
+                                   host_blocks=host_blocks))
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    for i, toks in enumerate(reqs):
+        m.add_sequence(SequenceRequest(i, toks))
+        m.store_context_blocks(i, len(toks))
+        m.remove_sequence(i)
+    total = time.perf_counter() - t0
+    gc.enable()
+    hashing = hashing_time(reqs, algo)
+    blocks = sum(-(-len(t) // TPB) for t in reqs)
+    st = m.stats()
+    return {
+        "workload": "W1", "algo": algo.value, "requests": n, "prompt_blocks": blocks,
+        "total_s": total, "hashing_s": hashing, "manager_s": total - hashing,
+        "us_per_request": total / n * 1e6,
+        "us_per_block_incl_hash": total / blocks * 1e6,
+        "us_per_block_excl_hash": (total - hashing) / blocks * 1e6,
+        "block_hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
+        "early_releases": 0,
+    }
+
+
+def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int) -> dict[str, object]:
+    from kvpool.replay.workloads import load_mooncake
+
+    wl = load_mooncake(path, limit=n)
+    reqs = [list(r.tokens) for r in wl.requests]
+    m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
+                                   host_blocks=host_blocks))
+    held: collections.deque[int] = collections.deque()
+    early = 0
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    for i, toks in enumerate(reqs):
+        while True:
+            try:
+                m.add_sequence(SequenceRequest(i, toks))
+                break
+            except OutOfBlocksError:
+                if not held:
+                    raise
+                j = held.popleft()
+                m.remove_sequence(j)
+                early += 1
+        m.store_context_blocks(i, len(toks))
+        held.append(i)
+        if len(held) > 31:
+            m.remove_sequence(held.popleft())
+    while held:
+        m.remove_sequence(held.popleft())
+    total = time.perf_counter() - t0
+    gc.enable()
+    hashing = hashing_time(reqs, algo)
+    blocks = sum(-(-len(t) // TPB) for t in reqs)
+    st = m.stats()
+    tiers = st.tier_hits
+    return {
+        "workload": "W2" + (f"+host{host_blocks}" if host_blocks else ""), "algo": algo.value,
+        "requests": n, "prompt_blocks": blocks,
+        "total_s": total, "hashing_s": hashing, "manager_s": total - hashing,
+        "us_per_request": total / n * 1e6,
+        "us_per_block_incl_hash": total / blocks * 1e6,
+        "us_per_block_excl_hash": (total - hashing) / blocks * 1e6,
+        "block_hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
+        "gpu_tier_hits": tiers[0], "host_tier_hits": tiers[1],
+        "early_releases": early,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller runs while developing")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--algo", default="v2_sha256", choices=[a.value for a in HashAlgo])
+    ap.add_argument("--skip-w2", action="store_true")
+    args = ap.parse_args()
+    algo = HashAlgo(args.algo)
+    rows = [run_w1(400 if args.quick else 2000, algo, 0)]
+    if not args.skip_w2 and args.trace.exists():
+        n = 800 if args.quick else 4000
+        rows.append(run_w2(args.trace, n, algo, 0))
+        rows.append(run_w2(args.trace, n, algo, 80_000))
+    report("bench_admission", rows, title="kvpool admission (tpb 32, 20,000 GPU blocks)")
+
+
+if __name__ == "__main__":
+    main()
