@@ -10,7 +10,7 @@ W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesi
 "Hashing excluded" subtracts the time the same block keys take to compute alone (BlockHasher
 over the same token streams), measured separately in the same run.
 
-Usage: python benchmarks/bench_admission.py [--quick] [--host-blocks N] [--trace PATH]
+Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--trace PATH]
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def hashing_time(token_lists: list[list[int]], algo: HashAlgo) -> float:
     return time.perf_counter() - t0
 
 
-def run_w1(n: int, algo: HashAlgo, host_blocks: int) -> dict[str, object]:
+def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dict[str, object]:
     reqs = w1_requests(n)
     m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
-                                   host_blocks=host_blocks))
+                                   host_blocks=host_blocks, eviction_policy=policy))
     gc.collect()
     gc.disable()
     t0 = time.perf_counter()
@@ -68,7 +68,8 @@ def run_w1(n: int, algo: HashAlgo, host_blocks: int) -> dict[str, object]:
     blocks = sum(-(-len(t) // TPB) for t in reqs)
     st = m.stats()
     return {
-        "workload": "W1", "algo": algo.value, "requests": n, "prompt_blocks": blocks,
+        "workload": "W1", "algo": algo.value, "policy": policy, "requests": n,
+        "prompt_blocks": blocks,
         "total_s": total, "hashing_s": hashing, "manager_s": total - hashing,
         "us_per_request": total / n * 1e6,
         "us_per_block_incl_hash": total / blocks * 1e6,
@@ -78,13 +79,14 @@ def run_w1(n: int, algo: HashAlgo, host_blocks: int) -> dict[str, object]:
     }
 
 
-def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int) -> dict[str, object]:
+def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
+           policy: str = "lru") -> dict[str, object]:
     from kvpool.replay.workloads import load_mooncake
 
     wl = load_mooncake(path, limit=n)
     reqs = [list(r.tokens) for r in wl.requests]
     m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
-                                   host_blocks=host_blocks))
+                                   host_blocks=host_blocks, eviction_policy=policy))
     held: collections.deque[int] = collections.deque()
     early = 0
     gc.collect()
@@ -115,6 +117,7 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int) -> dict[str, ob
     tiers = st.tier_hits
     return {
         "workload": "W2" + (f"+host{host_blocks}" if host_blocks else ""), "algo": algo.value,
+        "policy": policy,
         "requests": n, "prompt_blocks": blocks,
         "total_s": total, "hashing_s": hashing, "manager_s": total - hashing,
         "us_per_request": total / n * 1e6,
@@ -132,13 +135,14 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--algo", default="v2_sha256", choices=[a.value for a in HashAlgo])
     ap.add_argument("--skip-w2", action="store_true")
+    ap.add_argument("--policy", default="lru", help="CacheConfig.eviction_policy")
     args = ap.parse_args()
     algo = HashAlgo(args.algo)
-    rows = [run_w1(400 if args.quick else 2000, algo, 0)]
+    rows = [run_w1(400 if args.quick else 2000, algo, 0, args.policy)]
     if not args.skip_w2 and args.trace.exists():
         n = 800 if args.quick else 4000
-        rows.append(run_w2(args.trace, n, algo, 0))
-        rows.append(run_w2(args.trace, n, algo, 80_000))
+        rows.append(run_w2(args.trace, n, algo, 0, args.policy))
+        rows.append(run_w2(args.trace, n, algo, 80_000, args.policy))
     report("bench_admission", rows, title="kvpool admission (tpb 32, 20,000 GPU blocks)")
 
 

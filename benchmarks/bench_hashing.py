@@ -40,6 +40,9 @@ TARGETS_MTOK_S = {
 }
 
 
+MODES = ("extend(prompt)", "extend(block)", "extend(token)", "request_block_hashes")
+
+
 def _time(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     """Best wall-clock and best CPU seconds of ``repeat`` runs of ``fn``."""
     wall, cpu = [], []
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             ("request_block_hashes", one_shot, len(prompts) * (n_tok - 1)),
         ]
         for mode, fn, tokens in modes:
+            if args.modes and mode not in args.modes:
+                continue
             wall, cpu = _time(fn, args.repeat)
             target = TARGETS_MTOK_S[algo] if mode == "extend(prompt)" else None
             mtok = tokens / wall / 1e6
@@ -119,7 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="10 sequences, 1 repeat")
+    parser.add_argument(
+        "--modes", type=lambda v: v.split(","), default=None,
+        help="comma-separated subset of: " + ", ".join(MODES),
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.modes or ()) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     if args.quick:
         args.sequences, args.repeat = 10, 1
     rows = run(args)

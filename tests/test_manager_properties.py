@@ -1,9 +1,11 @@
-"""Stateful property tests of the block manager (ARCHITECTURE §7, invariants 1-6).
+"""Stateful property tests of the block manager (ARCHITECTURE §7, invariants 1-7).
 
 Random configurations (1-3 layer groups, windows, sinks, beams, reuse on/off, tiny pools,
-optional host/disk tiers) and random interleavings of every public call. After every step the
-manager's internal invariants hold; every admission realises exactly its plan; every failed
-call leaves the state unchanged; removing everything and clearing the cache frees every slot.
+optional host/disk tiers, events on/off) and random interleavings of every public call. After
+every step the manager's internal invariants hold; every admission realises exactly its plan;
+every failed call leaves the state unchanged and emits no event; the events flushed so far,
+applied to an independent index, reproduce exactly the manager's cached (hash, group, tier)
+set; removing everything and clearing the cache frees every slot.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import KVPoolError, OutOfBlocksError
+from kvpool.events.index import EventIndex
 from kvpool.manager import KVCacheManager
 
 PREFIXES = [
@@ -64,28 +67,41 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m: KVCacheManager | None = None
         self.next_id = 0
-        self.live: dict[int, int] = {}  # seq id -> beam width
+        self.live: dict[int, int] = {}  # seq id -> beam width (not suspended)
+        self.suspended: set[int] = set()
+        self.index = EventIndex(strict=True)
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         cfg = data.draw(configs(self.tiers))
+        kw = _kwargs(cfg)
         if not data.draw(st.booleans()):
-            cfg = CacheConfig(**{**_kwargs(cfg), "enable_block_reuse": False})
-        self.m = KVCacheManager(cfg)
+            kw["enable_block_reuse"] = False
+        if data.draw(st.booleans()):
+            kw["event_buffer_max_size"] = 1_000_000
+        self.m = KVCacheManager(CacheConfig(**kw))
 
     @property
     def mgr(self) -> KVCacheManager:
         assert self.m is not None
         return self.m
 
+    def _event_mark(self) -> tuple[int, int]:
+        ev = self.mgr.events
+        if ev is None:
+            return (0, 0)
+        return (ev.num_pending, ev.next_event_id)  # type: ignore[attr-defined]
+
     def _unchanged_on_failure(self, call: Any) -> bool:
         before = self.mgr._debug_state()
         stats_before = self.mgr.stats()
+        events_before = self._event_mark()
         try:
             call()
         except KVPoolError:
             assert self.mgr._debug_state() == before, "a failed call changed the manager"
             assert self.mgr.stats() == stats_before
+            assert self._event_mark() == events_before, "a failed call emitted events"
             return False
         return True
 
@@ -100,12 +116,14 @@ class ManagerMachine(RuleBasedStateMachine):
         plan = self.mgr.plan_batch(reqs)
         state = self.mgr._debug_state()
         assert self.mgr._debug_state() == state  # planning is pure
+        events_before = self._event_mark()
         try:
             results = self.mgr.add_sequence_batch(reqs)
         except OutOfBlocksError as e:
             assert not plan.fits
             assert e.deficit == plan.deficit
             assert self.mgr._debug_state() == state
+            assert self._event_mark() == events_before
             return
         assert plan.fits
         for p, r in zip(plan.requests, results, strict=True):
@@ -138,6 +156,25 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
+    def suspend(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.live)))
+        before = {g: self.mgr.num_free_blocks(g) for g in range(self.mgr.config.num_groups)}
+        freed = self.mgr.suspend(sid)
+        for g, n in freed.items():
+            assert self.mgr.num_free_blocks(g) >= before[g] + n
+        self.suspended.add(sid)
+        del self.live[sid]
+
+    @precondition(lambda self: bool(self.suspended))
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.suspended)))
+        if self._unchanged_on_failure(lambda: self.mgr.resume(sid)):
+            self.suspended.discard(sid)
+            self.live[sid] = self.mgr.sequences[sid].beam_width
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
     def store(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(sorted(self.live)))
         n = data.draw(st.integers(0, len(self.mgr.sequences[sid].tokens)))
@@ -162,13 +199,26 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.m is not None:
             self.m.check_invariants()
 
+    @invariant()
+    def events_reproduce_the_cache(self) -> None:
+        if self.m is None or self.m.events is None:
+            return
+        self.m.flush_iteration_events()
+        self.index.apply_all(self.m.get_latest_events(0))
+        assert set(self.index.cached) == self.m.cached_blocks()
+
     def teardown(self) -> None:
         if self.m is None:
             return
         for sid in list(self.live):
             self.m.remove_sequence(sid)
+        for sid in sorted(self.suspended):
+            if self._unchanged_on_failure(lambda: self.mgr.resume(sid)):  # noqa: B023
+                self.m.check_invariants()
+            self.m.remove_sequence(sid)
         self.m.clear_cache()
         self.m.check_invariants()
+        self.events_reproduce_the_cache()
         for t, per_group in enumerate(self.m.config.slots):
             for g, n in enumerate(per_group):
                 usage = self.m.slot_usage(t, g)

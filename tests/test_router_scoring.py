@@ -374,6 +374,19 @@ def test_matched_blocks_equal_a_brute_force_walk(
         assert c.matched_blocks == tuple(expected), c.worker_id
 
 
+def test_more_workers_than_one_mask_word_route_correctly() -> None:
+    """Past 64 workers the masks widen (the walk takes its general path)."""
+    index, router = make(*[f"w{i}" for i in range(70)], prediction_ttl_s=0)
+    prompt = list(range(33))  # 8 blocks of 4
+    hold(index, "w69", prompt, dict.fromkeys(range(8), 0))
+    hold(index, "w64", prompt, {**dict.fromkeys(range(5), 1), 5: 2})
+    hold(index, "w3", prompt, dict.fromkeys(range(3), 0))
+    d = router.route(prompt)
+    assert d.worker_id == "w69"
+    got = {w: m for w, (_, m) in by_worker(d).items() if any(m)}
+    assert got == {"w69": (8, 0, 0), "w64": (0, 5, 1), "w3": (3, 0, 0)}
+
+
 class LoadMachine(RuleBasedStateMachine):
     """Routed minus finished requests, per worker, is what the router counts as active."""
 

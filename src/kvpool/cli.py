@@ -15,7 +15,7 @@ from kvpool import __version__
 from kvpool.errors import KVPoolError
 
 # Subcommand modules under kvpool.commands, in the order --help lists them.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "router")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,8 @@ DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
 DEFAULT_MAX_SEQ_LEN = 131_072
+OFFLOAD_GATES: tuple[str, ...] = ("all", "reused")
+"""``CacheConfig.offload_gate`` values: every victim may go down a tier, or only reused ones."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -156,7 +158,8 @@ class CacheConfig:
 
     ``window_sizes`` has one entry per layer group: None = full attention, an int = sliding
     window of that many tokens. ``cross_attention_groups`` lists groups keyed by the request's
-    encoder tokens. Slot counts (``gpu_blocks``, ``host_blocks``, ``disk_blocks``) are an int
+    encoder tokens. ``event_buffer_max_size > 0`` turns KV cache events on, their hashes in
+    ``event_hash_algo`` (default: ``hash_algo``). Slot counts (``gpu_blocks``, ``host_blocks``, ``disk_blocks``) are an int
     (same for every group), a sequence or a mapping layer group -> slots.
     """
 
@@ -175,7 +178,10 @@ class CacheConfig:
     disk_path: str | None = None
     offload_min_priority: int = DEFAULT_PRIORITY
     eviction_policy: str = "lru"
+    # "reused": only victims the policy saw released more than once may go down a tier
+    offload_gate: str = "all"
     event_buffer_max_size: int = 0
+    event_hash_algo: HashAlgo | str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
 
     # normalised views, filled in __post_init__
@@ -223,15 +229,31 @@ class CacheConfig:
         _check_int("max_seq_len", self.max_seq_len, 1)
         _check_priority("offload_min_priority", self.offload_min_priority)
         _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
-        object.__setattr__(self, "hash_algo", hash_algo(self.hash_algo))
+        tree_algo = hash_algo(self.hash_algo)
+        object.__setattr__(self, "hash_algo", tree_algo)
+        ev = hash_algo(self.event_hash_algo) if self.event_hash_algo is not None else tree_algo
+        sha_v2 = {HashAlgo.V2_SHA256, HashAlgo.V2_SHA256_64}
+        if ev is not tree_algo and not {ev, tree_algo} <= sha_v2:
+            raise InvalidArgumentError(
+                f"event_hash_algo {ev.value!r} is not a projection of hash_algo "
+                f"{tree_algo.value!r}; events carry the tree's keys (v2_sha256 and "
+                "v2_sha256_64 share them)"
+            )
+        object.__setattr__(self, "event_hash_algo", ev)
         if any(disk) and not any(host):
             raise InvalidArgumentError("a disk tier needs a host tier (host_blocks > 0)")
         for name in ("enable_block_reuse", "enable_partial_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.eviction_policy, str):
+        from kvpool.eviction import POLICIES  # here: eviction imports this module
+
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES:
             raise InvalidArgumentError(
-                f"eviction_policy must be a str, got {self.eviction_policy!r}"
+                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
+            )
+        if self.offload_gate not in OFFLOAD_GATES:
+            raise InvalidArgumentError(
+                f"offload_gate must be one of {list(OFFLOAD_GATES)}, got {self.offload_gate!r}"
             )
         del tpb
 

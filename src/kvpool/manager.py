@@ -32,9 +32,17 @@ from kvpool.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
-from kvpool.events.model import EventDiff, StoredBlock
+from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock
 from kvpool.eviction import EvictionPolicy, make_policy
-from kvpool.hashing import BlockHasher, BlockKey, cache_salt_id, event_hash, tokens_to_u32
+from kvpool.hashing import (
+    BlockHasher,
+    BlockKey,
+    HashAlgo,
+    cache_salt_id,
+    event_hash,
+    hash_algo,
+    tokens_to_u32,
+)
 from kvpool.radix import NO_SLOT, Node, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
@@ -99,6 +107,7 @@ class KVCacheManager:
             raise InvalidArgumentError(f"config must be a CacheConfig, got {config!r}")
         self.config = config
         self.tpb = config.tokens_per_block
+        self._ev_algo = self._event_algo()
         self._clock = config.clock or time.monotonic
         self._lock = threading.RLock()
         groups = config.num_groups
@@ -111,17 +120,28 @@ class KVCacheManager:
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
         ]
         self._queue: list[list[EvictionPolicy]] = [
-            [make_policy(config.eviction_policy, self._clock) for _ in range(groups)]
-            for _ in range(self._tiers)
+            [make_policy(config.eviction_policy, self._clock, capacity=n,
+                         offload_gate=config.offload_gate) for n in config.slots[t]]
+            for t in range(self._tiers)
         ]
         self._node_at: list[list[list[Node | None]]] = [
             [[None] * n for n in config.slots[t]] for t in range(self._tiers)
         ]
         self._ref: list[list[int]] = [[0] * n for n in config.slots[0]]
+        # colder-tier slots holding blocks of suspended sequences (never evicted)
+        self._held: list[list[set[int]]] = [
+            [set() for _ in range(groups)] for _ in range(self._tiers)
+        ]
         self.roots: dict[BlockKey, Node] = {}
         self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self.sequences: dict[int | str, Seq] = {}
         self.storage: Storage = storage or MetadataStorage(self.tpb)
+        if events is None and config.event_buffer_max_size > 0:
+            from kvpool.events.manager import EventManager
+
+            events = EventManager(config.event_buffer_max_size,
+                                  hash_algo=self._event_algo())
+        self.events = events
         self._events = events
         self._copies: list[BlockCopy | None] = []
         # (tier, group, slot) -> index in _copies of the copy that fills it during this call
@@ -286,7 +306,7 @@ class KVCacheManager:
                 else:
                     shared.append(targets[0])
                 st.partial_reused += 1
-            first_fresh = len(shared)
+            first_fresh = d + (1 if p.partial is not None else 0)
             n_shared_fresh = p.num_blocks - first_fresh - (1 if per_beam_last else 0)
             if n_shared_fresh > 0:
                 fresh = self._alloc_n(g, n_shared_fresh)
@@ -374,13 +394,14 @@ class KVCacheManager:
         assert node is not None and node.slot[g] == slot and node.tier[g] == t
         self._node_at[t][g][slot] = None
         self._stats.evicted_blocks += 1
-        if offload and t + 1 < self._tiers and priority >= self.config.offload_min_priority:
+        if (offload and t + 1 < self._tiers and priority >= self.config.offload_min_priority
+                and self._queue[t][g].should_offload(slot)):
             s2 = self._lower_slot(t + 1, g)
             if s2 is not None:
                 node.tier[g] = t + 1
                 node.slot[g] = s2
                 self._node_at[t + 1][g][s2] = node
-                self._queue[t + 1][g].push(s2, node.priority)
+                self._queue[t + 1][g].push(s2, node.priority, key=node.key)
                 self._add_copy(BlockCopy(t, slot, t + 1, s2, g))
                 self._stats.offload_blocks += 1
                 self._stats.offload_bytes += self.storage.block_bytes(g)
@@ -460,7 +481,9 @@ class KVCacheManager:
         new = self._alloc(g)
         self._add_copy(BlockCopy(t, s, 0, new, g))
         self._node_at[t][g][s] = None
-        self._pending_free.append((t, g, s))
+        if s not in self._held[t][g]:
+            self._pending_free.append((t, g, s))
+        # else: a suspended sequence holds that copy; it stays held, no longer cached
         node.tier[g] = 0
         node.slot[g] = new
         self._node_at[0][g][new] = node
@@ -487,12 +510,12 @@ class KVCacheManager:
         for src in release:
             for g in self.self_groups:
                 t, s = src.tier[g], src.slot[g]
-                if s == NO_SLOT or s in self._queue[t][g]:
+                if s == NO_SLOT or s in self._queue[t][g] or s in self._held[t][g]:
                     continue
                 if t == 0 and self._ref[g][s] > 0:
                     continue  # a full match holds it: the release is cancelled
                 if self._node_at[t][g][s] is src:
-                    self._queue[t][g].push(s, src.priority)
+                    self._queue[t][g].push(s, src.priority, key=src.key)
         for t, g, s in self._pending_free:
             self._free[t][g].append(s)
         self._pending_free.clear()
@@ -505,8 +528,35 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ events
 
+    def _event_algo(self) -> HashAlgo:
+        algo = self.config.event_hash_algo
+        return hash_algo(algo if algo is not None else self.config.hash_algo)
+
     def _ev_hash(self, key: BlockKey) -> int | str:
-        return event_hash(self.config.hash_algo, key)
+        return event_hash(self._ev_algo, key)
+
+    def flush_iteration_events(self) -> None:
+        """Publish this step's events (no-op without events)."""
+        if self._events is not None and hasattr(self._events, "flush_iteration_events"):
+            self._events.flush_iteration_events()
+
+    def get_latest_events(self, timeout_s: float | None = 0) -> list[KVCacheEvent]:
+        """Published events not read yet (see ``EventManager.get_latest_events``)."""
+        if self._events is None or not hasattr(self._events, "get_latest_events"):
+            return []
+        out: list[KVCacheEvent] = self._events.get_latest_events(timeout_s)
+        return out
+
+    def cached_blocks(self) -> set[tuple[int | str, int, int]]:
+        """(event hash, layer group, tier) of every cached block: what events describe."""
+        with self._lock:
+            out: set[tuple[int | str, int, int]] = set()
+            for root in self.roots.values():
+                for n in root.descendants():
+                    for g, s in enumerate(n.slot):
+                        if s != NO_SLOT:
+                            out.add((self._ev_hash(n.key), g, n.tier[g]))
+            return out
 
     def _emit_removed(self, g: int, nodes: list[Node]) -> None:
         if self._events is not None and nodes:
@@ -535,6 +585,12 @@ class KVCacheManager:
             return self.sequences[seq_id]
         except (KeyError, TypeError):
             raise UnknownSequenceError(f"unknown sequence {seq_id!r}") from None
+
+    def _active(self, seq_id: int | str) -> Seq:
+        seq = self._seq(seq_id)
+        if seq.suspended:
+            raise SequenceStateError(f"sequence {seq_id!r} is suspended; resume it first")
+        return seq
 
     def _stale_limit(self, g: int, length: int) -> int:
         """Blocks [sink_blocks, limit) of a window group are stale at ``length`` tokens."""
@@ -589,9 +645,7 @@ class KVCacheManager:
         with the manager unchanged when the pool cannot provide the blocks.
         """
         with self._lock:
-            seq = self._seq(seq_id)
-            if seq.suspended:
-                raise SequenceStateError(f"sequence {seq_id!r} is suspended; resume it first")
+            seq = self._active(seq_id)
             toks = tokens_to_u32(token_ids)
             if not toks:
                 return
@@ -650,7 +704,7 @@ class KVCacheManager:
                 expires = (
                     self._clock() + node.duration if node.duration is not None else None
                 )
-                self._queue[0][g].push(s, node.priority, expires)
+                self._queue[0][g].push(s, node.priority, expires, node.key)
 
     def _unref_many(self, g: int, slots: list[int]) -> None:
         """Drop one reference on each slot of a block table (NO_SLOT entries skipped).
@@ -665,6 +719,7 @@ class KVCacheManager:
         free = self._free[0][g]
         queue = self._queue[0][g]
         batch: list[int] = []
+        keys: list[BlockKey] = []
         batch_prio = -1
         for s in reversed(slots):
             if s == NO_SLOT:
@@ -678,17 +733,20 @@ class KVCacheManager:
                 free.append(s)
             elif node.duration is None:
                 if node.priority != batch_prio and batch:
-                    queue.push_many(batch, batch_prio)
+                    queue.push_many(batch, batch_prio, keys)
                     batch = []
+                    keys = []
                 batch_prio = node.priority
                 batch.append(s)
+                keys.append(node.key)
             else:
                 if batch:
-                    queue.push_many(batch, batch_prio)
+                    queue.push_many(batch, batch_prio, keys)
                     batch = []
-                queue.push(s, node.priority, self._clock() + node.duration)
+                    keys = []
+                queue.push(s, node.priority, self._clock() + node.duration, node.key)
         if batch:
-            queue.push_many(batch, batch_prio)
+            queue.push_many(batch, batch_prio, keys)
 
     def rewind_tokens(self, seq_id: int | str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens (rejected speculative tokens).
@@ -698,7 +756,7 @@ class KVCacheManager:
         window would need a block it already released.
         """
         with self._lock:
-            seq = self._seq(seq_id)
+            seq = self._active(seq_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
                 raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
             new_len = seq.num_tokens - num_tokens
@@ -736,7 +794,7 @@ class KVCacheManager:
     def store_context_blocks(self, seq_id: int | str, num_computed_tokens: int) -> None:
         """Commit the full blocks within the first ``num_computed_tokens`` tokens for reuse."""
         with self._lock:
-            seq = self._seq(seq_id)
+            seq = self._active(seq_id)
             if (isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int)
                     or not 0 <= num_computed_tokens <= seq.num_tokens):
                 raise InvalidArgumentError(
@@ -845,12 +903,13 @@ class KVCacheManager:
     def remove_sequence(self, seq_id: int | str, *, store_for_reuse: bool = True) -> None:
         """Release a finished sequence; with ``store_for_reuse`` commit what it computed first
         (full blocks including generated tokens, and the trailing partial block when partial
-        reuse is on). Its blocks stay cached until evicted."""
+        reuse is on). Its blocks stay cached until evicted. A suspended sequence (an aborted
+        preempted request) commits nothing new; its held colder-tier blocks are released."""
         with self._lock:
             seq = self._seq(seq_id)
             if seq.suspended:
-                raise SequenceStateError(f"sequence {seq_id!r} is suspended; resume it first")
-            if store_for_reuse and self.config.enable_block_reuse:
+                self._release_moved(seq)
+            elif store_for_reuse and self.config.enable_block_reuse:
                 computed = seq.num_tokens - (1 if seq.num_tokens > seq.prompt_len else 0)
                 self._commit(seq, computed // self.tpb)
                 if self.config.enable_partial_reuse and computed % self.tpb:
@@ -889,6 +948,105 @@ class KVCacheManager:
         parent.add_child(node)
         for g in stored:
             self._emit_stored(g, parent, [node], seq.lora_id)
+
+    # ------------------------------------------------------------------ preemption
+
+    def suspend(self, seq_id: int | str) -> dict[int, int]:
+        """Preempt a sequence without losing its KV.
+
+        Blocks only this sequence holds move to the host tier (when there is one and it can
+        make room) and stay held there: they are never evicted or dropped. Blocks shared with
+        other sequences stay on the GPU. Returns the GPU slots freed per layer group.
+        """
+        with self._lock:
+            seq = self._seq(seq_id)
+            if seq.suspended:
+                raise SequenceStateError(f"sequence {seq_id!r} is already suspended")
+            freed = dict.fromkeys(range(self.config.num_groups), 0)
+            if self._tiers > 1:
+                for g in range(self.config.num_groups):
+                    positions: dict[int, list[tuple[int, int]]] = {}
+                    for b, tb in enumerate(seq.tables[g]):
+                        for i, s in enumerate(tb):
+                            if s != NO_SLOT:
+                                positions.setdefault(s, []).append((b, i))
+                    for s, pos in positions.items():
+                        if self._ref[g][s] != len(pos):
+                            continue  # shared with another sequence: stays on the GPU
+                        h = self._lower_slot(1, g)
+                        if h is None:
+                            continue  # no room below: stays on the GPU, still held
+                        self._add_copy(BlockCopy(0, s, 1, h, g))
+                        node = self._node_at[0][g][s]
+                        if node is not None:
+                            self._node_at[0][g][s] = None
+                            node.tier[g], node.slot[g] = 1, h
+                            self._node_at[1][g][h] = node
+                            self._emit_updated(g, node, 0, 1)
+                        self._held[1][g].add(h)
+                        self._ref[g][s] = 0
+                        self._free[0][g].append(s)
+                        for b, i in pos:
+                            seq.tables[g][b][i] = NO_SLOT
+                        seq.moved[(g, s)] = (1, h, pos)
+                        freed[g] += 1
+                        self._stats.offload_blocks += 1
+                        self._stats.offload_bytes += self.storage.block_bytes(g)
+            seq.suspended = True
+            self._finish_call()
+            return freed
+
+    def resume(self, seq_id: int | str) -> None:
+        """Bring a suspended sequence back: its moved blocks are copied up to the GPU.
+
+        Raises :class:`OutOfBlocksError` (nothing changed) when the GPU cannot take them.
+        """
+        with self._lock:
+            seq = self._seq(seq_id)
+            if not seq.suspended:
+                raise SequenceStateError(f"sequence {seq_id!r} is not suspended")
+            need = dict.fromkeys(range(self.config.num_groups), 0)
+            for g, _ in seq.moved:
+                need[g] += 1
+            deficit = {(0, g): n - self.gpu_available(g) for g, n in need.items()
+                       if n > self.gpu_available(g)}
+            if deficit:
+                raise OutOfBlocksError(
+                    f"cannot resume sequence {seq_id!r}: missing "
+                    + ", ".join(f"{v} slots in group {g}" for (_, g), v in sorted(deficit.items())),
+                    deficit,
+                )
+            self._new_count = [0] * self.config.num_groups
+            for (g, _), (t, h, pos) in seq.moved.items():
+                new = self._alloc(g)
+                self._add_copy(BlockCopy(t, h, 0, new, g))
+                node = self._node_at[t][g][h]
+                if node is not None:
+                    self._node_at[t][g][h] = None
+                    node.tier[g], node.slot[g] = 0, new
+                    self._node_at[0][g][new] = node
+                    self._emit_updated(g, node, t, 0)
+                self._held[t][g].discard(h)
+                self._pending_free.append((t, g, h))
+                self._ref[g][new] = len(pos)
+                for b, i in pos:
+                    seq.tables[g][b][i] = new
+                self._stats.onboard_blocks += 1
+                self._stats.onboard_bytes += self.storage.block_bytes(g)
+            seq.moved.clear()
+            seq.suspended = False
+            self._finish_call()
+
+    def _release_moved(self, seq: Seq) -> None:
+        for (g, _), (t, h, _pos) in seq.moved.items():
+            self._held[t][g].discard(h)
+            node = self._node_at[t][g][h]
+            if node is None:
+                self._free[t][g].append(h)
+            else:
+                self._queue[t][g].push(h, node.priority, key=node.key)
+        seq.moved.clear()
+        seq.suspended = False
 
     def clear_cache(self) -> int:
         """Drop every cached block no sequence holds, on every tier; returns how many."""
@@ -1008,7 +1166,9 @@ class KVCacheManager:
                         if t == 0 and self._ref[g][s] == 0:
                             assert s in free or s in queued, f"slot {s} of group {g} leaked"
                         if t > 0:
-                            assert s in free or s in queued, f"tier {t} slot {s} leaked"
+                            held = s in self._held[t][g]
+                            assert (s in free) + (s in queued) + held == 1, \
+                                f"tier {t} slot {s} leaked or double-booked"
                         if node is not None:
                             assert node.alive and node.slot[g] == s and node.tier[g] == t
             seen: set[tuple[BlockKey, BlockKey]] = set()

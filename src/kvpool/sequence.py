@@ -19,8 +19,8 @@ class Sequence:
 
     __slots__ = (
         "beam_width", "cache_salt", "commit_nodes", "committed_blocks", "committed_floor",
-        "encoder_tokens", "keys", "lora_id", "prompt_len", "retention", "root", "seq_id",
-        "suspended", "tables", "tokens",
+        "encoder_tokens", "keys", "lora_id", "moved", "prompt_len", "retention", "root",
+        "seq_id", "suspended", "tables", "tokens",
     )
 
     def __init__(
@@ -52,6 +52,8 @@ class Sequence:
         self.committed_blocks = 0
         self.committed_floor = len(tokens)  # rewind_tokens never goes below this
         self.suspended = False
+        # while suspended: (group, old GPU slot) -> (tier, slot, table positions (beam, index))
+        self.moved: dict[tuple[int, int], tuple[int, int, list[tuple[int, int]]]] = {}
 
     @property
     def num_tokens(self) -> int:

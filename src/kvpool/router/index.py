@@ -626,6 +626,8 @@ class KvIndex:
             raise _Malformed(str(exc)) from None
         keys = _int_keys(raw)
         if keys is None:
+            keys = _hex_keys(raw)
+        if keys is None:
             try:
                 keys = [h & m64 if type(h) is int else normalize_hash(h) for h in raw]
             except ValueError as exc:
@@ -657,8 +659,18 @@ class KvIndex:
                 raise _Skipped("stored chain under a parent the index never saw")
             key = found
         out: list[int] = []
+        try:
+            # One conversion for the whole chain; blocks are slices of it.
+            arr = array("I")
+            for b in blocks:
+                arr.extend(b.tokens)
+            raw = memoryview(_u32_bytes(arr))
+        except (TypeError, OverflowError, ValueError) as exc:
+            raise _Malformed(f"bad token ids in a stored block: {exc}") from None
+        off = 0
         for b, h in zip(blocks, engine, strict=True):
-            if not b.tokens:
+            size = 4 * len(b.tokens)
+            if not size:
                 # A block re-announced by hash alone (vLLM's offloading connector, and kvpool's
                 # encoding of a tier move): it must be one we already keyed.
                 known = self._chain_get(w, h)
@@ -666,11 +678,8 @@ class KvIndex:
                     raise _Skipped("stored block without tokens the index cannot map")
                 key = known
             else:
-                try:
-                    raw = _u32_bytes(b.tokens)
-                except (TypeError, OverflowError, ValueError) as exc:
-                    raise _Malformed(f"bad token ids in a stored block: {exc}") from None
-                key = _XXH3(raw, key)
+                key = _XXH3(raw[off:off + size], key)
+                off += size
             out.append(key)
         chain = w.chain
         for h, k in zip(engine, out, strict=True):
@@ -999,6 +1008,16 @@ def _int_keys(raw: Sequence[Any]) -> list[int] | None:
     try:
         return [h & _M64 for h in raw]  # str & int and float & int raise TypeError
     except TypeError:
+        return None
+
+
+def _hex_keys(raw: Sequence[Any]) -> list[int] | None:
+    """``v2_sha256`` hex digests normalized (first 8 bytes), or None to take the slow path."""
+    try:
+        if max(map(len, raw)) > 64:
+            return None
+        return [int(h[:16], 16) for h in raw]
+    except (TypeError, ValueError):
         return None
 
 

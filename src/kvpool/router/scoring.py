@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import repeat
 from typing import Final
 
 import msgspec
@@ -82,6 +83,9 @@ LATENCY_BUCKETS_S: Final = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 )
 """Upper bounds of the decision-latency histogram (seconds); a last bucket catches the rest."""
+
+_LITTLE: Final = sys.byteorder == "little"
+_U64: Final = (1 << 64) - 1
 
 _SCHEME_ALGO: Final = {
     "v1": HashAlgo.V1_BLOCK_KEY,
@@ -299,8 +303,13 @@ class Router:
             scheme, tpb = gkey
             keys = request_keys(scheme, tpb, toks, cache_salt)
             group_keys[gkey] = keys
-            for slot, hits in self._walk(keys, alive).items():
-                per_slot[slot] = (hits, tpb, len(keys))
+            walked = self._walk(keys, alive)
+            n_keys = len(keys)
+            while alive:
+                low = alive & -alive
+                slot = low.bit_length() - 1
+                alive ^= low
+                per_slot[slot] = (walked.get(slot) or [0] * TIERS, tpb, n_keys)
 
         prompt = len(toks)
         body = prompt - 1
@@ -411,7 +420,54 @@ class Router:
     # ---------------------------------------------------------------------------------------
 
     def _walk(self, keys: list[int], alive: int) -> dict[int, list[int]]:
-        """Consecutive matched blocks per slot of ``alive`` and per hottest tier."""
+        """Consecutive matched blocks per slot of ``alive`` and per hottest tier (slots that
+        match nothing may be left out)."""
+        if self.index.stride == 64 and len(keys) >= 32 and _LITTLE:
+            return self._walk_np(keys, alive)
+        return self._walk_py(keys, alive)
+
+    def _walk_np(self, keys: list[int], alive: int) -> dict[int, list[int]]:
+        """:meth:`_walk_py` vectorized for up to 64 slots: one u64 lane per tier and block."""
+        ms = list(map(self.index.masks.get, keys, repeat(0)))
+        pred = self._pred
+        if pred:
+            ms = [m | p for m, p in zip(ms, map(pred.get, keys, repeat(0)), strict=True)]
+        n = len(ms)
+        tiered = max(ms) > _U64
+        if tiered:
+            # 3 x 64 bits per block -> 3 lanes (GPU, host, disk), in one pass through bytes
+            raw = b"".join([m.to_bytes(24, "little") for m in ms])
+            lanes = np.frombuffer(raw, dtype="<u8").reshape(n, TIERS)
+            a0, a1, a2 = lanes[:, 0], lanes[:, 1], lanes[:, 2]
+            held = a0 | a1 | a2
+        else:  # GPU copies only
+            held = a0 = np.array(ms, dtype=np.uint64)
+        # live[i]: the slots that hold every block up to i
+        live = np.bitwise_and.accumulate(held & np.uint64(alive))
+        stop = np.flatnonzero(live == 0)
+        if stop.size:
+            n = int(stop[0])
+            if n == 0:
+                return {}
+            live = live[:n]
+        # Bits only ever turn off: a slot's depth is where it turns off.
+        depth: dict[int, int] = {}
+        dropped = live[:-1] & ~live[1:]
+        for i in np.flatnonzero(dropped).tolist():
+            _set_depth(depth, int(dropped[i]), i + 1)
+        _set_depth(depth, int(live[-1]), n)
+        if not tiered:
+            return {slot: [d, 0, 0] for slot, d in depth.items()}
+        a0, a1, a2 = a0[:n], a1[:n], a2[:n]
+        h1 = _lane_counts(a1 & ~a0 & live)
+        h2 = _lane_counts(a2 & ~(a0 | a1) & live)
+        out: dict[int, list[int]] = {}
+        for slot, d in depth.items():
+            c1, c2 = int(h1[slot]), int(h2[slot])
+            out[slot] = [d - c1 - c2, c1, c2]
+        return out
+
+    def _walk_py(self, keys: list[int], alive: int) -> dict[int, list[int]]:
         masks_get = self.index.masks.get
         pred = self._pred
         pred_get = pred.get
@@ -562,6 +618,13 @@ def _set_depth(depth: dict[int, int], mask: int, n: int) -> None:
         mask ^= low
 
 
+def _lane_counts(lanes: np.ndarray) -> np.ndarray:
+    """Per bit (slot) of a u64 array, how many elements have it set."""
+    bits = np.unpackbits(lanes.view(np.uint8).reshape(len(lanes), 8), axis=1, bitorder="little")
+    counts: np.ndarray = bits.sum(axis=0)
+    return counts
+
+
 def _bit_counts(rows: list[int], stride: int) -> dict[int, int]:
     """Per slot, how many of ``rows`` have its bit set."""
     if not rows:
@@ -576,7 +639,7 @@ def _bit_counts(rows: list[int], stride: int) -> dict[int, int]:
                 m ^= low
         return out
     nbytes = stride // 8
-    if stride == 64 and sys.byteorder == "little":
+    if stride == 64 and _LITTLE:
         raw = np.array(rows, dtype=np.uint64).view(np.uint8).reshape(len(rows), nbytes)
     else:
         buf = b"".join(m.to_bytes(nbytes, "little") for m in rows)

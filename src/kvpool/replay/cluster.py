@@ -1,0 +1,719 @@
+"""A simulated cluster: N engines (:class:`~kvpool.replay.engine_sim.SimWorker`) behind a
+routing policy, replaying a workload in simulated time (ARCHITECTURE §6).
+
+Each policy replays the workload on a fresh cluster. The replay is a discrete-event
+simulation: requests arrive at their workload timestamps and are routed at once; each worker
+runs scheduler steps back to back while it has work; events at one instant are handled in the
+order step ends, arrivals, step starts (so a step that starts at an arrival's instant sees it).
+
+Events take the real path: every worker's manager reports to its own
+:class:`~kvpool.events.EventManager`; at each step end the step's events are flushed and
+delivered to the router's :class:`~kvpool.router.Ingest` (``inproc``), or encoded as vLLM
+msgpack batches, published on a ZeroMQ PUB socket on 127.0.0.1 and received, decoded and
+applied by a subscriber (``zmq``); the replay waits for each batch, so both transports give
+the same results. Every policy ingests events, so event volumes compare across policies.
+
+Policies: ``cost`` and ``trtllm`` are the :class:`~kvpool.router.Router` modes (the router's
+clock is the simulated one); ``round-robin``, ``least-loaded`` (fewest unfinished requests,
+then lowest index) and ``random`` (seeded) ignore the cache.
+
+Bounds (:func:`workload_bounds`): the unlimited-cache and Belady hit rates of the workload's
+block stream for the cluster's total block capacity. The stream has, per request in arrival
+order, the full blocks of its prompt minus its last token (lookups), then the further full
+blocks the simulator commits when it finishes (its last prompt token's block and its output,
+see :func:`~kvpool.replay.engine_sim.committed_tokens`), which later turns of a conversation
+reuse. Both bounds count whole blocks, so they are compared with the policies' full-block hit
+rates; partial-block reuse is reported apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import multiprocessing
+import random
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from queue import Empty
+from typing import Any, Final
+
+import numpy as np
+import xxhash
+
+from kvpool.config import CacheConfig
+from kvpool.errors import InvalidArgumentError, TransportError
+from kvpool.events.manager import EventManager
+from kvpool.events.model import KVCacheEvent
+from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
+from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
+from kvpool.hashing import HashAlgo
+from kvpool.planner import ModelSpec, PoolPlan, plan_pools
+from kvpool.replay.bounds import BlockStream, HitRateBound, belady_hit_rate, unlimited_hit_rate
+from kvpool.replay.engine_sim import (
+    RequestRecord,
+    SchedulerConfig,
+    SimWorker,
+    TimeModel,
+    committed_tokens,
+    output_tokens,
+    reference_group,
+)
+from kvpool.replay.workloads import Request, Workload
+from kvpool.router.index import KvIndex
+from kvpool.router.ingest import Ingest
+from kvpool.router.scoring import Router
+
+__all__ = [
+    "KV_POLICIES",
+    "POLICIES",
+    "TRANSPORTS",
+    "ClusterConfig",
+    "PolicyResult",
+    "ReplayResult",
+    "WorkerResult",
+    "block_cache",
+    "planned_cache",
+    "replay",
+    "replay_policy",
+    "workload_bounds",
+]
+
+POLICIES: Final = ("cost", "trtllm", "round-robin", "least-loaded", "random")
+"""Routing policies, in the order reports list them."""
+
+KV_POLICIES: Final = frozenset({"cost", "trtllm"})
+"""The policies that route with the KV-aware router."""
+
+TRANSPORTS: Final = ("inproc", "zmq")
+"""How events reach the router: in process, or vLLM msgpack over ZeroMQ on 127.0.0.1."""
+
+HASH_ALGO: Final = HashAlgo.V2_SHA256_64
+"""The simulated engines' block hashes (TensorRT-LLM V2 keys, 64-bit event hashes)."""
+
+_END, _ARRIVAL, _START = 0, 1, 2  # event kinds, in their order at one instant
+_ZMQ_TIMEOUT_S: Final = 10.0
+
+
+# --------------------------------------------------------------------------------- sizing
+
+
+def planned_cache(
+    model: str | ModelSpec,
+    *,
+    gpu_bytes: int,
+    host_bytes: int = 0,
+    disk_bytes: int = 0,
+    tokens_per_block: int = 32,
+    scheduler: SchedulerConfig | None = None,
+    max_seq_len: int | None = None,
+    partial_reuse: bool = True,
+) -> tuple[CacheConfig, PoolPlan]:
+    """One worker's cache sized by the planner for a model preset (or spec) and budgets.
+
+    ``max_seq_len`` defaults to the model's; pass the workload's longest request so that the
+    planner's longest-sequence floor covers it. Raises what :func:`plan_pools` raises
+    (:class:`~kvpool.errors.CapacityError` when the GPU budget is too small).
+    """
+    spec = ModelSpec.preset(model) if isinstance(model, str) else model
+    sched = scheduler or SchedulerConfig()
+    plan = plan_pools(
+        spec,
+        tokens_per_block,
+        gpu_bytes,
+        host_bytes,
+        disk_bytes,
+        max_batch_size=sched.max_batch_size,
+        max_num_tokens=sched.max_num_tokens,
+        max_seq_len=max_seq_len or spec.max_seq_len,
+    )
+    cfg = CacheConfig.from_plan(
+        plan, hash_algo=HASH_ALGO, enable_partial_reuse=partial_reuse
+    )
+    return cfg, plan
+
+
+def block_cache(
+    gpu_blocks: int,
+    *,
+    host_blocks: int = 0,
+    disk_blocks: int = 0,
+    tokens_per_block: int = 32,
+    partial_reuse: bool = True,
+) -> CacheConfig:
+    """One worker's cache given by block counts: one full-attention layer group."""
+    return CacheConfig(
+        tokens_per_block=tokens_per_block,
+        gpu_blocks=gpu_blocks,
+        host_blocks=host_blocks,
+        disk_blocks=disk_blocks,
+        hash_algo=HASH_ALGO,
+        enable_partial_reuse=partial_reuse,
+        max_seq_len=1 << 20,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """A cluster: ``workers`` identical engines with ``cache`` each, and how they report.
+
+    ``cache`` is one worker's cache (see :func:`planned_cache` and :func:`block_cache`); its
+    clock is replaced by the simulated one. ``seed`` seeds the ``random`` policy and the
+    generated tokens of requests that carry none. ``description`` says, for reports, how the
+    cache was sized.
+    """
+
+    cache: CacheConfig
+    workers: int = 4
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    time_model: TimeModel = field(default_factory=TimeModel)
+    transport: str = "inproc"
+    seed: int = 0
+    description: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, CacheConfig):
+            raise InvalidArgumentError(f"cache must be a CacheConfig, got {self.cache!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not (
+            1 <= self.workers <= 64
+        ):
+            raise InvalidArgumentError(f"workers must be an int in [1, 64], got {self.workers!r}")
+        if self.transport not in TRANSPORTS:
+            raise InvalidArgumentError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidArgumentError(f"seed must be an int >= 0, got {self.seed!r}")
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Slots of the reference layer group over every tier and worker (the bounds' cache)."""
+        g = reference_group(self.cache)
+        return self.workers * sum(tier[g] for tier in self.cache.slots)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able summary."""
+        c = self.cache
+        return {
+            "workers": self.workers,
+            "transport": self.transport,
+            "seed": self.seed,
+            "tokens_per_block": c.tokens_per_block,
+            "slots_per_worker": [list(t) for t in c.slots],
+            "window_sizes": list(c.window_sizes),
+            "partial_reuse": c.enable_partial_reuse,
+            "capacity_blocks": self.capacity_blocks,
+            "scheduler": dataclasses.asdict(self.scheduler),
+            "time_model": dataclasses.asdict(self.time_model),
+            **({"sizing": self.description} if self.description else {}),
+        }
+
+
+# --------------------------------------------------------------------------------- results
+
+
+@dataclass(slots=True)
+class WorkerResult:
+    """One worker at the end of a replay: its manager's totals and its scheduler's."""
+
+    worker_id: str
+    requests: int
+    steps: int
+    busy_s: float
+    preemptions: int
+    cache_stats: dict[str, object]
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    """One policy's replay: every request's record and the cluster's counters.
+
+    ``decision_latency_s`` and ``wall_s`` are wall-clock measurements (they vary run to run);
+    everything else is a function of the workload, the configuration and the seed.
+    """
+
+    policy: str
+    records: list[RequestRecord]
+    workers: list[WorkerResult]
+    events_emitted: int
+    events_applied: int
+    wall_s: float
+    decision_latency_s: list[float]
+
+    @property
+    def finished(self) -> list[RequestRecord]:
+        return [r for r in self.records if not r.rejected]
+
+    @property
+    def makespan_s(self) -> float:
+        """First arrival to last finish (simulated seconds)."""
+        done = [r.finish_s for r in self.records if r.finish_s is not None]
+        if not done:
+            return 0.0
+        return max(done) - min(r.arrival_s for r in self.records)
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """A whole replay: the workload, the cluster, the bounds and one result per policy."""
+
+    workload: dict[str, Any]
+    config: ClusterConfig
+    bounds: dict[str, HitRateBound]
+    policies: list[PolicyResult]
+    bounds_wall_s: float = 0.0
+
+
+# --------------------------------------------------------------------------------- bounds
+
+
+def _chain_keys(tokens: array[int], blocks: int, tpb: int, salt: str | None) -> list[int]:
+    raw = memoryview(tokens).cast("B")
+    step = 4 * tpb
+    digest = xxhash.xxh3_64_intdigest
+    key = 0 if salt is None else digest(b"kvpool-salt\x00" + salt.encode("utf-8"))
+    out: list[int] = []
+    for off in range(0, blocks * step, step):
+        key = digest(raw[off : off + step], key)
+        out.append(key)
+    return out
+
+
+def bound_stream(workload: Workload, tokens_per_block: int, *, seed: int = 0) -> BlockStream:
+    """The block stream the bounds are computed on (see the module docstring).
+
+    Entries alternate per request: its lookups (``prompt_tokens`` = its prompt length), then
+    the blocks it commits beyond them (``prompt_tokens`` 0; an access there that hits would
+    only raise the bound, and with generated answers none does).
+    """
+    tpb = tokens_per_block
+    keys: list[int] = []
+    lengths: list[int] = []
+    prompts: list[int] = []
+    for req in workload.requests:
+        n, m = len(req.tokens), req.output_length
+        look = (n - 1) // tpb
+        c = committed_tokens(n, m)
+        total = c // tpb
+        tokens = req.tokens
+        if total * tpb > n:
+            tokens = tokens + output_tokens(req, seed)[: total * tpb - n]
+        chain = _chain_keys(tokens, max(look, total), tpb, req.cache_salt)
+        keys.extend(chain)
+        lengths.extend((look, len(chain) - look))
+        prompts.extend((n, 0))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return BlockStream(
+        np.array(keys, dtype=np.uint64), offsets, np.array(prompts, dtype=np.int64), tpb
+    )
+
+
+def workload_bounds(
+    workload: Workload, tokens_per_block: int, capacity_blocks: int, *, seed: int = 0
+) -> dict[str, HitRateBound]:
+    """``{"unlimited": ..., "belady": ...}`` for the workload and a total capacity in blocks."""
+    stream = bound_stream(workload, tokens_per_block, seed=seed)
+    return {
+        "unlimited": unlimited_hit_rate(stream),
+        "belady": belady_hit_rate(stream, capacity_blocks),
+    }
+
+
+# ------------------------------------------------------------------------------ transports
+
+
+class _InProcess:
+    """Events go straight from the event manager to the router's ingest."""
+
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
+
+    def deliver(self, worker_id: str, events: list[KVCacheEvent], now: float) -> int:
+        return self.ingest.feed(worker_id, events)
+
+    def close(self) -> None:
+        pass
+
+
+class _ZmqLink:
+    __slots__ = ("next_event_id", "pub", "published", "sub")
+
+    def __init__(self, pub: ZmqEventPublisher, sub: ZmqEventSubscriber) -> None:
+        self.pub = pub
+        self.sub = sub
+        self.published = 0
+        self.next_event_id = 0
+
+
+class _Zmq:
+    """Events go as vLLM msgpack batches over one ZeroMQ PUB/SUB pair per worker (loopback).
+
+    Each delivery waits until the subscriber has the batch (asking the replay socket for what
+    the SUB socket missed, e.g. before it finished connecting), so results do not depend on
+    network timing.
+    """
+
+    def __init__(self, ingest: Ingest, worker_ids: Sequence[str], tokens_per_block: int) -> None:
+        self.ingest = ingest
+        self.tpb = tokens_per_block
+        self.links: dict[str, _ZmqLink] = {}
+        try:
+            for wid in worker_ids:
+                pub = ZmqEventPublisher(
+                    "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=wid, buffer_steps=1024
+                )
+                try:
+                    sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, topic=wid)
+                except BaseException:
+                    pub.close()
+                    raise
+                self.links[wid] = _ZmqLink(pub, sub)
+        except BaseException:
+            self.close()
+            raise
+
+    def deliver(self, worker_id: str, events: list[KVCacheEvent], now: float) -> int:
+        link = self.links[worker_id]
+        link.pub.publish(encode_vllm_batch(events, ts=now, block_size=self.tpb))
+        link.published += 1
+        applied = 0
+        deadline = time.monotonic() + _ZMQ_TIMEOUT_S
+        while (link.sub.expected_seq or 0) < link.published:
+            batches = link.sub.recv(timeout_s=0.02) or link.sub.catch_up()
+            for b in batches:
+                batch = decode_vllm_batch(
+                    b.payload, hash_algo=HASH_ALGO.value, first_event_id=link.next_event_id
+                )
+                link.next_event_id += len(batch.events)
+                applied += self.ingest.feed(worker_id, batch.events)
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"worker {worker_id}: event batch {link.published - 1} did not arrive over "
+                    f"ZeroMQ within {_ZMQ_TIMEOUT_S:.0f} s"
+                )
+        return applied
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.sub.close()
+            link.pub.close()
+        self.links.clear()
+
+
+# ------------------------------------------------------------------------------ the replay
+
+
+ProgressFn = Callable[[int], None]
+"""Called with the number of requests that just completed (finished or rejected)."""
+
+
+class _Replay:
+    """One policy on a fresh cluster."""
+
+    def __init__(self, workload: Workload, config: ClusterConfig, policy: str) -> None:
+        if policy not in POLICIES:
+            raise InvalidArgumentError(
+                f"unknown routing policy {policy!r}; valid: {', '.join(POLICIES)}"
+            )
+        self.workload = workload
+        self.config = config
+        self.policy = policy
+        self.now = 0.0
+        cache = dataclasses.replace(config.cache, clock=self._clock)
+        self.worker_ids = [f"w{i}" for i in range(config.workers)]
+        self.events = [
+            EventManager(1 << 20, hash_algo=cache.hash_algo) for _ in self.worker_ids
+        ]
+        self.workers = [
+            SimWorker(wid, cache, config.scheduler, config.time_model, events=em)
+            for wid, em in zip(self.worker_ids, self.events, strict=True)
+        ]
+        self.index = KvIndex()
+        for wid in self.worker_ids:
+            self.index.add_worker(
+                wid, hash_algo=cache.hash_algo, tokens_per_block=cache.tokens_per_block
+            )
+        self.ingest = Ingest(self.index)
+        self.router: Router | None = None
+        if policy in KV_POLICIES:
+            self.router = Router(
+                self.index,
+                mode=policy,
+                max_batch_size=config.scheduler.max_batch_size,
+                request_timeout_s=0.0,
+                seed=config.seed,
+                clock=self._clock,
+            )
+        self.rng = random.Random(config.seed)
+        self.rr = 0
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.counter = itertools.count()
+        self.versions = [0] * config.workers
+        self.start_pending = [False] * config.workers
+        self.records: list[RequestRecord] = []
+        self.latencies: list[float] = []
+        self.emitted = 0
+        self.applied = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    def run(self, progress: ProgressFn | None) -> PolicyResult:
+        started = time.perf_counter()
+        transport: _InProcess | _Zmq = (
+            _Zmq(self.ingest, self.worker_ids, self.config.cache.tokens_per_block)
+            if self.config.transport == "zmq"
+            else _InProcess(self.ingest)
+        )
+        try:
+            for w, em in enumerate(self.events):
+                em.flush_iteration_events()  # the managers' created events
+                self._deliver(transport, w)
+            self._loop(transport, progress)
+        finally:
+            transport.close()
+        return PolicyResult(
+            policy=self.policy,
+            records=self.records,
+            workers=[
+                WorkerResult(
+                    worker_id=w.worker_id,
+                    requests=sum(1 for r in self.records if r.worker == w.worker_id),
+                    steps=w.steps,
+                    busy_s=w.busy_s,
+                    preemptions=w.preemptions,
+                    cache_stats=w.manager.stats().as_dict(),
+                )
+                for w in self.workers
+            ],
+            events_emitted=self.emitted,
+            events_applied=self.applied,
+            wall_s=time.perf_counter() - started,
+            decision_latency_s=self.latencies,
+        )
+
+    def _loop(self, transport: _InProcess | _Zmq, progress: ProgressFn | None) -> None:
+        requests = self.workload.requests
+        heap = self.heap
+        pop = heapq.heappop
+        i, n = 0, len(requests)
+        while i < n or heap:
+            if i < n and (not heap or (requests[i].arrival_s, _ARRIVAL) < heap[0][:2]):
+                self.now = requests[i].arrival_s
+                if self._arrive(i, requests[i]) and progress is not None:
+                    progress(1)
+                i += 1
+                continue
+            t, kind, _, w, version = pop(heap)
+            self.now = t
+            worker = self.workers[w]
+            if kind == _START:
+                self.start_pending[w] = False
+                end = worker.start_step(t)
+                if end is not None:
+                    self.versions[w] += 1
+                    heapq.heappush(heap, (end, _END, next(self.counter), w, self.versions[w]))
+            elif version == self.versions[w]:
+                finished = worker.finish_step(t)
+                self._deliver(transport, w)
+                if finished:
+                    if self.router is not None:
+                        for rec in finished:
+                            self.router.request_finished(rec.request_id)
+                    if progress is not None:
+                        progress(len(finished))
+                self._schedule_start(w)
+        stuck = [r.request_id for r in self.records if r.finish_s is None and not r.rejected]
+        if stuck:  # the scheduler guarantees progress; this is an internal invariant
+            raise AssertionError(f"replay ended with unfinished requests: {stuck[:5]}")
+
+    def _schedule_start(self, w: int) -> None:
+        if not self.start_pending[w]:
+            self.start_pending[w] = True
+            heapq.heappush(self.heap, (self.now, _START, next(self.counter), w, 0))
+
+    def _deliver(self, transport: _InProcess | _Zmq, w: int) -> None:
+        events = self.events[w].get_latest_events(0)
+        if events:
+            self.emitted += len(events)
+            self.applied += transport.deliver(self.worker_ids[w], events, self.now)
+
+    def _route(self, req: Request) -> int:
+        policy = self.policy
+        if self.router is not None:
+            decision = self.router.route(
+                req.tokens, cache_salt=req.cache_salt, request_id=req.request_id
+            )
+            return int(decision.worker_id[1:])
+        if policy == "round-robin":
+            w = self.rr
+            self.rr = (w + 1) % len(self.workers)
+            return w
+        if policy == "least-loaded":
+            loads = [wk.active for wk in self.workers]
+            return loads.index(min(loads))
+        return self.rng.randrange(len(self.workers))
+
+    def _arrive(self, i: int, req: Request) -> bool:
+        """Route and queue request ``i``; True if it was rejected (it completes at once)."""
+        t0 = time.perf_counter()
+        w = self._route(req)
+        self.latencies.append(time.perf_counter() - t0)
+        worker = self.workers[w]
+        rec = RequestRecord(
+            index=i,
+            request_id=req.request_id,
+            worker=worker.worker_id,
+            arrival_s=req.arrival_s,
+            prompt_tokens=len(req.tokens),
+            output_tokens=req.output_length,
+        )
+        self.records.append(rec)
+        if not worker.submit(req, rec, output_tokens(req, self.config.seed)):
+            if self.router is not None:
+                self.router.request_finished(req.request_id)
+            return True
+        if not worker.busy:
+            self._schedule_start(w)
+        else:
+            end = worker.interrupt(self.now)
+            if end is not None:
+                self.versions[w] += 1
+                heapq.heappush(self.heap, (end, _END, next(self.counter), w, self.versions[w]))
+        return False
+
+
+def replay_policy(
+    workload: Workload,
+    config: ClusterConfig,
+    policy: str,
+    *,
+    progress: ProgressFn | None = None,
+) -> PolicyResult:
+    """Replay ``workload`` on a fresh cluster routed by ``policy`` (one of :data:`POLICIES`)."""
+    return _Replay(workload, config, policy).run(progress)
+
+
+# The worker processes of a parallel replay: the workload, the configuration and the progress
+# queue arrive once per process (initializer), then each task is one policy.
+_CHILD: dict[str, Any] = {}
+_PROGRESS_EVERY_S: Final = 0.1
+
+
+def _child_init(workload: Workload, config: ClusterConfig, queue: Any) -> None:
+    _CHILD.update(workload=workload, config=config, queue=queue)
+
+
+def _child_run(policy: str) -> PolicyResult:
+    queue = _CHILD["queue"]
+    pending = [0, time.monotonic()]
+
+    def progress(n: int) -> None:
+        pending[0] += n
+        now = time.monotonic()
+        if now - pending[1] >= _PROGRESS_EVERY_S:
+            queue.put((policy, pending[0]))
+            pending[0], pending[1] = 0, now
+
+    result = replay_policy(_CHILD["workload"], _CHILD["config"], policy, progress=progress)
+    if pending[0]:
+        queue.put((policy, pending[0]))
+    return result
+
+
+def _replay_parallel(
+    workload: Workload,
+    config: ClusterConfig,
+    policies: Sequence[str],
+    jobs: int,
+    progress: Callable[[str], ProgressFn | None] | None,
+) -> list[PolicyResult]:
+    """One process per policy, ``jobs`` at a time (spawned: no fork of a threaded parent)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    callbacks = {p: progress(p) if progress else None for p in policies}
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=ctx, initializer=_child_init,
+        initargs=(workload, config, queue),
+    ) as pool:
+        futures = [pool.submit(_child_run, p) for p in policies]
+        try:
+            while not all(f.done() for f in futures):
+                try:
+                    policy, n = queue.get(timeout=_PROGRESS_EVERY_S)
+                except Empty:
+                    continue
+                cb = callbacks.get(policy)
+                if cb is not None:
+                    cb(n)
+            results = [f.result() for f in futures]
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        while True:  # counts that arrived after the last future completed
+            try:
+                policy, n = queue.get_nowait()
+            except Empty:
+                break
+            cb = callbacks.get(policy)
+            if cb is not None:
+                cb(n)
+    queue.close()
+    return results
+
+
+def replay(
+    workload: Workload,
+    config: ClusterConfig,
+    policies: Sequence[str] = POLICIES,
+    *,
+    progress: Callable[[str], ProgressFn | None] | None = None,
+    jobs: int = 1,
+) -> ReplayResult:
+    """Replay ``workload`` once per policy and compute the bounds.
+
+    ``progress(policy)`` may return a callback that receives completed-request counts.
+    ``jobs`` > 1 replays that many policies at once in worker processes; the results are the
+    same as with one job (each policy is deterministic and independent). Raises
+    :class:`InvalidArgumentError` for an unknown or repeated policy, an empty workload or a
+    bad ``jobs``, before replaying anything.
+    """
+    if not policies:
+        raise InvalidArgumentError("at least one routing policy is needed")
+    for p in policies:
+        if p not in POLICIES:
+            raise InvalidArgumentError(
+                f"unknown routing policy {p!r}; valid: {', '.join(POLICIES)}"
+            )
+    if len(set(policies)) != len(policies):
+        raise InvalidArgumentError(f"routing policies repeat: {', '.join(policies)}")
+    if not len(workload):
+        raise InvalidArgumentError(f"workload {workload.name!r} has no requests")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
+    t0 = time.perf_counter()
+    bounds = workload_bounds(
+        workload, config.cache.tokens_per_block, config.capacity_blocks, seed=config.seed
+    )
+    bounds_wall = time.perf_counter() - t0
+    jobs = min(jobs, len(policies))
+    if jobs > 1:
+        results = _replay_parallel(workload, config, policies, jobs, progress)
+    else:
+        results = [
+            replay_policy(workload, config, p, progress=progress(p) if progress else None)
+            for p in policies
+        ]
+    info = {
+        "name": workload.name,
+        "requests": len(workload),
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": sum(r.output_length for r in workload.requests),
+        "duration_s": workload.duration_s,
+        "metadata": workload.metadata,
+    }
+    return ReplayResult(info, config, bounds, results, bounds_wall)

@@ -1,0 +1,378 @@
+"""What a replay reports: per-policy summaries, a rich table, markdown, JSON and a plot.
+
+:func:`summarize` turns a :class:`~kvpool.replay.cluster.PolicyResult` into a JSON-able dict.
+Every value that depends on wall-clock time sits under a ``"wall"`` key (the replay's own
+results are deterministic: equal workloads, configurations and seeds give equal summaries once
+the ``"wall"`` entries are dropped, see :func:`strip_wall`).
+
+Definitions (over the requests that were not rejected):
+
+* token hit rate = tokens reused at first admission / prompt tokens (whole and partial
+  blocks, any tier); the per-tier rates split it by the tier the blocks were found on;
+* full-block hit rate = the whole-block part: what the bounds (which count whole blocks)
+  compare with; ``of_belady`` = full-block hit rate / Belady bound;
+* prefill computed = every prompt token computed, recomputation after preemption included;
+* TTFT = first token time - arrival (queueing included); throughput = output tokens /
+  makespan (first arrival to last finish).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from kvpool import __version__
+from kvpool.errors import KVPoolError
+from kvpool.replay.bounds import HitRateBound
+from kvpool.replay.cluster import PolicyResult, ReplayResult
+from kvpool.replay.engine_sim import reference_group
+
+__all__ = [
+    "TIMELINE_BINS",
+    "render",
+    "strip_wall",
+    "summarize",
+    "to_json",
+    "to_markdown",
+    "write_plot",
+]
+
+TIMELINE_BINS: Final = 24
+"""Arrival-time bins of the timeline (hit rate and TTFT over time)."""
+
+_TIERS: Final = ("gpu", "host", "disk")
+
+
+def _rate(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def _as_int(value: object) -> int:
+    assert isinstance(value, int)
+    return value
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    arr = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _timeline(result: PolicyResult, start: float, width: float) -> dict[str, Any]:
+    hits = np.zeros(TIMELINE_BINS)
+    prompts = np.zeros(TIMELINE_BINS)
+    ttfts: list[list[float]] = [[] for _ in range(TIMELINE_BINS)]
+    for r in result.records:
+        if r.rejected or r.first_token_s is None:
+            continue
+        b = min(int((r.arrival_s - start) / width), TIMELINE_BINS - 1) if width > 0 else 0
+        hits[b] += r.reused_tokens
+        prompts[b] += r.prompt_tokens
+        ttfts[b].append(r.first_token_s - r.arrival_s)
+    return {
+        "start_s": start,
+        "bin_s": width,
+        "requests": [len(t) for t in ttfts],
+        "token_hit_rate": [
+            _rate(h, p) for h, p in zip(hits.tolist(), prompts.tolist(), strict=True)
+        ],
+        "ttft_p50_s": [float(np.median(t)) if t else None for t in ttfts],
+    }
+
+
+def summarize(
+    result: PolicyResult, bounds: Mapping[str, HitRateBound] | None = None
+) -> dict[str, Any]:
+    """The JSON-able summary of one policy's replay (see the module docstring)."""
+    done = result.finished
+    prompt = sum(r.prompt_tokens for r in done)
+    reused = sum(r.reused_tokens for r in done)
+    full = sum(r.reused_full_tokens for r in done)
+    partial = sum(r.reused_partial_tokens for r in done)
+    tiers = [sum(r.tier_tokens[t] for r in done) for t in range(3)]
+    makespan = result.makespan_s
+    out_tokens = sum(r.output_tokens for r in done)
+    cache_totals: dict[str, int] = {}
+    for key in ("evicted_blocks", "dropped_blocks", "offload_blocks", "onboard_blocks"):
+        cache_totals[key] = sum(_as_int(w.cache_stats[key]) for w in result.workers)
+    arrivals = [r.arrival_s for r in result.records]
+    start = min(arrivals) if arrivals else 0.0
+    width = (max(arrivals) - start) / TIMELINE_BINS if arrivals else 0.0
+    full_rate = _rate(full, prompt)
+    vs: dict[str, float] = {}
+    if bounds:
+        for name, b in bounds.items():
+            vs[f"{name}_token_hit_rate"] = b.token_hit_rate
+            vs[f"of_{name}"] = _rate(full_rate, b.token_hit_rate)
+    lat = result.decision_latency_s
+    summary: dict[str, Any] = {
+        "policy": result.policy,
+        "requests": len(result.records),
+        "finished": len(done),
+        "rejected": len(result.records) - len(done),
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "reused_full_tokens": full,
+        "reused_partial_tokens": partial,
+        "token_hit_rate": _rate(reused, prompt),
+        "full_block_hit_rate": full_rate,
+        "tier_hit_rate": {name: _rate(tiers[t], prompt) for t, name in enumerate(_TIERS)},
+        "prefill_tokens_computed": sum(r.computed_tokens for r in done),
+        "preemptions": sum(r.preemptions for r in done),
+        "ttft_s": _percentiles([r.first_token_s - r.arrival_s for r in done
+                                if r.first_token_s is not None]),
+        "e2e_s": _percentiles([r.finish_s - r.arrival_s for r in done if r.finish_s is not None]),
+        "makespan_s": makespan,
+        "gpu_busy": _rate(sum(w.busy_s for w in result.workers),
+                          makespan * len(result.workers)),
+        "throughput": {
+            "output_tokens_per_s": _rate(out_tokens, makespan),
+            "requests_per_s": _rate(len(done), makespan),
+        },
+        "cache": cache_totals,
+        "events": {
+            "emitted": result.events_emitted,
+            "applied": result.events_applied,
+            "applied_per_s": _rate(result.events_applied, makespan),
+        },
+        "vs_bounds": vs,
+        "workers": [
+            {
+                "worker": w.worker_id,
+                "requests": w.requests,
+                "steps": w.steps,
+                "busy_fraction": _rate(w.busy_s, makespan),
+                "preemptions": w.preemptions,
+                "token_hit_rate": _rate(
+                    sum(r.reused_tokens for r in done if r.worker == w.worker_id),
+                    sum(r.prompt_tokens for r in done if r.worker == w.worker_id),
+                ),
+            }
+            for w in result.workers
+        ],
+        "timeline": _timeline(result, start, width),
+        "wall": {
+            "replay_s": result.wall_s,
+            "decision_latency_us": {k: v * 1e6 for k, v in _percentiles(lat).items()},
+            "events_applied_per_s": _rate(result.events_applied, result.wall_s),
+        },
+    }
+    return summary
+
+
+def to_json(result: ReplayResult) -> dict[str, Any]:
+    """The whole replay as a JSON-able dict (``"wall"`` entries hold the wall-clock values)."""
+    return {
+        "kvpool_version": __version__,
+        "workload": result.workload,
+        "cluster": result.config.as_dict(),
+        "bounds": {name: b.as_dict() for name, b in result.bounds.items()},
+        "policies": [summarize(p, result.bounds) for p in result.policies],
+        "wall": {"bounds_s": result.bounds_wall_s},
+    }
+
+
+def strip_wall(obj: Any) -> Any:
+    """``obj`` without its ``"wall"`` entries (recursively): the deterministic part."""
+    if isinstance(obj, dict):
+        return {k: strip_wall(v) for k, v in obj.items() if k != "wall"}
+    if isinstance(obj, list):
+        return [strip_wall(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _tokens(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} G"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    if n >= 1e4:
+        return f"{n / 1e3:.1f} k"
+    return f"{n:,.0f}"
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:,.0f} ms" if s >= 0.1 else f"{1e3 * s:.1f} ms"
+
+
+def _us(us: float) -> str:
+    return f"{us:,.0f} µs" if us >= 10 else f"{us:.1f} µs"
+
+
+def _describe(result: ReplayResult) -> list[str]:
+    w = result.workload
+    cfg = result.config
+    cache = cfg.cache
+    sizing = cfg.description
+    if sizing.get("model"):
+        mem = f"{sizing['model']}, {sizing.get('gpu_mem', '?')} GPU"
+        if sizing.get("host_mem"):
+            mem += f" + {sizing['host_mem']} host"
+        if sizing.get("disk_mem"):
+            mem += f" + {sizing['disk_mem']} disk"
+        mem += " KV per worker"
+    else:
+        mem = "block counts given"
+    slots = " + ".join(f"{t[reference_group(cache)]:,}" for t in cache.slots)
+    sched = cfg.scheduler
+    b = result.bounds
+    lines = [
+        f"workload {w['name']}: {w['requests']:,} requests, {_tokens(w['prompt_tokens'])} prompt "
+        f"tokens, {_tokens(w['output_tokens'])} output tokens over {w['duration_s']:,.0f} s",
+        f"cluster: {cfg.workers} workers × ({mem}: {slots} blocks of "
+        f"{cache.tokens_per_block} tokens); batch {sched.max_batch_size}, "
+        f"{sched.max_num_tokens} tokens/step"
+        f"{', chunked prefill' if sched.chunked_prefill else ''}; events {cfg.transport}",
+    ]
+    if b:
+        lines.append(
+            f"bounds (whole blocks, {cfg.capacity_blocks:,} blocks in all): unlimited cache "
+            f"{_pct(b['unlimited'].token_hit_rate)}, Belady {_pct(b['belady'].token_hit_rate)}"
+        )
+    return lines
+
+
+_Row = tuple[str, list[str], list[float], str]
+
+
+def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
+    """(label, cells, sort keys, 'max'|'min'|'') per row of the comparison table."""
+    tiers = result.config.cache.num_tiers
+    rows: list[_Row] = []
+
+    def row(label: str, values: Iterable[float], fmt: Any, best: str = "") -> None:
+        vals = list(values)
+        rows.append((label, [fmt(v) for v in vals], vals, best))
+
+    row("token hit rate", (s["token_hit_rate"] for s in sums), _pct, "max")
+    for t in range(tiers if tiers > 1 else 0):
+        row(f"  on {_TIERS[t]}", (s["tier_hit_rate"][_TIERS[t]] for s in sums), _pct)
+    row("  partial blocks", (_rate(s["reused_partial_tokens"], s["prompt_tokens"]) for s in sums),
+        _pct)
+    row("full-block hit rate", (s["full_block_hit_rate"] for s in sums), _pct, "max")
+    if result.bounds:
+        row("  of Belady bound", (s["vs_bounds"]["of_belady"] for s in sums), _pct, "max")
+    row("prefill computed", (s["prefill_tokens_computed"] for s in sums), _tokens, "min")
+    row("preemptions", (s["preemptions"] for s in sums), lambda v: f"{v:,}", "min")
+    for q in ("p50", "p90", "p99"):
+        row(f"TTFT {q}", (s["ttft_s"][q] for s in sums), _ms, "min")
+    row("throughput", (s["throughput"]["output_tokens_per_s"] for s in sums),
+        lambda v: f"{v:,.0f} tok/s", "max")
+    row("GPU busy", (s["gpu_busy"] for s in sums), _pct, "min")
+    row("makespan", (s["makespan_s"] for s in sums), lambda v: f"{v:,.1f} s", "min")
+    row("evicted blocks", (s["cache"]["evicted_blocks"] for s in sums), lambda v: f"{v:,}")
+    if tiers > 1:
+        row("  offloaded", (s["cache"]["offload_blocks"] for s in sums), lambda v: f"{v:,}")
+        row("  onboarded", (s["cache"]["onboard_blocks"] for s in sums), lambda v: f"{v:,}")
+    row("events applied", (s["events"]["applied"] for s in sums), lambda v: f"{v:,}")
+    row("  per sim. second", (s["events"]["applied_per_s"] for s in sums), lambda v: f"{v:,.0f}/s")
+    row("route decision p50", (s["wall"]["decision_latency_us"]["p50"] for s in sums), _us)
+    row("route decision p99", (s["wall"]["decision_latency_us"]["p99"] for s in sums), _us)
+    row("replay wall time", (s["wall"]["replay_s"] for s in sums), lambda v: f"{v:,.1f} s")
+    if any(s["rejected"] for s in sums):
+        row("rejected (too long)", (s["rejected"] for s in sums), lambda v: f"{v:,}")
+    return rows
+
+
+def render(result: ReplayResult, console: Any) -> None:
+    """Print the replay: what ran, the bounds, and one column per policy (best in bold)."""
+    from rich.table import Table
+
+    sums = [summarize(p, result.bounds) for p in result.policies]
+    for line in _describe(result):
+        console.print(line)
+    table = Table(title="kvpool replay", title_style="bold")
+    table.add_column("metric", no_wrap=True)
+    for s in sums:
+        table.add_column(s["policy"], justify="right")
+    for label, cells, vals, best in _rows(result, sums):
+        if best and len(vals) > 1 and len(set(vals)) > 1:
+            target = max(vals) if best == "max" else min(vals)
+            cells = [f"[bold green]{c}[/]" if v == target else c
+                     for c, v in zip(cells, vals, strict=True)]
+        table.add_row(label, *cells)
+    console.print(table)
+    console.print(
+        "[dim]hit rates count the tokens each request reused at its first admission; the "
+        "bounds and 'of Belady' count whole blocks only. Times are simulated (TimeModel); "
+        "route decisions and wall time are measured.[/]"
+    )
+
+
+def to_markdown(result: ReplayResult) -> str:
+    """A markdown table of the replay (one row per policy), with what ran and the bounds."""
+    sums = [summarize(p, result.bounds) for p in result.policies]
+    lines = [f"- {line}" for line in _describe(result)]
+    lines.append("")
+    head = ["policy", "token hit rate", "full-block hit rate"]
+    if result.bounds:
+        head.append("of Belady")
+    head += ["prefill computed", "TTFT p50", "TTFT p99", "throughput", "evicted blocks",
+             "preemptions"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+    for s in sums:
+        cells = [f"`{s['policy']}`", _pct(s["token_hit_rate"]), _pct(s["full_block_hit_rate"])]
+        if result.bounds:
+            cells.append(_pct(s["vs_bounds"]["of_belady"]))
+        cells += [
+            _tokens(s["prefill_tokens_computed"]),
+            _ms(s["ttft_s"]["p50"]),
+            _ms(s["ttft_s"]["p99"]),
+            f"{s['throughput']['output_tokens_per_s']:,.0f} tok/s",
+            f"{s['cache']['evicted_blocks']:,}",
+            f"{s['preemptions']:,}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(result: ReplayResult, path: str | Path) -> None:
+    """Token hit rate and median TTFT per policy over arrival time, as an image (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sums = [summarize(p, result.bounds) for p in result.policies]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for s in sums:
+        tl = s["timeline"]
+        xs = [tl["start_s"] + (i + 0.5) * tl["bin_s"] for i in range(len(tl["requests"]))]
+        rate = [100 * v if n else math.nan
+                for v, n in zip(tl["token_hit_rate"], tl["requests"], strict=True)]
+        ttft = [1e3 * v if v is not None else math.nan for v in tl["ttft_p50_s"]]
+        ax1.plot(xs, rate, marker="o", markersize=3, label=s["policy"])
+        ax2.plot(xs, ttft, marker="o", markersize=3, label=s["policy"])
+    if result.bounds:
+        ax1.axhline(100 * result.bounds["belady"].token_hit_rate, color="grey", linestyle="--",
+                    linewidth=1, label="Belady bound (whole run)")
+    ax1.set_ylabel("token hit rate (%)")
+    ax1.set_ylim(0, 100)
+    ax1.legend(fontsize=8, ncol=3)
+    ax1.grid(alpha=0.3)
+    ax2.set_ylabel("TTFT p50 (ms)")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("arrival time (s)")
+    ax2.grid(alpha=0.3, which="both")
+    fig.suptitle(f"kvpool replay: {result.workload['name']}, {result.config.workers} workers")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise KVPoolError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
