@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -378,6 +378,7 @@ scope_st = st.tuples(salt_st, lora_st)
 
 @given(algo=algo_st, tokens=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40),
        tpb=tpb_st, s1=scope_st, s2=scope_st)
+@example(algo=HashAlgo.VLLM_SHA256_CBOR, tokens=[1, 2, 3], tpb=2, s1=("5", None), s2=(None, 5))
 def test_scopes_are_isolated(
     algo: HashAlgo, tokens: list[int], tpb: int,
     s1: tuple[str | None, int | None], s2: tuple[str | None, int | None],
@@ -388,7 +389,15 @@ def test_scopes_are_isolated(
     b = BlockHasher(algo, tpb, cache_salt=s2[0], lora_id=s2[1])
     ka = [*a.extend(tokens), a.partial_key()]
     kb = [*b.extend(tokens), b.partial_key()]
-    assert all(x != y for x, y in zip(ka, kb, strict=True) if x is not None)
+    first = 0
+    if algo is HashAlgo.VLLM_SHA256_CBOR and (
+        ref_vllm_extra(0, s1[1], s1[0]) == ref_vllm_extra(0, s2[1], s2[0])
+    ):
+        # vLLM's own blind spot, reproduced bit for bit: salt "5" without LoRA and LoRA "5"
+        # without salt give block 0 the same extra keys; the LoRA still separates later blocks.
+        assert ka[0] == kb[0]
+        first = 1
+    assert all(x != y for x, y in zip(ka[first:], kb[first:], strict=True) if x is not None)
     if s1[1] is None and s2[1] is None:  # the router's view (no LoRA) is isolated by salt too
         ra = request_block_hashes([*tokens, 1], tpb, algo, cache_salt=s1[0])
         rb = request_block_hashes([*tokens, 1], tpb, algo, cache_salt=s2[0])

@@ -10,7 +10,8 @@ import kvpool
 
 def test_version_matches_package() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool.cli", "--version"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "kvpool.cli", "--version"],
+        capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == f"kvpool {kvpool.__version__}"
 

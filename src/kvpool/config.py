@@ -16,6 +16,7 @@ from kvpool.hashing import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:
     from kvpool.planner import PoolPlan
+    from kvpool.storage import GroupGeometry
 
 DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
@@ -159,8 +160,10 @@ class CacheConfig:
     ``window_sizes`` has one entry per layer group: None = full attention, an int = sliding
     window of that many tokens. ``cross_attention_groups`` lists groups keyed by the request's
     encoder tokens. ``event_buffer_max_size > 0`` turns KV cache events on, their hashes in
-    ``event_hash_algo`` (default: ``hash_algo``). Slot counts (``gpu_blocks``, ``host_blocks``, ``disk_blocks``) are an int
-    (same for every group), a sequence or a mapping layer group -> slots.
+    ``event_hash_algo`` (default: ``hash_algo``). Slot counts (``gpu_blocks``,
+    ``host_blocks``, ``disk_blocks``) are an int (same for every group), a sequence or a
+    mapping layer group -> slots. ``layer_geometry`` (one ``GroupGeometry`` per layer group)
+    makes the manager hold real KV in torch tensors (``disk_path`` for a disk tier).
     """
 
     tokens_per_block: int
@@ -182,6 +185,8 @@ class CacheConfig:
     offload_gate: str = "all"
     event_buffer_max_size: int = 0
     event_hash_algo: HashAlgo | str | None = None
+    layer_geometry: Sequence[GroupGeometry] | None = None
+    device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
 
     # normalised views, filled in __post_init__
@@ -240,6 +245,18 @@ class CacheConfig:
                 "v2_sha256_64 share them)"
             )
         object.__setattr__(self, "event_hash_algo", ev)
+        if self.layer_geometry is not None:
+            from kvpool.storage import GroupGeometry
+
+            geoms = tuple(self.layer_geometry)
+            if len(geoms) != groups or not all(isinstance(x, GroupGeometry) for x in geoms):
+                raise InvalidArgumentError(
+                    f"layer_geometry needs one GroupGeometry per layer group ({groups}), "
+                    f"got {self.layer_geometry!r}"
+                )
+            object.__setattr__(self, "layer_geometry", geoms)
+        if any(disk) and self.layer_geometry is not None and self.disk_path is None:
+            raise InvalidArgumentError("a disk tier with real storage needs disk_path")
         if any(disk) and not any(host):
             raise InvalidArgumentError("a disk tier needs a host tier (host_blocks > 0)")
         for name in ("enable_block_reuse", "enable_partial_reuse"):

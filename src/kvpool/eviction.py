@@ -181,51 +181,77 @@ class PrioritizedLRU:
         return self._level[slot]
 
 
+class KeyHistory:
+    """Counts of the keys that left a layer group's queues, oldest forgotten first.
+
+    The policies of one layer group's tiers share one history, so a block keeps its count
+    when it moves down a tier (popped from the GPU queue, pushed to the host queue) or up
+    (claimed from the host queue, released into the GPU queue). Entries: ``key -> count`` for
+    a block evicted (a *ghost*; ARC packs ``seq << 8 | min(count, 255)`` to know its age) or
+    ``key -> -count`` for a block claimed from a colder tier (on its way up). At most
+    ``bound`` entries: adding one beyond that forgets the oldest.
+    """
+
+    __slots__ = ("bound", "entries", "ghosts", "seq", "share")
+
+    def __init__(self, bound: int, share: float) -> None:
+        self.entries: OrderedDict[BlockKey, int] = OrderedDict()
+        self.bound = bound
+        self.seq = 0  # ghosts added so far (ARC: their age)
+        self.ghosts = [0, 0]  # ghosts of count 1 and of count > 1 (ARC)
+        self.share = share  # the recent segment's share of a level (ARC adapts it)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
 class _Level:
-    """One priority level of a segmented policy: slot -> release count, oldest first."""
+    """One priority level of a segmented policy: slot -> count, oldest first."""
 
     __slots__ = ("frequent", "recent")
 
     def __init__(self) -> None:
-        self.recent: OrderedDict[int, int] = OrderedDict()  # released once
-        self.frequent: OrderedDict[int, int] = OrderedDict()  # released more than once
+        self.recent: OrderedDict[int, int] = OrderedDict()  # count 1
+        self.frequent: OrderedDict[int, int] = OrderedDict()  # count > 1
 
 
 class SegmentedPolicy:
-    """Base of the scan-resistant policies: two segments per level and a ghost history.
+    """Base of the scan-resistant policies: two segments per level and a key history.
 
-    A block's *count* is how often its key has been released into this pool: 1 on its first
-    push, +1 on every later push of the same key, whether it was hit while cached (``remove``
-    then ``push``) or evicted and recomputed while its key was still in the history. Blocks
-    with count 1 queue in the level's *recent* segment, the others in its *frequent* segment,
-    each oldest first. Subclasses decide which segment gives the victim (:meth:`_pop_level`,
-    :meth:`_simulate_level`).
+    A block's *count* is how often its key has been released into the GPU pool: 1 on its
+    first release, +1 on every later one, whether the block was hit while cached (``remove``
+    then ``push`` of the same slot) or evicted and recomputed while the history still held
+    its key. A colder tier's pool (``tier > 0``) receives blocks with the count they had
+    above. Blocks of count 1 queue in their level's *recent* segment, the others in its
+    *frequent* segment, each oldest first. Subclasses set how the segments share a level:
+    the recent segment gives the victim while it holds more than ``share`` of the level (or
+    the frequent one is empty); S3-FIFO also sends frequent blocks round for extra laps.
 
-    History: the counts of keys that left the queue (popped: the ghost proper, or removed:
-    claimed by a sequence) live in one insertion-ordered map, bounded to ``ghost_multiple x
-    pool size`` entries (the pool size is ``capacity``, or the highest slot seen + 1): the
-    oldest entry is forgotten first. A key pushed again takes its count back out of it.
+    History: see :class:`KeyHistory`; a standalone policy owns one bounded to
+    ``ghost_multiple x pool size`` entries (the pool size is ``capacity``, or the highest slot
+    pushed + 1); :func:`make_policies` gives a layer group's tiers one shared history bounded
+    to ``ghost_multiple x`` the group's slots on all tiers.
 
-    Offload gate: with ``offload_gate="reused"`` only a victim whose count is > 1 may go to a
-    colder tier; with ``"all"`` (default) every victim may.
+    Offload gate: with ``offload_gate="reused"`` only a victim of count > 1 may go down a
+    tier; with ``"all"`` (default) every victim may.
     """
 
     __slots__ = (
-        "_capacity", "_clock", "_counts", "_credits", "_expires", "_expiry", "_gate_all", "_ghosts",
-        "_hist", "_hist_cap", "_keys", "_last_count", "_last_slot", "_levels", "_loc",
-        "_multiple", "_order", "_share",
+        "_capacity", "_clock", "_counts", "_credits", "_expires", "_expiry", "_gate_all",
+        "_hist", "_history", "_keys", "_last_count", "_last_slot", "_levels", "_loc",
+        "_multiple", "_order", "_tier0",
     )
 
     RECENT_SHARE = 0.25
-    """Pop from the recent segment while it holds more than this share of its level."""
+    """The recent segment gives the victim while it holds more than this share of its level."""
     MAX_LAPS = 0
     """Extra laps through the frequent segment a block may earn (S3-FIFO); 0 = plain FIFO."""
     COUNT_GHOSTS = False
-    """Keep ``_ghosts`` (history entries per kind) up to date (ARC adapts on them)."""
+    """Track ghost kinds and ages in the history (ARC adapts on them)."""
 
     def __init__(self, clock: Callable[[], float], *, capacity: int | None = None,
-                 offload_gate: str = "all",
-                 ghost_multiple: float = DEFAULT_GHOST_MULTIPLE) -> None:
+                 offload_gate: str = "all", ghost_multiple: float = DEFAULT_GHOST_MULTIPLE,
+                 tier: int = 0, history: KeyHistory | None = None) -> None:
         _check_gate(offload_gate)
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                      or capacity < 0):
@@ -235,20 +261,23 @@ class SegmentedPolicy:
             raise InvalidArgumentError(
                 f"ghost_multiple must be a number in [0, 1024], got {ghost_multiple!r}"
             )
+        if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
+            raise InvalidArgumentError(f"tier must be an int >= 0, got {tier!r}")
         self._clock = clock
         self._gate_all = offload_gate == "all"
         self._multiple = float(ghost_multiple)
         self._capacity = capacity or 0
+        self._tier0 = tier == 0
+        if history is None:
+            history = KeyHistory(int(self._multiple * self._capacity), self.RECENT_SHARE)
+        self._history = history
+        self._hist = history.entries
         self._levels: dict[int, _Level] = {}
         self._order: list[int] = []  # priority levels ever used, ascending
         self._loc: dict[int, OrderedDict[int, int]] = {}  # queued slot -> its segment
         self._keys: list[BlockKey | None] = [None] * self._capacity  # slot -> key pushed
-        self._counts = [0] * self._capacity  # slot -> count when it was last claimed
+        self._counts = [0] * self._capacity  # slot -> its count when last claimed
         self._credits = bytearray(self._capacity if self.MAX_LAPS else 0)  # slot -> laps left
-        self._hist: OrderedDict[BlockKey, int] = OrderedDict()  # evicted key -> its count
-        self._hist_cap = int(self._multiple * self._capacity)
-        self._ghosts = [0, 0]  # history entries of count 1 and of count > 1 (if COUNT_GHOSTS)
-        self._share = self.RECENT_SHARE
         self._last_slot = -1
         self._last_count = 0
         self._expiry: list[tuple[float, int, int]] = []
@@ -268,7 +297,13 @@ class SegmentedPolicy:
             raise InvalidArgumentError(f"slot {slot} is already evictable")
         if slot >= len(self._keys):
             self._grow(slot)
-        self._enqueue(self._level(priority), slot, key)
+        lvl = self._level(priority)
+        if key is None:
+            self._keys[slot] = None
+            lvl.recent[slot] = 1
+            self._loc[slot] = lvl.recent
+        else:
+            self._enqueue_many(lvl, (slot,), (key,))
         if expires_at is not None and priority != DEFAULT_PRIORITY:
             self._expires[slot] = expires_at
             heapq.heappush(self._expiry, (expires_at, slot, priority))
@@ -277,24 +312,41 @@ class SegmentedPolicy:
 
     def push_many(self, slots: Sequence[int], priority: int,
                   keys: Sequence[BlockKey] | None = None) -> None:
+        if not slots:
+            return
+        if keys is not None and len(keys) != len(slots):
+            raise InvalidArgumentError(f"{len(keys)} keys for {len(slots)} slots")
+        loc = self._loc
+        if not loc.keys().isdisjoint(slots):
+            queued = sorted(set(slots) & loc.keys())
+            raise InvalidArgumentError(f"slots {queued} are already evictable")
+        top = max(slots)
+        if top >= len(self._keys):
+            self._grow(top)
         lvl = self._level(priority)
-        if slots and max(slots) >= len(self._keys):
-            self._grow(max(slots))
         if keys is None:
             for slot in slots:
-                self._enqueue(lvl, slot, None)
+                self._keys[slot] = None
+                lvl.recent[slot] = 1
+                loc[slot] = lvl.recent
         else:
-            if len(keys) != len(slots):
-                raise InvalidArgumentError(f"{len(keys)} keys for {len(slots)} slots")
             self._enqueue_many(lvl, slots, keys)
         if self._expires:
             for slot in slots:
                 self._expires.pop(slot, None)
 
     def remove(self, slot: int) -> None:
-        # claimed: the slot keeps its key and count until it is pushed again (a hit comes
-        # back to the same slot), or until another block reuses the slot
-        self._counts[slot] = self._loc.pop(slot).pop(slot)
+        count = self._loc.pop(slot).pop(slot)
+        # the slot keeps its key and count: a GPU hit comes back to the same slot
+        self._counts[slot] = count
+        if not self._tier0:
+            key = self._keys[slot]
+            if key is not None:
+                # claimed from a colder tier: the GPU pool it goes to takes the count over
+                hist = self._hist
+                hist[key] = -count
+                if len(hist) > self._history.bound:
+                    self._forget()
 
     def pop(self) -> tuple[int, int]:
         if self._expiry:
@@ -304,7 +356,7 @@ class SegmentedPolicy:
             recent = lvl.recent
             frequent = lvl.frequent
             nr = len(recent)
-            if nr and (not frequent or nr > self._share * (nr + len(frequent))):
+            if nr and (not frequent or nr > self._history.share * (nr + len(frequent))):
                 slot, count = recent.popitem(last=False)
             elif frequent:
                 slot, count = (self._pop_laps(frequent) if self.MAX_LAPS
@@ -318,13 +370,15 @@ class SegmentedPolicy:
             if key is not None:
                 self._keys[slot] = None
                 hist = self._hist
-                hist[key] = count
-                if len(hist) > self._hist_cap:
-                    _, forgotten = hist.popitem(last=False)
-                    if self.COUNT_GHOSTS:
-                        self._ghosts[forgotten > 1] -= 1
                 if self.COUNT_GHOSTS:
-                    self._ghosts[count > 1] += 1
+                    history = self._history
+                    history.seq += 1
+                    history.ghosts[count > 1] += 1
+                    hist[key] = history.seq << 8 | min(count, 255)
+                else:
+                    hist[key] = count
+                if len(hist) > self._history.bound:
+                    self._forget()
             return slot, p
         raise IndexError("pop from an empty eviction queue")
 
@@ -336,8 +390,7 @@ class SegmentedPolicy:
             self._expire()
         out: list[int] = []
         for p in self._order:
-            lvl = self._levels[p]
-            out.extend(self._simulate_level(lvl))
+            out.extend(self._simulate_level(self._levels[p]))
         return out
 
     def priority_of(self, slot: int) -> int:
@@ -351,17 +404,19 @@ class SegmentedPolicy:
 
     # ------------------------------------------------------------------ introspection
 
+    @property
+    def history(self) -> KeyHistory:
+        """The key history this policy reads and feeds (shared by a layer group's tiers)."""
+        return self._history
+
     def count_of(self, slot: int) -> int:
-        """How often the block queued at ``slot`` has been released into this pool."""
+        """The count of the block queued at ``slot``."""
         return self._loc[slot][slot]
 
-    def history_size(self) -> int:
-        """Entries of the ghost history (bounded by ``ghost_multiple x pool size``)."""
-        return len(self._hist)
-
-    def history_bound(self) -> int:
-        """The current bound of :meth:`history_size`."""
-        return self._hist_cap
+    def is_frequent(self, slot: int) -> bool:
+        """Whether the block queued at ``slot`` is in its level's frequent segment."""
+        seg = self._loc[slot]
+        return any(seg is lvl.frequent for lvl in self._levels.values())
 
     # ------------------------------------------------------------------ internals
 
@@ -381,30 +436,11 @@ class SegmentedPolicy:
         if self.MAX_LAPS:
             self._credits.extend(bytes(n - len(self._credits)))
         self._capacity = max(self._capacity, n)
-        self._hist_cap = int(self._multiple * self._capacity)
-
-    def _enqueue(self, lvl: _Level, slot: int, key: BlockKey | None) -> None:
-        if key is None:
-            count = 1
-        elif self._keys[slot] is key:
-            count = self._counts[slot] + 1  # released again after a hit
-        else:
-            count = self._hist.pop(key, 0) + 1
-            if count > 1:
-                self._ghost_hit(count - 1)
-        self._keys[slot] = key
-        if count == 1:
-            lvl.recent[slot] = 1
-            self._loc[slot] = lvl.recent
-        else:
-            lvl.frequent[slot] = count
-            self._loc[slot] = lvl.frequent
-            if self.MAX_LAPS:
-                self._credits[slot] = min(count - 2, self.MAX_LAPS)
+        self._history.bound = max(self._history.bound, int(self._multiple * self._capacity))
 
     def _enqueue_many(self, lvl: _Level, slots: Sequence[int],
                       keys: Sequence[BlockKey]) -> None:
-        # the hot path of a sequence release: _enqueue inlined, segments bound once
+        """Queue released (tier 0) or arriving (colder tier) blocks with their counts."""
         loc = self._loc
         slot_keys = self._keys
         counts = self._counts
@@ -412,21 +448,50 @@ class SegmentedPolicy:
         recent = lvl.recent
         frequent = lvl.frequent
         laps = self.MAX_LAPS
+        bump = 1 if self._tier0 else 0  # a release is a use; moving down a tier is not
         for slot, key in zip(slots, keys, strict=True):
             if slot_keys[slot] is key:
-                v = counts[slot]  # released again after a hit
+                count = counts[slot] + bump  # back after a claim (a hit, or a partial copy)
+                if not bump:
+                    hist_pop(key, None)
             else:
                 slot_keys[slot] = key
                 v = hist_pop(key, 0)
-                if not v:
+                if v > 0:
+                    if self.COUNT_GHOSTS:
+                        v = self._ghost_back(v)
+                    count = v + bump
+                elif v < 0:
+                    count = bump - v
+                else:
                     recent[slot] = 1
                     loc[slot] = recent
                     continue
-                self._ghost_hit(v)
-            frequent[slot] = v + 1
-            loc[slot] = frequent
-            if laps:
-                self._credits[slot] = min(v - 1, laps)
+            if count > 1:
+                frequent[slot] = count
+                loc[slot] = frequent
+                if laps:
+                    self._credits[slot] = min(count - 2, laps)
+            else:
+                recent[slot] = count
+                loc[slot] = recent
+
+    def _ghost_back(self, v: int) -> int:
+        """A ghost entry ``v`` left the history for a queue: returns its count."""
+        count = v & 255
+        history = self._history
+        history.ghosts[count > 1] -= 1
+        if self._tier0:
+            self._ghost_hit(count, history.seq - (v >> 8))
+        return count
+
+    def _ghost_hit(self, count: int, age: int) -> None:
+        """A block evicted with ``count``, ``age`` evictions ago, was recomputed (ARC)."""
+
+    def _forget(self) -> None:
+        _, v = self._hist.popitem(last=False)
+        if self.COUNT_GHOSTS and v > 0:
+            self._history.ghosts[(v & 255) > 1] -= 1
 
     def _expire(self) -> None:
         heap = self._expiry
@@ -445,9 +510,6 @@ class SegmentedPolicy:
             dst[slot] = seg.pop(slot)
             self._loc[slot] = dst
 
-    def _ghost_hit(self, count: int) -> None:
-        """A key evicted with ``count`` was released again (adaptive policies learn here)."""
-
     def _pop_laps(self, frequent: OrderedDict[int, int]) -> tuple[int, int]:
         """Pop the frequent segment's victim, sending blocks with laps left round again."""
         credits = self._credits
@@ -460,12 +522,12 @@ class SegmentedPolicy:
             frequent[slot] = count  # another lap: back to the most recent end
 
     def _simulate_level(self, lvl: _Level) -> list[int]:
-        """The order :meth:`_pop_level` would empty ``lvl`` in, without changing anything."""
+        """The order :meth:`pop` would empty ``lvl`` in, without changing anything."""
         recent = list(lvl.recent)
         frequent: deque[tuple[int, int]] = deque(
             (s, self._credits[s] if self.MAX_LAPS else 0) for s in lvl.frequent
         )
-        share = self._share
+        share = self._history.share
         out: list[int] = []
         i = 0
         while i < len(recent) or frequent:
@@ -488,7 +550,8 @@ class TwoQueue(SegmentedPolicy):
 
     First-time blocks wait in the recent FIFO; while it holds more than 25% of the level it
     gives the victims, so one-off traffic cycles through it without flushing the blocks that
-    were reused. A block released again (a hit, or a ghost hit) joins the frequent LRU.
+    were reused. A block released again (after a hit, or recomputed while the history held
+    its key: 2Q's A1out) joins the frequent LRU.
     """
 
     __slots__ = ()
@@ -502,7 +565,7 @@ class S3FIFO(SegmentedPolicy):
     blocks enter the main FIFO with ``min(count - 2, 3)`` credits: at the head of the queue a
     block with credits goes back to the tail (lazy promotion) and loses one, so blocks reused
     often outlive blocks reused once. A parent's count is at least its child's, so it never
-    has fewer laps left than a child released with it.
+    gets fewer laps than a child released with it.
     """
 
     __slots__ = ()
@@ -511,13 +574,15 @@ class S3FIFO(SegmentedPolicy):
 
 
 class ARC(SegmentedPolicy):
-    """ARC: the recent/frequent split adapts to the ghost hits.
+    """ARC: the recent/frequent split adapts to ghost hits.
 
-    ``target`` (in [0, 1]) is the share of a level the recent segment may keep before it gives
-    the victim. A recomputed block whose key was evicted from the recent segment (count 1)
-    says the recent segment was too small: the target grows by ``max(1, B2/B1) / pool size``;
-    one evicted from the frequent segment shrinks it by ``max(1, B1/B2) / pool size`` (B1, B2:
-    ghost entries of each kind). Starts at 0.5.
+    ``target`` (in [0, 1], start 0.5) is the share of a level the recent segment keeps. A
+    block recomputed into the GPU pool whose ghost is at most ``capacity`` evictions old (a
+    bigger pool would have kept it: ARC's B1 and B2 hold at most one cache of ghosts) moves
+    it: evicted with count 1, the recent segment was too small, the target grows by
+    ``max(1, B2/B1) / capacity``; evicted with a higher count, it shrinks by
+    ``max(1, B1/B2) / capacity`` (B1, B2: ghosts of each kind in the history). The tiers of a
+    layer group share the target.
     """
 
     __slots__ = ()
@@ -527,17 +592,18 @@ class ARC(SegmentedPolicy):
     @property
     def target(self) -> float:
         """The recent segment's current share of a level."""
-        return self._share
+        return self._history.share
 
-    def _ghost_hit(self, count: int) -> None:
-        ghosts = self._ghosts
-        ghosts[count > 1] -= 1
-        size = max(self._capacity, 1)
-        b1, b2 = max(ghosts[0], 1), max(ghosts[1], 1)
+    def _ghost_hit(self, count: int, age: int) -> None:
+        size = self._capacity
+        if not size or age > size:
+            return
+        history = self._history
+        b1, b2 = max(history.ghosts[0], 1), max(history.ghosts[1], 1)
         if count == 1:
-            self._share = min(1.0, self._share + max(1.0, b2 / b1) / size)
+            history.share = min(1.0, history.share + max(1.0, b2 / b1) / size)
         else:
-            self._share = max(0.0, self._share - max(1.0, b1 / b2) / size)
+            history.share = max(0.0, history.share - max(1.0, b1 / b2) / size)
 
 
 def _check_gate(gate: object) -> None:
@@ -547,33 +613,56 @@ def _check_gate(gate: object) -> None:
         )
 
 
-class PolicyFactory(Protocol):
-    """Builds a policy for one pool."""
-
-    def __call__(self, clock: Callable[[], float], *, capacity: int | None = ...,
-                 offload_gate: str = ...) -> EvictionPolicy: ...
-
-
-POLICIES: dict[str, PolicyFactory] = {
+POLICIES: dict[str, type[PrioritizedLRU] | type[SegmentedPolicy]] = {
     "lru": PrioritizedLRU,
     "2q": TwoQueue,
     "s3fifo": S3FIFO,
     "arc": ARC,
 }
+"""Eviction policies by ``CacheConfig.eviction_policy`` name."""
 
 
-def make_policy(name: str, clock: Callable[[], float], *, capacity: int | None = None,
-                offload_gate: str = "all") -> EvictionPolicy:
-    """Build the policy registered under ``name`` for a pool of ``capacity`` slots.
-
-    ``capacity`` sizes the ghost history of the policies that keep one (None: learnt from the
-    slots pushed). ``offload_gate`` is ``"all"`` or ``"reused"`` (only victims released more
-    than once may go to a colder tier; LRU keeps no history and ignores it).
-    """
+def _factory(name: str) -> type[PrioritizedLRU] | type[SegmentedPolicy]:
     try:
-        factory = POLICIES[name]
+        return POLICIES[name]
     except (KeyError, TypeError):
         raise InvalidArgumentError(
             f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}"
         ) from None
-    return factory(clock, capacity=capacity, offload_gate=offload_gate)
+
+
+def make_policy(name: str, clock: Callable[[], float], *, capacity: int | None = None,
+                offload_gate: str = "all") -> EvictionPolicy:
+    """Build the policy registered under ``name`` for one pool of ``capacity`` slots.
+
+    ``capacity`` sizes the history of the policies that keep one (None: learnt from the slots
+    pushed). ``offload_gate`` is ``"all"`` or ``"reused"`` (only victims released more than
+    once may go down a tier; LRU keeps no history and ignores it).
+    """
+    return _factory(name)(clock, capacity=capacity, offload_gate=offload_gate)
+
+
+def make_policies(name: str, clock: Callable[[], float], slots: Sequence[Sequence[int]], *,
+                  offload_gate: str = "all") -> list[list[EvictionPolicy]]:
+    """A manager's free queues, ``[tier][layer group]``, for pools of ``slots[tier][group]``.
+
+    The tiers of one layer group share one :class:`KeyHistory` (bounded to
+    ``DEFAULT_GHOST_MULTIPLE x`` the group's slots on all tiers), so counts follow blocks
+    between tiers.
+    """
+    factory = _factory(name)
+    _check_gate(offload_gate)
+    if not issubclass(factory, SegmentedPolicy):
+        return [[factory(clock, capacity=n, offload_gate=offload_gate) for n in tier]
+                for tier in slots]
+    groups = len(slots[0]) if slots else 0
+    histories = [
+        KeyHistory(int(DEFAULT_GHOST_MULTIPLE * sum(tier[g] for tier in slots)),
+                   factory.RECENT_SHARE)
+        for g in range(groups)
+    ]
+    return [
+        [factory(clock, capacity=n, offload_gate=offload_gate, tier=t, history=histories[g])
+         for g, n in enumerate(tier)]
+        for t, tier in enumerate(slots)
+    ]

@@ -428,7 +428,9 @@ def _vllm_extras(
 ) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
     """vLLM's extra keys (first block, later blocks): the LoRA name, then the salt on block 0.
 
-    kvpool has LoRA ids, not names; the id's decimal string stands in for the adapter name.
+    kvpool has LoRA ids, not names; the id's decimal string stands in for the adapter name. As
+    in vLLM, a first block salted with "5" and one under LoRA "5" (no salt) hash alike; the
+    later blocks differ.
     """
     rest: tuple[str, ...] = () if lora_id is None else (str(lora_id),)
     first = rest if cache_salt is None else (*rest, cache_salt)

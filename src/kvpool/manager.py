@@ -30,6 +30,7 @@ from kvpool.errors import (
     OutOfBlocksError,
     RewindError,
     SequenceStateError,
+    StorageError,
     UnknownSequenceError,
 )
 from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock
@@ -135,6 +136,11 @@ class KVCacheManager:
         self.roots: dict[BlockKey, Node] = {}
         self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self.sequences: dict[int | str, Seq] = {}
+        if storage is None and config.layer_geometry is not None:
+            from kvpool.storage import TorchStorage
+
+            storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
+                                   device=config.device, disk_path=config.disk_path)
         self.storage: Storage = storage or MetadataStorage(self.tpb)
         if events is None and config.event_buffer_max_size > 0:
             from kvpool.events.manager import EventManager
@@ -1047,6 +1053,25 @@ class KVCacheManager:
                 self._queue[t][g].push(h, node.priority, key=node.key)
         seq.moved.clear()
         seq.suspended = False
+
+    def tensors(self, layer_group: int, tier: int = 0) -> Any:
+        """The KV pool of one layer group and tier, for attention kernels:
+        ``[slots, layers, 2, tokens_per_block, kv_heads, head_dim]`` (torch storage only)."""
+        tensors = getattr(self.storage, "tensors", None)
+        if tensors is None:
+            raise StorageError("this manager has metadata-only storage: no tensors "
+                               "(give CacheConfig a layer_geometry)")
+        return tensors(layer_group, tier)
+
+    def close(self) -> None:
+        """Release the storage (removes a disk tier's file)."""
+        self.storage.close()
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def clear_cache(self) -> int:
         """Drop every cached block no sequence holds, on every tier; returns how many."""

@@ -173,6 +173,8 @@ class ClusterConfig:
     transport: str = "inproc"
     seed: int = 0
     description: dict[str, Any] = field(default_factory=dict)
+    coalesce_steps: bool = True
+    """Run identical decode-only steps as one (exact; off only to check that it is)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -429,7 +431,8 @@ class _Replay:
             EventManager(1 << 20, hash_algo=cache.hash_algo) for _ in self.worker_ids
         ]
         self.workers = [
-            SimWorker(wid, cache, config.scheduler, config.time_model, events=em)
+            SimWorker(wid, cache, config.scheduler, config.time_model, events=em,
+                      coalesce=config.coalesce_steps)
             for wid, em in zip(self.worker_ids, self.events, strict=True)
         ]
         self.index = KvIndex()

@@ -309,6 +309,10 @@ class SimWorker:
     do), :meth:`interrupt` when a request arrives during a step, and :meth:`finish_step` at
     the step's end (it returns the records of the requests that finished). Events the manager
     emitted are flushed at every step end (``events``' ``flush_iteration_events``).
+
+    ``coalesce=False`` turns lazy appends and macro steps off: every sampled token is appended
+    by its own ``add_tokens`` call and every step is simulated on its own. The results are the
+    same (up to float rounding of times); it exists to check exactly that.
     """
 
     def __init__(
@@ -319,8 +323,10 @@ class SimWorker:
         time_model: TimeModel,
         *,
         events: EventManager | None = None,
+        coalesce: bool = True,
     ) -> None:
         self.worker_id = worker_id
+        self.coalesce = coalesce
         self.cache = cache
         self.scheduler = scheduler
         self.time_model = time_model
@@ -593,6 +599,8 @@ class SimWorker:
 
     def _is_sync(self, length: int) -> bool:
         """Does growing a sequence to ``length`` tokens change more than its token list?"""
+        if not self.coalesce:
+            return True
         tpb = self.tpb
         if (length - 1) % tpb == 0:
             return True
@@ -604,6 +612,8 @@ class SimWorker:
 
     def _next_sync(self, length: int) -> int:
         """The smallest sync length above ``length``."""
+        if not self.coalesce:
+            return length + 1
         tpb = self.tpb
         best = -(-length // tpb) * tpb + 1
         for w in self._windows:
@@ -670,9 +680,10 @@ class SimWorker:
         decoding = run.state == _DECODE
         self._leave(run)
         if decoding:
-            length = run.n + run.generated
-            # the latest sampled token stays unappended when appending it needs a block
-            self._flush_appended(run, length - 1 if self._is_sync(length) else length)
+            # The token sampled this step is not appended: the victim is the newest sequence,
+            # so one token at a time it would not have had its turn yet (and a token at a sync
+            # length would need the block that is missing).
+            self._flush_appended(run, run.n + run.generated - 1)
             self.manager.remove_sequence(run.req.request_id, store_for_reuse=True)
         else:
             # mid-prefill: the computed chunks were stored; the rest holds no valid KV

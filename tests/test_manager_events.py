@@ -1,0 +1,94 @@
+"""The manager's event stream, end to end: through vLLM msgpack over a real ZMQ PUB/SUB pair
+on 127.0.0.1 with a deliberately dropped message, a consumer reproduces the cache exactly."""
+
+from __future__ import annotations
+
+import random
+
+from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.errors import OutOfBlocksError
+from kvpool.events.index import EventIndex
+from kvpool.events.model import Removed, Stored
+from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
+from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
+from kvpool.manager import KVCacheManager
+
+
+def workload_step(m: KVCacheManager, rng: random.Random, live: list[int], sid: int) -> None:
+    prefix = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], [1, 2, 3, 4, 40, 41]])
+    toks = prefix[: rng.randint(1, len(prefix))] + [rng.randrange(3) for _ in range(5)]
+    try:
+        m.add_sequence(SequenceRequest(sid, toks))
+        live.append(sid)
+    except OutOfBlocksError:
+        pass
+    while len(live) > 2 or (live and rng.random() < 0.3):
+        m.remove_sequence(live.pop(0))
+
+
+def test_events_over_zmq_with_a_dropped_message_reproduce_the_cache() -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=8, host_blocks=6,
+                                   hash_algo="v1_block_key", event_buffer_max_size=10_000))
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint)
+    index = EventIndex(strict=True)
+    try:
+        sub.catch_up()
+        rng = random.Random(7)
+        live: list[int] = []
+        pub.skip_on_pub(5)  # batch 5 never reaches SUB; the subscriber must replay it
+        seq = 0
+        for step in range(60):
+            workload_step(m, rng, live, step)
+            m.flush_iteration_events()
+            events = m.get_latest_events(0)
+            if events:
+                pub.publish(encode_vllm_batch(events, block_size=2))
+                seq += 1
+        got: list[int] = []
+        while len(got) < seq:
+            batches = sub.recv(timeout_s=5.0)
+            assert batches, f"only {len(got)} of {seq} batches arrived"
+            for b in batches:
+                got.append(b.seq)
+                index.apply_all(decode_vllm_batch(b.payload, hash_algo="v1_block_key").events)
+        assert got == list(range(seq))
+        assert sub.replayed >= 1
+        assert set(index.cached) == m.cached_blocks()
+        assert m.stats().offload_blocks > 0  # tier moves were part of the stream
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_committed_chain_is_one_stored_event_and_eviction_removes() -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=4,
+                                   enable_partial_reuse=False, event_buffer_max_size=100))
+    m.add_sequence(SequenceRequest(0, [1, 2, 3, 4, 5, 6, 7]))
+    m.remove_sequence(0)  # commits 3 full blocks as one chain
+    m.flush_iteration_events()
+    stored = [e for e in m.get_latest_events(0) if isinstance(e.data, Stored)]
+    assert len(stored) == 1 and len(stored[0].data.blocks) == 3
+    assert stored[0].data.parent_hash is None
+    m.add_sequence(SequenceRequest(1, [50, 51, 52, 53, 54, 55, 56]))  # evicts all three
+    m.flush_iteration_events()
+    removed = [e for e in m.get_latest_events(0) if isinstance(e.data, Removed)]
+    assert sorted(h for e in removed for h in e.data.block_hashes) == sorted(
+        b.block_hash for b in stored[0].data.blocks
+    )
+
+
+def test_failed_admission_emits_nothing() -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=3, event_buffer_max_size=100))
+    m.add_sequence(SequenceRequest(0, [1, 2, 3]))
+    m.remove_sequence(0)
+    m.flush_iteration_events()
+    m.get_latest_events(0)
+    try:
+        m.add_sequence(SequenceRequest(1, list(range(10, 20))))
+    except OutOfBlocksError:
+        pass
+    else:  # pragma: no cover - the pool is too small by construction
+        raise AssertionError("expected OutOfBlocksError")
+    m.flush_iteration_events()
+    assert m.get_latest_events(0) == []
