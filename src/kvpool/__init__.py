@@ -1,21 +1,29 @@
 """kvpool: the KV cache block manager for LLM inference engines.
 
-The public API is what this module exports; everything else is internal.
+The public API is what this module exports (plus the subpackages ``kvpool.events``,
+``kvpool.router`` and ``kvpool.replay``); everything else is internal.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from kvpool.admission import BatchPlan, PartialClaimTracker, PartialMode, RequestPlan
+from kvpool.config import CacheConfig, RetentionConfig, SequenceRequest, TokenRangeRetention
 from kvpool.errors import (
+    CapacityError,
     DuplicateSequenceError,
     InvalidArgumentError,
     InvalidTokenError,
     KVPoolError,
     OutOfBlocksError,
+    RewindError,
+    SequenceStateError,
+    StorageError,
     UnknownHashAlgorithmError,
     UnknownSequenceError,
 )
+from kvpool.events.manager import EventManager
 from kvpool.hashing import (
     BlockHasher,
     HashAlgo,
@@ -24,22 +32,58 @@ from kvpool.hashing import (
     v1_block_key,
     v2_block_key,
     v2_root_key,
+    vllm_event_int,
+    vllm_none_hash,
+    vllm_sha256_cbor_block_hash,
 )
+from kvpool.manager import AdmitResult, KVCacheManager
+from kvpool.planner import KVCacheDesc, LayerSpec, ModelSpec, PoolPlan, plan_pools
+from kvpool.stats import CacheStats, RequestStats
+from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage, TorchStorage
 
 __all__ = [
+    "AdmitResult",
+    "BatchPlan",
+    "BlockCopy",
     "BlockHasher",
+    "CacheConfig",
+    "CacheStats",
+    "CapacityError",
     "DuplicateSequenceError",
+    "EventManager",
+    "GroupGeometry",
     "HashAlgo",
     "InvalidArgumentError",
     "InvalidTokenError",
+    "KVCacheDesc",
+    "KVCacheManager",
     "KVPoolError",
+    "LayerSpec",
+    "MetadataStorage",
+    "ModelSpec",
     "OutOfBlocksError",
+    "PartialClaimTracker",
+    "PartialMode",
+    "PoolPlan",
+    "RequestPlan",
+    "RequestStats",
+    "RetentionConfig",
+    "RewindError",
+    "SequenceRequest",
+    "SequenceStateError",
+    "StorageError",
+    "TokenRangeRetention",
+    "TorchStorage",
     "UnknownHashAlgorithmError",
     "UnknownSequenceError",
     "__version__",
     "cache_salt_id",
+    "plan_pools",
     "request_block_hashes",
     "v1_block_key",
     "v2_block_key",
     "v2_root_key",
+    "vllm_event_int",
+    "vllm_none_hash",
+    "vllm_sha256_cbor_block_hash",
 ]

@@ -449,6 +449,7 @@ class SegmentedPolicy:
         frequent = lvl.frequent
         laps = self.MAX_LAPS
         bump = 1 if self._tier0 else 0  # a release is a use; moving down a tier is not
+        floor = 1  # the highest count listed so far: a descendant's (the chain runs tail first)
         for slot, key in zip(slots, keys, strict=True):
             if slot_keys[slot] is key:
                 count = counts[slot] + bump  # back after a claim (a hit, or a partial copy)
@@ -464,9 +465,11 @@ class SegmentedPolicy:
                 elif v < 0:
                     count = bump - v
                 else:
-                    recent[slot] = 1
-                    loc[slot] = recent
-                    continue
+                    count = 1
+            if count < floor:
+                count = floor  # a parent is used at least as often as its child
+            else:
+                floor = count
             if count > 1:
                 frequent[slot] = count
                 loc[slot] = frequent

@@ -363,7 +363,19 @@ class KVCacheManager:
             del free[-n:]
             out.reverse()
             return out
-        return [self._alloc(g) for _ in range(n)]
+        self._new_count[g] += n
+        out = free[::-1]
+        free.clear()
+        pop = self._queue[0][g].pop
+        evict = self._evict
+        while len(out) < n:
+            if free:  # an eviction's cascade freed its descendants' slots
+                out.append(free.pop())
+                continue
+            s, prio = pop()
+            evict(0, g, s, prio)
+            out.append(s)
+        return out
 
     def _root(self, key: BlockKey) -> Node:
         root = self.roots.get(key)
@@ -413,10 +425,17 @@ class KVCacheManager:
                 self._stats.offload_bytes += self.storage.block_bytes(g)
                 self._emit_updated(g, node, t, t + 1)
                 return
-        self._cancel_copy_into(t, g, slot)
+        if self._pending_dst:
+            self._cancel_copy_into(t, g, slot)
         node.slot[g] = NO_SLOT
         node.tier[g] = 0
         self._stats.dropped_blocks += 1
+        if not node.children:  # the common case: victims are leaves (tails go first)
+            if self._events is not None:
+                self._emit_removed(g, [node])
+            if max(node.slot) == NO_SLOT:
+                prune(node)
+            return
         removed = [node]
         if self.config.window_sizes[g] is None:
             # A full-attention block without its prefix cannot be matched: drop the subtree's
@@ -841,21 +860,24 @@ class KVCacheManager:
         raw = tokens.tobytes()
         step = 4 * tpb
         new_keys: list[BlockKey] | None = None
+        keys = seq.keys
+        group_tables = [(g, tables[g]) for g in self_groups]
+        retention = seq.retention
         for i in range(start, upto):
-            node = parent.children.get(raw[i * step:(i + 1) * step])
+            tkey = raw[i * step:(i + 1) * step]
+            node = parent.children.get(tkey)
             if node is None:
                 if new_keys is None:
                     new_keys = self._hasher_after(seq, i).extend(tokens[i * tpb:upto * tpb])
                     first_new = i
                 node = Node(new_keys[i - first_new], parent, tokens[i * tpb:(i + 1) * tpb],
-                            groups)
-                if seq.retention is not None:
+                            groups, tkey)
+                if retention is not None:
                     self._set_priority(seq, node, i * tpb)
                 parent.add_child(node)
-            seq.keys.append(node.key)
+            keys.append(node.key)
             slots = node.slot
-            for g in self_groups:
-                tb = tables[g]
+            for g, tb in group_tables:
                 s = tb[i] if i < len(tb) else NO_SLOT
                 if s != NO_SLOT and slots[g] == NO_SLOT and node_at[g][s] is None:
                     slots[g] = s

@@ -35,12 +35,13 @@ class Node:
     )
 
     def __init__(
-        self, key: BlockKey, parent: Node | None, tokens: array[int], groups: int
+        self, key: BlockKey, parent: Node | None, tokens: array[int], groups: int,
+        tkey: bytes | None = None,
     ) -> None:
         self.key = key
         self.parent = parent
         self.tokens = tokens
-        self.tkey = tokens.tobytes()
+        self.tkey = tokens.tobytes() if tkey is None else tkey
         self.children: dict[bytes, Node] = {}
         # first token -> children starting with it; built lazily for partial matching
         self.by_first: dict[int, list[Node]] | None = None
@@ -58,7 +59,7 @@ class Node:
         return not self.children
 
     def has_any_slot(self) -> bool:
-        return any(s != NO_SLOT for s in self.slot)
+        return max(self.slot) != NO_SLOT  # slots are >= NO_SLOT
 
     def add_child(self, child: Node) -> None:
         self.children[child.tkey] = child
@@ -131,10 +132,10 @@ def prune(node: Node | None) -> list[Node]:
     Roots (nodes without a parent) are never detached. Returns the detached nodes.
     """
     out: list[Node] = []
-    while node is not None and node.parent is not None and node.alive:
-        if node.children or node.has_any_slot():
-            break
+    while node is not None and node.alive:
         parent = node.parent
+        if parent is None or node.children or max(node.slot) != NO_SLOT:
+            break
         parent.remove_child(node)
         node.alive = False
         out.append(node)

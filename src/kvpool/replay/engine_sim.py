@@ -351,7 +351,9 @@ class SimWorker:
         self._heap: list[tuple[int, int, int, _Run]] = []  # (due, order, epoch, run)
         self._dsteps = 0
         self._orders = 0
-        self._blocked = False  # the queue head did not fit; retry once blocks are freed
+        # The queue head did not fit; retried once something may make it fit: blocks freed
+        # (finish, preemption, window release) or committed (a longer match needs fewer).
+        self._blocked = False
         self._step: _Step | None = None
         self.steps = 0
         self.preemptions = 0
@@ -370,10 +372,12 @@ class SimWorker:
         return len(self._waiting) + len(self._running)
 
     def fits_ever(self, req: Request) -> bool:
-        """Can ``req`` run on this worker alone? Its peak need, ceil((n + m - 1) / tpb)
-        blocks per self-attention group (the longest prompt it may be readmitted with), must
-        not exceed the group's GPU pool."""
+        """Can ``req`` run on this worker alone? Its peak need must not exceed any
+        self-attention group's GPU pool: ceil((n + m - 1) / tpb) blocks (the longest prompt
+        it may be readmitted with), plus one with partial reuse (a partially matched block is
+        copied into a fresh slot while its source stays claimed)."""
         need = -(-(len(req.tokens) + req.output_length - 1) // self.tpb)
+        need += 1 if self.cache.enable_partial_reuse else 0
         slots = self.cache.slots[0]
         return all(need <= slots[g] for g in self._self_groups)
 
@@ -469,6 +473,9 @@ class SimWorker:
         mgr = self.manager
         finished: list[RequestRecord] = []
         completed: list[_Run] = []
+        if step.chunks:
+            # committed blocks lengthen what the queue head matches: it may fit now
+            self._blocked = False
         for run, c in step.chunks:
             run.computed += c
             run.rec.computed_tokens += c
@@ -545,6 +552,8 @@ class SimWorker:
             else:
                 trial = mgr.plan_batch([*reqs, sreq])
                 if not trial.fits:
+                    # alone on an idle worker every request fits (fits_ever): no deadlock
+                    assert self._running or reqs, f"{sreq.seq_id} cannot be admitted on idle"
                     self._blocked = True
                     break
                 plan = trial.requests[-1]
