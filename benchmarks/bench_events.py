@@ -9,9 +9,10 @@ Rows: each stage alone in this process (hooks+flush, encode, decode) and the ful
 (hooks -> encode -> PUB -> SUB -> decode) across two processes on loopback, timed from the first
 hook call until the subscriber decoded the last block event.
 
-The hook source is one function (``HookSource``); to put the real block manager in front,
-replace :func:`synthetic_source` with one that drives a ``KVCacheManager`` wired to the
-EventManager and returns how many block events each step produced.
+The hook source is one function (``HookSource``): ``--source manager`` (the default) drives a
+real ``KVCacheManager`` wired to the EventManager — each step admits, commits and releases new
+requests, and evictions from its bounded pool emit the removed events — while
+``--source synthetic`` calls the hooks directly (the EventManager alone).
 
     .venv/bin/python benchmarks/bench_events.py            # ~1M block events
     .venv/bin/python benchmarks/bench_events.py --quick    # a few seconds
@@ -23,10 +24,14 @@ import argparse
 import multiprocessing as mp
 import random
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from common import report
+from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.events import (
     EventManager,
     KVCacheEvent,
@@ -38,6 +43,7 @@ from kvpool.events import (
     decode_vllm_batch,
     encode_vllm_batch,
 )
+from kvpool.manager import KVCacheManager
 
 HookSource = Callable[[EventManager], int]
 """One scheduler step of hook calls into the EventManager; returns the block events it caused."""
@@ -90,6 +96,44 @@ def synthetic_source(
     return step
 
 
+def manager_source(
+    *,
+    steps: int,
+    tpb: int,
+    blocks_per_chain: int,
+    chains_per_step: int,
+    live_chains: int,
+    seed: int = 0,
+) -> HookSource:
+    """Each step admits ``chains_per_step`` requests of ``blocks_per_chain`` new blocks each,
+    commits and releases them; the GPU pool holds about ``live_chains`` of them, so in steady
+    state every commit evicts as many cached blocks (stored + removed block events)."""
+    rng = np.random.default_rng(seed)
+    n_tok = blocks_per_chain * tpb + 1
+    prompts = [
+        array("I", rng.integers(0, 1 << 17, n_tok, dtype=np.uint32).tobytes())
+        for _ in range(steps * chains_per_step)
+    ]
+    state: dict[str, Any] = {"m": None, "next": 0}
+
+    def step(em: EventManager) -> int:
+        m = state["m"]
+        if m is None:
+            cfg = CacheConfig(tokens_per_block=tpb, hash_algo="v2_sha256_64",
+                              gpu_blocks=live_chains * (blocks_per_chain + 1),
+                              enable_partial_reuse=False)
+            m = state["m"] = KVCacheManager(cfg, events=em)
+        dropped = m.stats().dropped_blocks
+        start = state["next"]
+        state["next"] = start + chains_per_step
+        for i in range(start, start + chains_per_step):
+            m.add_sequence(SequenceRequest(i, prompts[i]))
+            m.remove_sequence(i)
+        return chains_per_step * blocks_per_chain + m.stats().dropped_blocks - dropped
+
+    return step
+
+
 def block_events(events: list[KVCacheEvent]) -> int:
     n = 0
     for event in events:
@@ -137,7 +181,8 @@ def _subscriber(
 
 
 def make_source(args: argparse.Namespace) -> HookSource:
-    return synthetic_source(
+    factory = manager_source if args.source == "manager" else synthetic_source
+    return factory(
         steps=args.steps,
         tpb=args.tpb,
         blocks_per_chain=args.blocks_per_chain,
@@ -148,7 +193,7 @@ def make_source(args: argparse.Namespace) -> HookSource:
 
 def run_stages(args: argparse.Namespace) -> list[dict[str, Any]]:
     source = make_source(args)
-    em = EventManager(1 << 22, hash_algo="v1_block_key")
+    em = EventManager(1 << 22, hash_algo=args.algo)
     steps: list[list[KVCacheEvent]] = []
     total = 0
     t0 = time.perf_counter()
@@ -164,7 +209,7 @@ def run_stages(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     t0 = time.perf_counter()
     decoded = sum(
-        block_events(decode_vllm_batch(p, hash_algo="v1_block_key").events) for p in payloads
+        block_events(decode_vllm_batch(p, hash_algo=args.algo).events) for p in payloads
     )
     t_decode = time.perf_counter() - t0
     assert decoded == total, (decoded, total)
@@ -188,9 +233,16 @@ def run_stages(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_full_path(args: argparse.Namespace) -> dict[str, Any]:
+    # a dry run counts the block events the subscriber must see (the sources are deterministic)
+    dry = make_source(args)
+    dry_em = EventManager(1 << 22, hash_algo=args.algo)
+    expected = 0
+    for _ in range(args.steps):
+        expected += dry(dry_em)
+        dry_em.flush_iteration_events()
+        dry_em.get_latest_events(0)
+    del dry, dry_em
     source = make_source(args)
-    expected = args.steps * args.chains_per_step * args.blocks_per_chain
-    expected += max(0, args.steps * args.chains_per_step - args.live_chains) * args.blocks_per_chain
     pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     assert pub.replay_endpoint is not None
     ctx = mp.get_context("spawn")
@@ -203,7 +255,7 @@ def run_full_path(args: argparse.Namespace) -> dict[str, Any]:
     try:
         ready.wait(60)
         time.sleep(0.5)  # let the SUB socket join; anything it misses comes back by replay
-        em = EventManager(1 << 22, hash_algo="v1_block_key")
+        em = EventManager(1 << 22, hash_algo=args.algo)
         produced = 0
         t0 = time.monotonic()
         for _ in range(args.steps):
@@ -238,7 +290,11 @@ def main() -> None:
     parser.add_argument("--chains-per-step", type=int, default=32)
     parser.add_argument("--live-chains", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--source", choices=["manager", "synthetic"], default="manager",
+                        help="what calls the EventManager's hooks")
     args = parser.parse_args()
+    # the manager keys its tree with this algorithm; events carry int hashes
+    args.algo = "v2_sha256_64" if args.source == "manager" else "v1_block_key"
     if args.quick:
         args.steps = 100
     rows = run_stages(args)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
 from kvpool.events.model import Removed, Stored
 from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
+from kvpool.hashing import HashAlgo, request_block_hashes
 from kvpool.manager import KVCacheManager
 
 
@@ -92,3 +95,18 @@ def test_failed_admission_emits_nothing() -> None:
         raise AssertionError("expected OutOfBlocksError")
     m.flush_iteration_events()
     assert m.get_latest_events(0) == []
+
+
+@pytest.mark.parametrize("algo", list(HashAlgo))
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_stored_event_hashes_are_what_a_router_computes(algo: HashAlgo, salt: str | None) -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=16, hash_algo=algo,
+                                   enable_partial_reuse=False, event_buffer_max_size=100))
+    prompt = list(range(100, 117))  # 17 tokens: 4 full blocks of the prompt minus its last
+    m.add_sequence(SequenceRequest(0, prompt, cache_salt=salt))
+    m.remove_sequence(0)
+    m.flush_iteration_events()
+    stored = [b.block_hash for e in m.get_latest_events(0) if isinstance(e.data, Stored)
+              for b in e.data.blocks]
+    routed = request_block_hashes(prompt, 4, algo, cache_salt=salt)
+    assert stored[:4] == routed[:4]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +40,6 @@ from kvpool.hashing import (
     BlockKey,
     HashAlgo,
     cache_salt_id,
-    event_hash,
     hash_algo,
     tokens_to_u32,
 )
@@ -94,6 +93,17 @@ def _stage(c: BlockCopy) -> tuple[int, int]:
     return (2, 0)
 
 
+def _projection(algo: HashAlgo) -> Callable[[BlockKey], int | str]:
+    """``event_hash`` specialised to one algorithm (the manager projects every event's keys)."""
+    if algo is HashAlgo.V1_BLOCK_KEY:
+        return lambda key: key  # type: ignore[return-value]
+    if algo is HashAlgo.V2_SHA256:
+        return lambda key: key.hex()  # type: ignore[union-attr]
+    if algo is HashAlgo.V2_SHA256_64:
+        return lambda key: int.from_bytes(key[:8], "big")  # type: ignore[index]
+    return lambda key: int.from_bytes(key[-8:], "big")  # type: ignore[index]
+
+
 class KVCacheManager:
     """Block manager for one engine (one model replica). Thread safe: calls serialize."""
 
@@ -109,6 +119,7 @@ class KVCacheManager:
         self.config = config
         self.tpb = config.tokens_per_block
         self._ev_algo = self._event_algo()
+        self._ev_hash = _projection(self._ev_algo)
         self._clock = config.clock or time.monotonic
         self._lock = threading.RLock()
         groups = config.num_groups
@@ -556,9 +567,6 @@ class KVCacheManager:
     def _event_algo(self) -> HashAlgo:
         algo = self.config.event_hash_algo
         return hash_algo(algo if algo is not None else self.config.hash_algo)
-
-    def _ev_hash(self, key: BlockKey) -> int | str:
-        return event_hash(self._ev_algo, key)
 
     def flush_iteration_events(self) -> None:
         """Publish this step's events (no-op without events)."""

@@ -632,9 +632,15 @@ class SimWorker:
 
     def _grow(self, run: _Run) -> None:
         """The decoding ``run`` just sampled a token: append it (lazily) and schedule the
-        step at which it next needs the manager; preempt on a missing block."""
+        step at which it next needs the manager; preempt on a missing block.
+
+        The first token after a prefill is always appended at once when a layer group has a
+        window: admission holds every prompt block, and that append releases the ones that
+        already left the window.
+        """
         length = run.n + run.generated
-        if self._is_sync(length):
+        first = run.mgr_len == run.target and self._windows
+        if first or self._is_sync(length):
             mgr = self.manager
             sid = run.req.request_id
             n = run.n
