@@ -451,7 +451,8 @@ class SegmentedPolicy:
         bump = 1 if self._tier0 else 0  # a release is a use; moving down a tier is not
         floor = 1  # the highest count listed so far: a descendant's (the chain runs tail first)
         for slot, key in zip(slots, keys, strict=True):
-            if slot_keys[slot] is key:
+            old = slot_keys[slot]  # None unless the slot was claimed (popped slots forget)
+            if old is key or (old is not None and old == key):
                 count = counts[slot] + bump  # back after a claim (a hit, or a partial copy)
                 if not bump:
                     hist_pop(key, None)
@@ -579,7 +580,7 @@ class S3FIFO(SegmentedPolicy):
 class ARC(SegmentedPolicy):
     """ARC: the recent/frequent split adapts to ghost hits.
 
-    ``target`` (in [0, 1], start 0.5) is the share of a level the recent segment keeps. A
+    ``target`` (in [0, 1], start 0) is the share of a level the recent segment keeps. A
     block recomputed into the GPU pool whose ghost is at most ``capacity`` evictions old (a
     bigger pool would have kept it: ARC's B1 and B2 hold at most one cache of ghosts) moves
     it: evicted with count 1, the recent segment was too small, the target grows by
@@ -589,7 +590,7 @@ class ARC(SegmentedPolicy):
     """
 
     __slots__ = ()
-    RECENT_SHARE = 0.5
+    RECENT_SHARE = 0.0
     COUNT_GHOSTS = True
 
     @property

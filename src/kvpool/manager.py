@@ -34,7 +34,7 @@ from kvpool.errors import (
     UnknownSequenceError,
 )
 from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock
-from kvpool.eviction import EvictionPolicy, make_policy
+from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.hashing import (
     BlockHasher,
     BlockKey,
@@ -131,11 +131,9 @@ class KVCacheManager:
         self._free: list[list[list[int]]] = [
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
         ]
-        self._queue: list[list[EvictionPolicy]] = [
-            [make_policy(config.eviction_policy, self._clock, capacity=n,
-                         offload_gate=config.offload_gate) for n in config.slots[t]]
-            for t in range(self._tiers)
-        ]
+        self._queue: list[list[EvictionPolicy]] = make_policies(
+            config.eviction_policy, self._clock, config.slots, offload_gate=config.offload_gate
+        )
         self._node_at: list[list[list[Node | None]]] = [
             [[None] * n for n in config.slots[t]] for t in range(self._tiers)
         ]

@@ -639,7 +639,7 @@ class SimWorker:
         already left the window.
         """
         length = run.n + run.generated
-        first = run.mgr_len == run.target and self._windows
+        first = bool(self._windows) and run.mgr_len == run.target
         if first or self._is_sync(length):
             mgr = self.manager
             sid = run.req.request_id

@@ -1,0 +1,412 @@
+"""Eviction policies (kvpool.eviction): hand-computed victim orders, priority dominance,
+bounded history, tiers sharing a history, the offload gate, and a stateful property test of
+every policy against a model of what is queued at which priority."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.errors import InvalidArgumentError
+from kvpool.eviction import (
+    ARC,
+    POLICIES,
+    S3FIFO,
+    EvictionPolicy,
+    PrioritizedLRU,
+    SegmentedPolicy,
+    TwoQueue,
+    make_policies,
+    make_policy,
+)
+from kvpool.manager import KVCacheManager
+
+SEGMENTED = sorted(n for n, c in POLICIES.items() if issubclass(c, SegmentedPolicy))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def key(i: int) -> bytes:
+    # bytes keys, rebuilt on every call: the policies must compare keys by value
+    return b"k%06d" % i
+
+
+def drain(p: EvictionPolicy) -> list[tuple[int, int]]:
+    out = []
+    while len(p):
+        out.append(p.pop())
+    return out
+
+
+def release_again(p: EvictionPolicy, slot: int, times: int = 1) -> None:
+    """A hit: the queued block at ``slot`` is claimed and released again, ``times`` times."""
+    for _ in range(times):
+        p.remove(slot)
+        p.push(slot, 35, key=key(slot))
+
+
+# ---------------------------------------------------------------------------- orders
+
+
+def test_lru_order_and_priority() -> None:
+    p = PrioritizedLRU(Clock())
+    p.push_many([1, 2, 3], 35)
+    p.push(4, 10)
+    p.push(5, 80)
+    p.remove(2)
+    p.push(2, 35)
+    assert p.peek_order() == [4, 1, 3, 2, 5]
+    assert drain(p) == [(4, 10), (1, 35), (3, 35), (2, 35), (5, 80)]
+
+
+def test_2q_recent_fifo_keeps_a_quarter() -> None:
+    p = TwoQueue(Clock(), capacity=16)
+    p.push_many([10, 11, 12, 13, 14, 15], 35, [key(s) for s in range(10, 16)])
+    for s in range(10, 16):
+        release_again(p, s)  # count 2: frequent, in this order
+    p.push_many([1, 2], 35, [key(1), key(2)])  # count 1: recent
+    assert p.is_frequent(10) and not p.is_frequent(1)
+    # recent 2 of 8 is not more than 25% -> frequent head; then recent 2 of 7 > 1.75 -> 1;
+    # recent 1 of 6, 5, 4 is within 25% -> 11, 12, 13; 1 of 3 is more -> 2; then 14, 15
+    expected = [10, 1, 11, 12, 13, 2, 14, 15]
+    assert p.peek_order() == expected
+    assert [s for s, _ in drain(p)] == expected
+
+
+def test_s3fifo_laps_outlast_lower_counts() -> None:
+    p = S3FIFO(Clock(), capacity=8)
+    for s in (22, 21, 20):
+        p.push(s, 35, key=key(s))
+    release_again(p, 22, 4)  # count 5: 3 laps
+    release_again(p, 21, 2)  # count 3: 1 lap
+    release_again(p, 20, 1)  # count 2: no lap
+    assert [p.count_of(s) for s in (22, 21, 20)] == [5, 3, 2]
+    # frequent FIFO 22, 21, 20: 22 laps (2 left), 21 laps (0 left), 20 goes;
+    # 22 laps (1 left), 21 goes; 22 laps (0 left) and goes. LRU would give 22, 21, 20.
+    assert p.peek_order() == [20, 21, 22]
+    p.push(1, 35, key=key(1))  # recent 1 of 4 > 10%: the new block goes first
+    assert [s for s, _ in drain(p)] == [1, 20, 21, 22]
+
+
+def test_arc_target_moves_on_ghost_hits_no_older_than_the_pool() -> None:
+    p = ARC(Clock(), capacity=10)
+    assert p.target == 0.0  # as ARC: the recent segment gives every victim at first
+    p.push(0, 35, key=key(0))
+    assert p.pop() == (0, 35)
+    p.push(0, 35, key=key(0))  # recomputed, 1 eviction ago: the recent segment was too small
+    assert p.target == pytest.approx(0.1)  # + max(1, B2/B1) / 10 with no other ghosts
+    assert p.is_frequent(0)
+    assert p.pop() == (0, 35)  # evicted with count 2
+    p.push(0, 35, key=key(0))
+    assert p.target == pytest.approx(0.0)  # - max(1, B1/B2) / 10
+    p.push(1, 35, key=key(1))
+    assert p.pop() == (1, 35)
+    for i in range(100, 111):  # 11 evictions: the ghost of key 1 is older than the pool
+        p.push(2, 35, key=key(i))
+        assert p.pop() == (2, 35)
+    p.push(1, 35, key=key(1))
+    assert p.count_of(1) == 2  # still remembered (the history holds 4 pools of ghosts) ...
+    assert p.target == pytest.approx(0.0)  # ... but a pool twice the size would have missed too
+
+
+def test_arc_split_follows_target() -> None:
+    p = ARC(Clock(), capacity=2)
+    p.push(0, 35, key=key(100))
+    p.pop()
+    p.push(0, 35, key=key(100))  # a recent ghost hit in a 2-slot pool: + 1/2
+    assert p.target == pytest.approx(0.5)
+    p.remove(0)
+    p.push_many([1, 2, 3, 4], 35, [key(s) for s in (1, 2, 3, 4)])
+    for s in (1, 2):
+        release_again(p, s)
+    p.push_many([5, 6], 35, [key(5), key(6)])
+    # recent [3, 4, 5, 6], frequent [1, 2]: the recent segment gives while > half the level
+    assert p.peek_order() == [3, 4, 1, 5, 2, 6]
+
+
+# ---------------------------------------------------------------------------- prefix chains
+
+
+@pytest.mark.parametrize("name", SEGMENTED)
+def test_chain_released_tail_first_keeps_parents_at_least_as_frequent(name: str) -> None:
+    p = make_policy(name, Clock(), capacity=16)
+    assert isinstance(p, SegmentedPolicy)
+    # a chain 0 <- 1 <- 2 <- 3 (0 is the root) whose tail block 3 was hit before
+    p.push(3, 35, key=key(3))
+    release_again(p, 3)
+    p.remove(3)
+    p.push_many([3, 2, 1, 0], 35, [key(s) for s in (3, 2, 1, 0)])
+    assert [p.count_of(s) for s in (3, 2, 1, 0)] == [3, 3, 3, 3]
+    # in one segment, the tail goes before the head
+    assert p.peek_order() == [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_each_policy_evicts_the_tail_of_a_released_chain_first(name: str) -> None:
+    p = make_policy(name, Clock(), capacity=16)
+    p.push_many([7, 6, 5, 4], 35, [key(s) for s in (7, 6, 5, 4)])
+    assert p.peek_order() == [7, 6, 5, 4]
+
+
+# ---------------------------------------------------------------------------- priority
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_priority_dominates_frequency(name: str) -> None:
+    p = make_policy(name, Clock(), capacity=16)
+    p.push_many([1, 2], 35, [key(1), key(2)])
+    release_again(p, 1, 3)  # frequent at 35
+    p.push(3, 80, key=key(3))  # new, but high priority
+    p.push(4, 10, key=key(4))  # new, low priority
+    p.push(5, 10, key=key(5))
+    out = drain(p)
+    assert [prio for _, prio in out] == [10, 10, 35, 35, 80]
+    assert {s for s, _ in out[:2]} == {4, 5} and out[-1] == (3, 80)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_expired_priority_falls_back_to_default_at_the_recent_end(name: str) -> None:
+    clock = Clock()
+    p = make_policy(name, clock, capacity=16)
+    p.push(1, 80, expires_at=10.0, key=key(1))
+    p.push(2, 35, key=key(2))
+    assert p.priority_of(1) == 80
+    assert p.peek_order() == [2, 1]
+    clock.now = 10.0
+    assert p.priority_of(1) == 35
+    p.push(3, 35, key=key(3))
+    assert p.peek_order() == [2, 1, 3]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_stale_expiry_does_not_expire_a_later_push(name: str) -> None:
+    clock = Clock()
+    p = make_policy(name, clock, capacity=16)
+    p.push(1, 80, expires_at=10.0, key=key(1))
+    p.remove(1)
+    p.push(1, 80, expires_at=20.0, key=key(1))
+    clock.now = 15.0
+    assert p.priority_of(1) == 80
+    clock.now = 20.0
+    assert p.priority_of(1) == 35
+
+
+# ---------------------------------------------------------------------------- history
+
+
+@pytest.mark.parametrize("name", SEGMENTED)
+def test_ghost_recalls_evicted_key_until_forgotten(name: str) -> None:
+    p = make_policy(name, Clock(), capacity=4)
+    assert isinstance(p, SegmentedPolicy)
+    assert p.history.bound == 4 * 4  # DEFAULT_GHOST_MULTIPLE x pool size
+    p.push(0, 35, key=key(0))
+    p.pop()
+    p.push(0, 35, key=key(0))  # recomputed while remembered: released twice
+    assert p.count_of(0) == 2 and p.is_frequent(0)
+    p.pop()
+    for i in range(100, 100 + p.history.bound):  # as many other ghosts as the bound
+        p.push(1, 35, key=key(i))
+        p.pop()
+        assert len(p.history) <= p.history.bound
+    p.push(0, 35, key=key(0))
+    assert p.count_of(0) == 1  # forgotten: the oldest entry went first
+
+
+def test_history_bound_is_a_multiple_of_the_pool() -> None:
+    p = TwoQueue(Clock(), capacity=10, ghost_multiple=2.0)
+    assert p.history.bound == 20
+    q = TwoQueue(Clock(), ghost_multiple=2.0)  # unknown pool: learnt from the slots pushed
+    q.push(29, 35, key=key(1))
+    assert q.history.bound == 60
+
+
+def test_tiers_share_counts() -> None:
+    clock = Clock()
+    (gpu,), (host,) = make_policies("2q", clock, [[4], [4]], offload_gate="reused")
+    assert isinstance(gpu, SegmentedPolicy) and isinstance(host, SegmentedPolicy)
+    assert gpu.history is host.history
+    gpu.push(0, 35, key=key(7))
+    gpu.push(1, 35, key=key(8))
+    assert gpu.pop() == (0, 35)
+    assert not gpu.should_offload(0)  # released once: the reused gate drops it
+    for _ in range(2):  # two hits: the third release makes count 3
+        gpu.remove(1)
+        gpu.push(1, 35, key=key(8))
+    assert gpu.pop() == (1, 35)
+    assert gpu.should_offload(1)
+    host.push(2, 35, key=key(8))  # offloaded: arrives with its count, not a new use
+    assert host.count_of(2) == 3 and host.is_frequent(2)
+    host.remove(2)  # claimed for onboarding
+    gpu.push(3, 35, key=key(8))  # released on the GPU after the host hit
+    assert gpu.count_of(3) == 4
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_offload_gate_all_offloads_every_victim(name: str) -> None:
+    p = make_policy(name, Clock(), capacity=4, offload_gate="all")
+    p.push(0, 35, key=key(0))
+    s, _ = p.pop()
+    assert p.should_offload(s)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_bad_arguments_raise_typed_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match="'mru'"):
+        make_policy("mru", Clock())
+    with pytest.raises(InvalidArgumentError, match="'some'"):
+        make_policy("2q", Clock(), offload_gate="some")
+    with pytest.raises(InvalidArgumentError, match="ghost_multiple"):
+        TwoQueue(Clock(), ghost_multiple=-1)
+    with pytest.raises(InvalidArgumentError, match="eviction_policy"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, eviction_policy="mru")
+    with pytest.raises(InvalidArgumentError, match="offload_gate"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, offload_gate="never")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_pushing_a_queued_slot_changes_nothing(name: str) -> None:
+    p = make_policy(name, Clock(), capacity=8)
+    p.push_many([1, 2, 3], 35, [key(1), key(2), key(3)])
+    before = p.peek_order()
+    with pytest.raises(InvalidArgumentError, match="2"):
+        p.push(2, 35, key=key(2))
+    if name != "lru":  # LRU's bulk push trusts the manager (it never repeats a slot)
+        with pytest.raises(InvalidArgumentError, match="already evictable"):
+            p.push_many([4, 3], 35, [key(4), key(3)])
+    assert p.peek_order() == before and 4 not in p
+
+
+# ---------------------------------------------------------------------------- through a manager
+
+
+def _scan_then_reuse(policy: str) -> int:
+    """A prompt reused twice, then a scan of one-off prompts larger than the pool, then the
+    prompt again: the blocks it reuses."""
+    m = KVCacheManager(CacheConfig(tokens_per_block=1, gpu_blocks=24, eviction_policy=policy))
+    hot = list(range(1000, 1009))  # 8 reusable blocks (the last prompt token is not)
+    sid = 0
+
+    def run(tokens: list[int]) -> int:
+        nonlocal sid
+        sid += 1
+        r = m.add_sequence(SequenceRequest(sid, tokens))
+        m.store_context_blocks(sid, len(tokens))
+        m.remove_sequence(sid)
+        return r.reused_tokens
+
+    run(hot)
+    assert run(hot) == 8
+    for i in range(6):  # 6 x 8 = 48 one-off blocks through a 24-block pool
+        run([2000 + 10 * i + j for j in range(9)])
+    return run(hot)
+
+
+def test_scan_resistance_through_the_manager() -> None:
+    assert _scan_then_reuse("lru") == 0
+    for name in SEGMENTED:
+        assert _scan_then_reuse(name) == 8, name
+
+
+# ---------------------------------------------------------------------------- stateful
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Random pushes, claims, pops and clock steps against a model of the queued slots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.p: EvictionPolicy | None = None
+        self.model: dict[int, tuple[int, float | None]] = {}  # slot -> (priority, expiry)
+
+    @initialize(name=st.sampled_from(sorted(POLICIES)), gate=st.sampled_from(["all", "reused"]))
+    def start(self, name: str, gate: str) -> None:
+        self.p = make_policy(name, self.clock, capacity=12, offload_gate=gate)
+
+    @property
+    def pol(self) -> EvictionPolicy:
+        assert self.p is not None
+        return self.p
+
+    def _prio(self, slot: int) -> int:
+        prio, at = self.model[slot]
+        return 35 if at is not None and self.clock.now >= at else prio
+
+    @rule(slot=st.integers(0, 11), k=st.integers(0, 20), prio=st.sampled_from([10, 35, 80]),
+          duration=st.one_of(st.none(), st.sampled_from([1.0, 3.0])))
+    def push(self, slot: int, k: int, prio: int, duration: float | None) -> None:
+        at = None if duration is None else self.clock.now + duration
+        if slot in self.model:
+            before = self.pol.peek_order()
+            with pytest.raises(InvalidArgumentError):
+                self.pol.push(slot, prio, at, key(k))
+            assert self.pol.peek_order() == before
+            return
+        self.pol.push(slot, prio, at, key(k))
+        self.model[slot] = (prio, at if prio != 35 else None)
+
+    @rule(data=st.data(), prio=st.sampled_from([10, 35, 80]))
+    def push_many(self, data: st.DataObject, prio: int) -> None:
+        free = [s for s in range(12) if s not in self.model]
+        slots = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=4)) if free else []
+        keys = [key(data.draw(st.integers(0, 20))) for _ in slots]
+        self.pol.push_many(slots, prio, keys)
+        for s in slots:
+            self.model[s] = (prio, None)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.model)))
+        self.pol.remove(slot)
+        del self.model[slot]
+
+    @precondition(lambda self: bool(self.model))
+    @rule()
+    def pop(self) -> None:
+        order = self.pol.peek_order()
+        lowest = min(self._prio(s) for s in self.model)
+        slot, prio = self.pol.pop()
+        assert slot == order[0], "pop disagrees with peek_order"
+        assert prio == self._prio(slot) == lowest, "a victim above the lowest priority"
+        del self.model[slot]
+        self.pol.should_offload(slot)
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))
+    def tick(self, dt: float) -> None:
+        self.clock.now += dt
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        p = self.pol
+        assert len(p) == len(self.model)
+        order = p.peek_order()
+        assert sorted(order) == sorted(self.model)
+        for s in range(12):
+            assert (s in p) == (s in self.model)
+        prios = [p.priority_of(s) for s in order]
+        assert prios == sorted(prios), "victim order is not by priority first"
+        for s in self.model:
+            assert p.priority_of(s) == self._prio(s)
+        if isinstance(p, SegmentedPolicy):
+            assert len(p.history) <= p.history.bound
+            assert 0.0 <= p.history.share <= 1.0
+
+
+TestPolicyMachine = PolicyMachine.TestCase
