@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import KVPoolError, OutOfBlocksError
 from kvpool.events.index import EventIndex
+from kvpool.eviction import POLICIES
 from kvpool.manager import KVCacheManager
 
 PREFIXES = [
@@ -47,6 +48,8 @@ def configs(draw: st.DrawFn, tiers: bool) -> CacheConfig:
         host_blocks=host,
         disk_blocks=disk,
         offload_min_priority=draw(st.sampled_from([0, 35, 50])),
+        eviction_policy=draw(st.sampled_from(sorted(POLICIES))),
+        offload_gate=draw(st.sampled_from(["all", "reused"])),
     )
 
 
@@ -228,7 +231,7 @@ class ManagerMachine(RuleBasedStateMachine):
 def _kwargs(cfg: CacheConfig) -> dict[str, Any]:
     names = ("tokens_per_block", "gpu_blocks", "window_sizes", "sink_tokens",
              "enable_block_reuse", "enable_partial_reuse", "max_beam_width", "host_blocks",
-             "disk_blocks", "offload_min_priority")
+             "disk_blocks", "offload_min_priority", "eviction_policy", "offload_gate")
     return {n: getattr(cfg, n) for n in names}
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from test_router_service import FakeTrtllm, eventually, get_json, post, run, workers_by_id
 
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
 from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
+from test_router_service import FakeTrtllm, eventually, get_json, post, run, workers_by_id
 
 TPB = 16
 FAMILIES = {  # a shared prefix per family, 4 blocks each
@@ -130,7 +130,14 @@ def test_router_subprocess_routes_kvpool_and_trtllm_workers(tmp_path: Path) -> N
                 # kv1's engine restarts (empty cache) on the same endpoints
                 endpoint, replay = w1.pub.endpoint, w1.pub.replay_endpoint
                 w1.pub.close()
-                w1 = KvpoolWorker(endpoint, replay)
+                for _ in range(50):  # the old sockets may hold the ports for a moment
+                    try:
+                        w1 = KvpoolWorker(endpoint, replay)
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("could not rebind the restarted publisher")
 
                 fresh = iter(range(9000, 10_000_000, 20))
 
