@@ -208,7 +208,8 @@ class Ingest:
         algo = (cfg.hash_algo if cfg is not None else None) or HashAlgo.VLLM_SHA256_CBOR.value
         first = self._next_id.get(worker_id, 0)
         try:
-            batch = decode_vllm_batch(payload, hash_algo=algo, first_event_id=first)
+            batch = decode_vllm_batch(payload, hash_algo=algo, first_event_id=first,
+                                      tokens=bool(cfg is not None and cfg.match_by_tokens))
         except EventFormatError:
             self._malformed(worker_id, status)
             return 0
@@ -409,7 +410,8 @@ class _ZmqReader(threading.Thread):
                 d.resets.append(len(d.batches))
             try:
                 decoded = decode_vllm_batch(
-                    b.payload, hash_algo=self.algo, first_event_id=self.next_id
+                    b.payload, hash_algo=self.algo, first_event_id=self.next_id,
+                    tokens=self.w.match_by_tokens,
                 )
             except EventFormatError as exc:
                 logger.debug("worker %s sent a malformed batch %d: %s", self.w.id, b.seq, exc)
