@@ -110,3 +110,25 @@ def test_stored_event_hashes_are_what_a_router_computes(algo: HashAlgo, salt: st
               for b in e.data.blocks]
     routed = request_block_hashes(prompt, 4, algo, cache_salt=salt)
     assert stored[:4] == routed[:4]
+
+
+def test_decoding_without_tokens_keeps_every_hash_and_tier() -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=6, host_blocks=4,
+                                   hash_algo="v1_block_key", event_buffer_max_size=1000))
+    for sid in range(6):
+        m.add_sequence(SequenceRequest(sid, [sid % 2, *range(10 * sid, 10 * sid + 12)]))
+        m.remove_sequence(sid)
+    m.flush_iteration_events()
+    payload = encode_vllm_batch(m.get_latest_events(0), block_size=4)
+    full = decode_vllm_batch(payload, hash_algo="v1_block_key").events
+    lean = decode_vllm_batch(payload, hash_algo="v1_block_key", tokens=False).events
+    assert len(full) == len(lean) and any(isinstance(e.data, Removed) for e in full)
+    for a, b in zip(full, lean, strict=True):
+        if isinstance(a.data, Stored):
+            assert isinstance(b.data, Stored)
+            assert [x.block_hash for x in a.data.blocks] == [x.block_hash for x in b.data.blocks]
+            assert [x.cache_level for x in a.data.blocks] == [x.cache_level for x in b.data.blocks]
+            assert all(x.tokens for x in a.data.blocks) and not any(
+                x.tokens for x in b.data.blocks)
+        else:
+            assert a == b
