@@ -20,10 +20,12 @@ from hypothesis.stateful import (
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
 from kvpool.hashing import HashAlgo
+from kvpool.replay.bounds import belady_hit_rate
 from kvpool.replay.cluster import (
     POLICIES,
     ClusterConfig,
     block_cache,
+    bound_stream,
     replay,
     replay_policy,
     workload_bounds,
@@ -133,6 +135,26 @@ def test_partial_reuse_adds_tokens_within_the_shared_prefix(wl: Workload, tpb: i
         done.append(committed(req))
 
 
+def test_reuse_is_split_by_the_tier_it_was_found_on() -> None:
+    """A prefix pushed to the host tier by another request is reused from there.
+
+    r0 leaves 4 whole blocks in a 6-slot GPU pool; r1 needs 5 slots: the 2 free ones and 3
+    evicted to the host, tail first (the manager's order), so r0's first block stays on the
+    GPU and r2 finds 1 block there and 3 on the host."""
+    a = list(range(17))
+    wl = Workload("tiers", (
+        request(0, 0.0, a, [1]),
+        request(1, 10.0, list(range(100, 117)), [1]),  # evicts a's blocks to the host
+        request(2, 20.0, [*a, 200], [1]),
+    ))
+    cfg = ClusterConfig(cache=block_cache(6, host_blocks=20, tokens_per_block=4,
+                                          partial_reuse=False), workers=1)
+    res = replay_policy(wl, cfg, "round-robin")
+    assert [r.tier_tokens for r in res.records] == [[0, 0, 0], [0, 0, 0], [4, 12, 0]]
+    assert res.records[2].reused_tokens == 16
+    assert res.workers[0].cache_stats["onboard_blocks"] == 3
+
+
 # ------------------------------------------------------------------------------- bounds
 
 
@@ -146,17 +168,21 @@ def test_bounds_are_at_least_every_policys_hit_rate(
     wl: Workload, workers: int, tpb: int, spare: int
 ) -> None:
     """Small caches (eviction, preemption), concurrent arrivals, several workers: no policy
-    reuses more whole blocks than the unlimited cache or Belady for the same total capacity."""
+    reuses more whole blocks than the unlimited cache, nor than Belady for the same total
+    capacity over its run's accesses."""
     longest = max(len(r.tokens) + r.output_length for r in wl.requests)
     gpu = -(-longest // tpb) + spare
     cfg = ClusterConfig(cache=block_cache(gpu, tokens_per_block=tpb), workers=workers,
                         scheduler=SMALL_SCHED)
-    bounds = workload_bounds(wl, tpb, cfg.capacity_blocks)
-    assert bounds["belady"].hit_tokens <= bounds["unlimited"].hit_tokens
+    unlimited = workload_bounds(wl, tpb)["unlimited"]
     for policy in POLICIES:
         res = replay_policy(wl, cfg, policy)
         full = sum(r.reused_full_tokens for r in res.records)
-        assert full <= bounds["belady"].hit_tokens, policy
+        assert full <= res.belady.hit_tokens, policy
+        assert full <= unlimited.hit_tokens, policy
+        assert res.belady.capacity_blocks == workers * gpu
+        served = sum(r.prompt_tokens for r in res.records if not r.rejected)
+        assert res.belady.prompt_tokens == served
         assert all(r.finish_s is not None or r.rejected for r in res.records)
 
 
@@ -166,12 +192,29 @@ def test_bounds_see_answers_that_later_turns_reuse() -> None:
     a = request(0, 0.0, [1, 2, 3, 4], [5, 6, 7, 8, 9, 9])
     b = request(1, 100.0, [1, 2, 3, 4, 5, 6, 7, 8, 0], [1])
     wl = Workload("two", (a, b))
-    bounds = workload_bounds(wl, 2, 100)
     # b's body [1..8] is 4 blocks; a commits prompt + answer[:4] = [1..8]: all 4 are hits
-    assert bounds["unlimited"].hit_tokens == 8
+    assert workload_bounds(wl, 2)["unlimited"].hit_tokens == 8
     res = replay_policy(wl, ClusterConfig(cache=block_cache(32, tokens_per_block=2),
                                           workers=1), "cost")
     assert res.records[1].reused_full_tokens == 8
+    assert res.belady.hit_tokens == 8
+
+
+def test_a_busy_cluster_beats_belady_on_the_arrival_order() -> None:
+    """Why the Belady bound is computed per run: r0's answer takes no cache while r1 and r2
+    reuse theirs, so 11 blocks serve 14 hits, while Belady on the arrival-order stream (where
+    r0's answer is stored at once) holds at most 11."""
+    r0 = request(0, 0.0, [1, 2], list(range(10, 20)))
+    r1 = request(1, 0.001, [30, 31, 32, 33, 34], [40])
+    r2 = request(2, 0.012, [30, 31, 32, 33, 34], [50])
+    r3 = request(3, 1.0, [1, 2, *range(10, 18), 60], [61])
+    wl = Workload("busy", (r0, r1, r2, r3))
+    cfg = ClusterConfig(cache=block_cache(11, tokens_per_block=1, partial_reuse=False),
+                        workers=1, scheduler=SMALL_SCHED)
+    res = replay_policy(wl, cfg, "cost")
+    assert [r.reused_full_tokens for r in res.records] == [0, 0, 4, 10]
+    serial = belady_hit_rate(bound_stream(wl, 1), 11)
+    assert serial.hit_tokens < 14 <= res.belady.hit_tokens
 
 
 # ------------------------------------------------------------------------- determinism

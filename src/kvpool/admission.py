@@ -59,7 +59,7 @@ class RequestPlan:
     partial_tokens: int = 0
     partial_mode: PartialMode | None = None
     onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
-    claim_tiers: dict[int, dict[int, int]] = field(default_factory=dict)  # set by the claim
+    claim_tiers: dict[int, list[int]] = field(default_factory=dict)  # tier of each claim
     partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
 
 
@@ -136,7 +136,7 @@ def _group_valid(mgr: KVCacheManager, g: int, nodes: list[Node], length: int) ->
     """Can layer group g reuse ``length`` tokens whose blocks are ``nodes``?"""
     w = mgr.config.window_sizes[g]
     if w is None:
-        return all(n.slot[g] != NO_SLOT for n in nodes)
+        return NO_SLOT not in [n.slot[g] for n in nodes]
     tpb = mgr.tpb
     sb = mgr.sink_blocks[g]
     return all(

@@ -183,6 +183,9 @@ class CacheConfig:
     eviction_policy: str = "lru"
     # "reused": only victims the policy saw released more than once may go down a tier
     offload_gate: str = "all"
+    # history-keeping eviction policies remember evicted keys up to this multiple of a layer
+    # group's slots (all tiers)
+    eviction_history_multiple: float = 4.0
     event_buffer_max_size: int = 0
     event_hash_algo: HashAlgo | str | None = None
     layer_geometry: Sequence[GroupGeometry] | None = None
@@ -271,6 +274,11 @@ class CacheConfig:
         if self.offload_gate not in OFFLOAD_GATES:
             raise InvalidArgumentError(
                 f"offload_gate must be one of {list(OFFLOAD_GATES)}, got {self.offload_gate!r}"
+            )
+        m = self.eviction_history_multiple
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m <= 1024:
+            raise InvalidArgumentError(
+                f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
             )
         del tpb
 

@@ -12,8 +12,9 @@ Rules every policy keeps:
   policy orders blocks only within a level. A priority pushed with an expiry falls back to the
   default (35) once that time has passed (the block keeps its place in the policy's order
   class, at the most recent end).
-- Misuse raises before any state changes (``push`` of a queued slot, ``remove`` of an unqueued
-  one); ``pop`` on an empty queue raises :class:`IndexError`.
+- ``push`` of a slot already queued raises :class:`InvalidArgumentError` before any state
+  changes; ``remove`` needs a queued slot (``KeyError`` otherwise, nothing changed); ``pop``
+  on an empty queue raises :class:`IndexError`.
 
 Policies (``POLICIES``, chosen by ``CacheConfig(eviction_policy=...)``):
 
@@ -28,12 +29,13 @@ Policies (``POLICIES``, chosen by ``CacheConfig(eviction_policy=...)``):
     a main FIFO that gives frequently used blocks extra laps (S3-FIFO, Yang et al. 2023), or
     a share adapted from ghost hits (ARC, Megiddo & Modha 2003).
 
-Prefix trees. The manager drops a full-attention block's queued descendants with it, and
-pushes a released sequence's blocks tail first. A block is released at least as often as any
-descendant (every use of a child uses its parent), so the frequency classes never put a
-child in a better class than its parent, and within a segment the release order puts a
-sequence's tail before its head: chains are eaten from the tail, never cut at the head while
-the tail stays cached.
+Prefix trees. The manager drops a full-attention block's queued descendants with it, so a
+good victim is the tail of a chain. The manager pushes a released sequence's blocks tail
+first, and the policies keep that: a segment gives its blocks in push order, and
+``push_many`` raises each block's count to the highest count listed before it in the call (a
+parent is used at least as often as its child), so the head of a released chain is never in a
+worse segment than its tail. A parent released on its own, after frequent children (another
+sequence held it longer), can still be a victim before them; they then go with it.
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Protocol
 
-from kvpool.config import DEFAULT_PRIORITY, OFFLOAD_GATES
+from kvpool.config import DEFAULT_PRIORITY, OFFLOAD_GATES, CacheConfig
 from kvpool.errors import InvalidArgumentError
 from kvpool.hashing import BlockKey
 
 DEFAULT_GHOST_MULTIPLE = 4.0
-"""Default bound of a history-keeping policy's ghost state, as a multiple of its pool size."""
+"""Default bound of a standalone history-keeping policy's history, x its pool size."""
 
 
 class EvictionPolicy(Protocol):
@@ -60,7 +63,9 @@ class EvictionPolicy(Protocol):
 
     def push_many(self, slots: Sequence[int], priority: int,
                   keys: Sequence[BlockKey] | None = None) -> None:
-        """Bulk ``push`` without expiry, in order (the last is the most recent)."""
+        """Bulk ``push`` of distinct slots without expiry, in order (the last is the most
+        recent). The manager lists one released block table tail first, so each block is an
+        ancestor of the blocks listed before it; history-keeping policies rely on that."""
 
     def should_offload(self, slot: int) -> bool:
         """May the victim just popped from ``slot`` move to a colder tier (else it drops)?"""
@@ -182,27 +187,57 @@ class PrioritizedLRU:
 
 
 class KeyHistory:
-    """Counts of the keys that left a layer group's queues, oldest forgotten first.
+    """Counts of the keys that left a layer group's queues, the oldest forgotten first.
 
     The policies of one layer group's tiers share one history, so a block keeps its count
     when it moves down a tier (popped from the GPU queue, pushed to the host queue) or up
-    (claimed from the host queue, released into the GPU queue). Entries: ``key -> count`` for
-    a block evicted (a *ghost*; ARC packs ``seq << 8 | min(count, 255)`` to know its age) or
-    ``key -> -count`` for a block claimed from a colder tier (on its way up). At most
-    ``bound`` entries: adding one beyond that forgets the oldest.
+    (claimed from the host queue, released into the GPU queue). An entry packs ``stamp << 8
+    | min(count, 255)``, positive for an evicted block (a *ghost*), negative for a block
+    claimed from a colder tier (on its way up); ``stamp`` numbers the entries in the order
+    they were added. At most ``bound`` entries: an addition beyond that forgets, in one pass
+    (amortised O(1) per addition), every key but the ``bound // 2`` inserted last, so a key
+    outlives at least the next ``bound // 2 - 1`` insertions.
     """
 
-    __slots__ = ("bound", "entries", "ghosts", "seq", "share")
+    __slots__ = ("bound", "count_ghosts", "entries", "ghosts", "seq", "share")
 
-    def __init__(self, bound: int, share: float) -> None:
-        self.entries: OrderedDict[BlockKey, int] = OrderedDict()
+    def __init__(self, bound: int, share: float, *, count_ghosts: bool = False) -> None:
+        self.entries: dict[BlockKey, int] = {}
         self.bound = bound
-        self.seq = 0  # ghosts added so far (ARC: their age)
-        self.ghosts = [0, 0]  # ghosts of count 1 and of count > 1 (ARC)
+        self.seq = 0  # entries added so far: the last one's stamp
+        self.count_ghosts = count_ghosts
+        self.ghosts = [0, 0]  # ghosts of count 1 and of count > 1 (if count_ghosts: ARC)
         self.share = share  # the recent segment's share of a level (ARC adapts it)
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def add(self, key: BlockKey, count: int, *, ghost: bool) -> None:
+        """Remember ``key`` with ``count``: evicted (``ghost``) or claimed from below."""
+        self.seq += 1
+        v = self.seq << 8 | (count if count < 255 else 255)
+        if ghost:
+            self.entries[key] = v
+            if self.count_ghosts:
+                self.ghosts[count > 1] += 1
+        else:
+            self.entries[key] = -v
+        if len(self.entries) > self.bound:
+            self.trim()
+
+    def trim(self) -> None:
+        """Forget every key but the ``bound // 2`` inserted last (dicts keep insertion order)."""
+        entries = self.entries
+        old = list(islice(entries, len(entries) - self.bound // 2))
+        if self.count_ghosts:
+            ghosts = self.ghosts
+            for k in old:
+                v = entries.pop(k)
+                if v > 0:
+                    ghosts[(v & 255) > 1] -= 1
+        else:
+            for k in old:
+                del entries[k]
 
 
 class _Level:
@@ -221,7 +256,8 @@ class SegmentedPolicy:
     A block's *count* is how often its key has been released into the GPU pool: 1 on its
     first release, +1 on every later one, whether the block was hit while cached (``remove``
     then ``push`` of the same slot) or evicted and recomputed while the history still held
-    its key. A colder tier's pool (``tier > 0``) receives blocks with the count they had
+    its key; ``push_many`` raises each block's count to that of the descendants listed
+    before it. A colder tier's pool (``tier > 0``) receives blocks with the count they had
     above. Blocks of count 1 queue in their level's *recent* segment, the others in its
     *frequent* segment, each oldest first. Subclasses set how the segments share a level:
     the recent segment gives the victim while it holds more than ``share`` of the level (or
@@ -238,8 +274,8 @@ class SegmentedPolicy:
 
     __slots__ = (
         "_capacity", "_clock", "_counts", "_credits", "_expires", "_expiry", "_gate_all",
-        "_hist", "_history", "_keys", "_last_count", "_last_slot", "_levels", "_loc",
-        "_multiple", "_order", "_tier0",
+        "_history", "_keys", "_last_count", "_last_slot", "_levels", "_loc",
+        "_multiple", "_ranked", "_tier0",
     )
 
     RECENT_SHARE = 0.25
@@ -269,11 +305,11 @@ class SegmentedPolicy:
         self._capacity = capacity or 0
         self._tier0 = tier == 0
         if history is None:
-            history = KeyHistory(int(self._multiple * self._capacity), self.RECENT_SHARE)
+            history = KeyHistory(int(self._multiple * self._capacity), self.RECENT_SHARE,
+                                 count_ghosts=self.COUNT_GHOSTS)
         self._history = history
-        self._hist = history.entries
         self._levels: dict[int, _Level] = {}
-        self._order: list[int] = []  # priority levels ever used, ascending
+        self._ranked: list[tuple[int, _Level]] = []  # levels ever used, ascending priority
         self._loc: dict[int, OrderedDict[int, int]] = {}  # queued slot -> its segment
         self._keys: list[BlockKey | None] = [None] * self._capacity  # slot -> key pushed
         self._counts = [0] * self._capacity  # slot -> its count when last claimed
@@ -343,16 +379,12 @@ class SegmentedPolicy:
             key = self._keys[slot]
             if key is not None:
                 # claimed from a colder tier: the GPU pool it goes to takes the count over
-                hist = self._hist
-                hist[key] = -count
-                if len(hist) > self._history.bound:
-                    self._forget()
+                self._history.add(key, count, ghost=False)
 
     def pop(self) -> tuple[int, int]:
         if self._expiry:
             self._expire()
-        for p in self._order:
-            lvl = self._levels[p]
+        for p, lvl in self._ranked:
             recent = lvl.recent
             frequent = lvl.frequent
             nr = len(recent)
@@ -369,16 +401,15 @@ class SegmentedPolicy:
             key = self._keys[slot]
             if key is not None:
                 self._keys[slot] = None
-                hist = self._hist
-                if self.COUNT_GHOSTS:
-                    history = self._history
-                    history.seq += 1
-                    history.ghosts[count > 1] += 1
-                    hist[key] = history.seq << 8 | min(count, 255)
-                else:
-                    hist[key] = count
-                if len(hist) > self._history.bound:
-                    self._forget()
+                # KeyHistory.add inlined: one per victim
+                h = self._history
+                seq = h.seq = h.seq + 1
+                entries = h.entries
+                entries[key] = seq << 8 | (count if count < 255 else 255)
+                if h.count_ghosts:
+                    h.ghosts[count > 1] += 1
+                if len(entries) > h.bound:
+                    h.trim()
             return slot, p
         raise IndexError("pop from an empty eviction queue")
 
@@ -389,8 +420,8 @@ class SegmentedPolicy:
         if self._expiry:
             self._expire()
         out: list[int] = []
-        for p in self._order:
-            out.extend(self._simulate_level(self._levels[p]))
+        for _, lvl in self._ranked:
+            out.extend(self._simulate_level(lvl))
         return out
 
     def priority_of(self, slot: int) -> int:
@@ -424,8 +455,8 @@ class SegmentedPolicy:
         lvl = self._levels.get(priority)
         if lvl is None:
             lvl = self._levels[priority] = _Level()
-            self._order.append(priority)
-            self._order.sort()
+            self._ranked.append((priority, lvl))
+            self._ranked.sort(key=lambda pl: pl[0])
         return lvl
 
     def _grow(self, slot: int) -> None:
@@ -444,7 +475,7 @@ class SegmentedPolicy:
         loc = self._loc
         slot_keys = self._keys
         counts = self._counts
-        hist_pop = self._hist.pop
+        hist_pop = self._history.entries.pop
         recent = lvl.recent
         frequent = lvl.frequent
         laps = self.MAX_LAPS
@@ -452,21 +483,25 @@ class SegmentedPolicy:
         floor = 1  # the highest count listed so far: a descendant's (the chain runs tail first)
         for slot, key in zip(slots, keys, strict=True):
             old = slot_keys[slot]  # None unless the slot was claimed (popped slots forget)
-            if old is key or (old is not None and old == key):
+            if old is None or (old is not key and old != key):
+                slot_keys[slot] = key
+                v = hist_pop(key, 0)
+                if not v:
+                    if floor == 1:  # the common case: a new block, nothing frequent below
+                        recent[slot] = 1
+                        loc[slot] = recent
+                        continue
+                    count = 1
+                elif v > 0:
+                    count = (v & 255) + bump
+                    if self.COUNT_GHOSTS:
+                        self._ghost_back(v)
+                else:
+                    count = (-v & 255) + bump
+            else:
                 count = counts[slot] + bump  # back after a claim (a hit, or a partial copy)
                 if not bump:
                     hist_pop(key, None)
-            else:
-                slot_keys[slot] = key
-                v = hist_pop(key, 0)
-                if v > 0:
-                    if self.COUNT_GHOSTS:
-                        v = self._ghost_back(v)
-                    count = v + bump
-                elif v < 0:
-                    count = bump - v
-                else:
-                    count = 1
             if count < floor:
                 count = floor  # a parent is used at least as often as its child
             else:
@@ -480,22 +515,16 @@ class SegmentedPolicy:
                 recent[slot] = count
                 loc[slot] = recent
 
-    def _ghost_back(self, v: int) -> int:
-        """A ghost entry ``v`` left the history for a queue: returns its count."""
+    def _ghost_back(self, v: int) -> None:
+        """The ghost entry ``v`` left the history for this queue (COUNT_GHOSTS)."""
         count = v & 255
         history = self._history
         history.ghosts[count > 1] -= 1
         if self._tier0:
             self._ghost_hit(count, history.seq - (v >> 8))
-        return count
 
     def _ghost_hit(self, count: int, age: int) -> None:
         """A block evicted with ``count``, ``age`` evictions ago, was recomputed (ARC)."""
-
-    def _forget(self) -> None:
-        _, v = self._hist.popitem(last=False)
-        if self.COUNT_GHOSTS and v > 0:
-            self._history.ghosts[(v & 255) > 1] -= 1
 
     def _expire(self) -> None:
         heap = self._expiry
@@ -586,7 +615,9 @@ class ARC(SegmentedPolicy):
     it: evicted with count 1, the recent segment was too small, the target grows by
     ``max(1, B2/B1) / capacity``; evicted with a higher count, it shrinks by
     ``max(1, B1/B2) / capacity`` (B1, B2: ghosts of each kind in the history). The tiers of a
-    layer group share the target.
+    layer group share the target. On traffic whose blocks come back once, soon, the target
+    grows until ARC hits about as often as LRU, where the fixed splits of 2Q and S3-FIFO
+    evict the blocks before their second use.
     """
 
     __slots__ = ()
@@ -646,27 +677,27 @@ def make_policy(name: str, clock: Callable[[], float], *, capacity: int | None =
     return _factory(name)(clock, capacity=capacity, offload_gate=offload_gate)
 
 
-def make_policies(name: str, clock: Callable[[], float], slots: Sequence[Sequence[int]], *,
-                  offload_gate: str = "all") -> list[list[EvictionPolicy]]:
-    """A manager's free queues, ``[tier][layer group]``, for pools of ``slots[tier][group]``.
+def make_policies(config: CacheConfig, clock: Callable[[], float]) -> list[list[EvictionPolicy]]:
+    """A manager's free queues, ``[tier][layer group]``, one per pool of ``config.slots``.
 
-    The tiers of one layer group share one :class:`KeyHistory` (bounded to
-    ``DEFAULT_GHOST_MULTIPLE x`` the group's slots on all tiers), so counts follow blocks
-    between tiers.
+    The policy is ``config.eviction_policy`` with ``config.offload_gate``. The tiers of one
+    layer group share one :class:`KeyHistory`, bounded to ``config.eviction_history_multiple
+    x`` the group's slots on all tiers, so counts follow blocks between tiers.
     """
-    factory = _factory(name)
-    _check_gate(offload_gate)
+    factory = _factory(config.eviction_policy)
+    gate = config.offload_gate
+    slots = config.slots
     if not issubclass(factory, SegmentedPolicy):
-        return [[factory(clock, capacity=n, offload_gate=offload_gate) for n in tier]
-                for tier in slots]
-    groups = len(slots[0]) if slots else 0
+        return [[factory(clock, capacity=n, offload_gate=gate) for n in tier] for tier in slots]
+    multiple = config.eviction_history_multiple
     histories = [
-        KeyHistory(int(DEFAULT_GHOST_MULTIPLE * sum(tier[g] for tier in slots)),
-                   factory.RECENT_SHARE)
-        for g in range(groups)
+        KeyHistory(int(multiple * sum(tier[g] for tier in slots)), factory.RECENT_SHARE,
+                   count_ghosts=factory.COUNT_GHOSTS)
+        for g in range(config.num_groups)
     ]
     return [
-        [factory(clock, capacity=n, offload_gate=offload_gate, tier=t, history=histories[g])
+        [factory(clock, capacity=n, offload_gate=gate, ghost_multiple=multiple, tier=t,
+                 history=histories[g])
          for g, n in enumerate(tier)]
         for t, tier in enumerate(slots)
     ]

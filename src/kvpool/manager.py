@@ -131,9 +131,7 @@ class KVCacheManager:
         self._free: list[list[list[int]]] = [
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
         ]
-        self._queue: list[list[EvictionPolicy]] = make_policies(
-            config.eviction_policy, self._clock, config.slots, offload_gate=config.offload_gate
-        )
+        self._queue: list[list[EvictionPolicy]] = make_policies(config, self._clock)
         self._node_at: list[list[list[Node | None]]] = [
             [[None] * n for n in config.slots[t]] for t in range(self._tiers)
         ]
@@ -159,6 +157,7 @@ class KVCacheManager:
         self.events = events
         self._events = events
         self._copies: list[BlockCopy | None] = []
+        self._removed_pending: dict[int, list[int | str]] = {}
         # (tier, group, slot) -> index in _copies of the copy that fills it during this call
         self._pending_dst: dict[tuple[int, int, int], int] = {}
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
@@ -249,8 +248,9 @@ class KVCacheManager:
                         self._ref[g][s] += beams
                     elif s in self._queue[t][g]:
                         self._queue[t][g].remove(s)  # claimed for onboarding
+            matched = p.matched
             p.claim_tiers = {
-                g: {i: p.matched[i].tier[g] for i in idxs} for g, idxs in p.claimed.items()
+                g: [matched[i].tier[g] for i in idxs] for g, idxs in p.claimed.items()
             }
         # partial sources after every full match: a full match of the same block holds it
         for p in plan.requests:
@@ -291,13 +291,18 @@ class KVCacheManager:
             shared: list[int] = [NO_SLOT] * d
             claimed = p.claimed[g]
             claim_tiers = p.claim_tiers[g]
-            for i in claimed:
-                node = matched[i]
-                claim_tier = claim_tiers[i]
-                tier_hits[claim_tier] += 1
-                if claim_tier:  # GPU claims took their reference in phase 1
-                    st.onboarded += self._onboard(node, g, beams)
-                shared[i] = node.slot[g]
+            if any(claim_tiers):
+                for i, claim_tier in zip(claimed, claim_tiers, strict=True):
+                    node = matched[i]
+                    if claim_tier:  # GPU claims took their reference in phase 1
+                        st.onboarded += self._onboard(node, g, beams)
+                    shared[i] = node.slot[g]
+                for t in range(1, self._tiers):
+                    tier_hits[t] += claim_tiers.count(t)
+            else:
+                for i in claimed:
+                    shared[i] = matched[i].slot[g]
+            tier_hits[0] += claim_tiers.count(0)
             st.full_reused += len(claimed)
             last = p.num_blocks - 1
             per_beam_last = not p.last_shared
@@ -553,6 +558,7 @@ class KVCacheManager:
         for t, g, s in self._pending_free:
             self._free[t][g].append(s)
         self._pending_free.clear()
+        self._flush_removed()
         self._pending_dst.clear()
         if self._copies:
             copies = sorted((c for c in self._copies if c is not None), key=_stage)
@@ -590,18 +596,31 @@ class KVCacheManager:
             return out
 
     def _emit_removed(self, g: int, nodes: list[Node]) -> None:
+        # Removals of one call are handed over together (one hook call per layer group),
+        # flushed before any other event so the stream's order is exactly the call's.
         if self._events is not None and nodes:
-            self._events.on_removed(g, self.config.window_size(g),
-                                    [self._ev_hash(n.key) for n in nodes])
+            pending = self._removed_pending.get(g)
+            if pending is None:
+                pending = self._removed_pending[g] = []
+            ev_hash = self._ev_hash
+            pending.extend([ev_hash(n.key) for n in nodes])
+
+    def _flush_removed(self) -> None:
+        if self._removed_pending and self._events is not None:
+            for g, hashes in self._removed_pending.items():
+                self._events.on_removed(g, self.config.window_size(g), hashes)
+            self._removed_pending = {}
 
     def _emit_updated(self, g: int, node: Node, old: int, new: int) -> None:
         if self._events is not None:
+            self._flush_removed()
             self._events.on_updated(g, self.config.window_size(g), self._ev_hash(node.key),
                                     cache_level=EventDiff(old, new))
 
     def _emit_stored(self, g: int, parent: Node, chain: list[Node], lora_id: int | None) -> None:
         if self._events is None or not chain:
             return
+        self._flush_removed()
         parent_hash = None if parent.parent is None else self._ev_hash(parent.key)
         blocks = [
             StoredBlock(self._ev_hash(n.key), tuple(n.tokens), n.tier[g], n.priority, lora_id)

@@ -70,7 +70,7 @@ _SYNTHETIC_FLAGS: Final = (
 # TimeModel field -> (flag, unit scale from the flag's unit to seconds, unit)
 _TIME_FLAGS: Final = (
     ("weight_read_s", "--weight-read-ms", 1e-3, "ms", "step floor (weights read)"),
-    ("token_compute_s", "--token-compute-us", 1e-6, "µs", "linear layers per token"),
+    ("token_compute_s", "--token-compute-us", 1e-6, "us", "linear layers per token"),
     ("attention_pair_s", "--attention-pair-ns", 1e-9, "ns", "prefill attention per token pair"),
     ("kv_read_s", "--kv-read-ns", 1e-9, "ns", "decode attention per context token"),
 )
@@ -86,10 +86,10 @@ def register(subparsers: Any) -> None:
             "behind a continuous-batching scheduler with a GPU time model, fed by the KV-aware "
             "router through the real event path. Each routing policy replays the same "
             "workload on a fresh cluster; the table compares them with the workload's "
-            "unlimited-cache and Belady hit-rate bounds. With no argument: the built-in "
-            "synthetic multi-turn workload on 4 workers."
+            "unlimited-cache bound and each run's Belady bound. With no argument: the "
+            "built-in synthetic multi-turn workload on 4 workers."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     w = p.add_argument_group("workload (default: the built-in synthetic multi-turn workload)")
     w.add_argument("--trace", type=Path, metavar="FILE", help="a Mooncake-format JSONL trace")
@@ -106,9 +106,10 @@ def register(subparsers: Any) -> None:
     defaults = SyntheticParams()
     for name, flag, text in _SYNTHETIC_FLAGS:
         value = getattr(defaults, name)
-        kind: Callable[[str], Any] = _nonneg_float if isinstance(value, float) else _positive
-        w.add_argument(flag, dest=f"syn_{name}", type=kind, default=value, metavar="X",
-                       help=f"synthetic: {text}")
+        real = isinstance(value, float)
+        kind: Callable[[str], Any] = _nonneg_float if real else _positive
+        w.add_argument(flag, dest=f"syn_{name}", type=kind, default=value,
+                       metavar="X" if real else "N", help=f"synthetic: {text}")
 
     c = p.add_argument_group("cluster")
     c.add_argument("--workers", type=_positive, default=DEFAULT_WORKERS, metavar="N",
@@ -130,7 +131,7 @@ def register(subparsers: Any) -> None:
                    "--list-models)")
     m.add_argument(
         "--gpu-mem", type=_size, metavar="SIZE",
-        help=f"GPU KV budget (default {format_size(DEFAULT_GPU_MEM)}, raised to what the "
+        help=f"GPU KV budget (default: {format_size(DEFAULT_GPU_MEM)}, raised to what the "
         "workload's longest request needs)",
     )
     m.add_argument("--host-mem", type=_size, default=0, metavar="SIZE", help="host KV budget")
@@ -168,6 +169,20 @@ def register(subparsers: Any) -> None:
                    help="write a markdown table ('-' prints it)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows ``(default: X)`` where a default says something (not None, not a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" not in text
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,13 +17,25 @@ Policies: ``cost`` and ``trtllm`` are the :class:`~kvpool.router.Router` modes (
 clock is the simulated one); ``round-robin``, ``least-loaded`` (fewest unfinished requests,
 then lowest index) and ``random`` (seeded) ignore the cache.
 
-Bounds (:func:`workload_bounds`): the unlimited-cache and Belady hit rates of the workload's
-block stream for the cluster's total block capacity. The stream has, per request in arrival
-order, the full blocks of its prompt minus its last token (lookups), then the further full
-blocks the simulator commits when it finishes (its last prompt token's block and its output,
-see :func:`~kvpool.replay.engine_sim.committed_tokens`), which later turns of a conversation
-reuse. Both bounds count whole blocks, so they are compared with the policies' full-block hit
-rates; partial-block reuse is reported apart.
+Bounds. Both count whole blocks (:mod:`kvpool.replay.bounds`), so they are compared with the
+policies' full-block hit rates; partial-block reuse is reported apart.
+
+* Unlimited cache (:func:`workload_bounds`, one per workload): the stream has, per request in
+  arrival order, the whole blocks of its prompt minus its last token (lookups), then the
+  further blocks the simulator commits for it (its last prompt block and its answer, see
+  :func:`~kvpool.replay.engine_sim.committed_tokens`), which later turns reuse. No routing,
+  eviction or timing can reuse more.
+* Belady (:attr:`PolicyResult.belady`, one per policy run): Belady's optimum, with optional
+  admission (``bypass``), for the cluster's total capacity (every tier of every worker) over
+  the run's own cache accesses in simulated-time order: the blocks a request reused when it
+  was first admitted, and every block when it is committed (a block a request computes is
+  accessed then, when it can first be in any cache; were it also accessed at admission, its
+  own commit would count as a hit). The union of the workers' caches is one schedule of such
+  a cache, so no eviction policy could have reused more in that run; it also credits blocks
+  that another worker held (what perfect routing would have found). A single bound for the
+  workload in arrival order would not be one: a busy cluster time-shares its capacity (an
+  answer still being generated takes no cache while other requests reuse theirs) and can beat
+  Belady on the arrival-order stream (``tests/test_replay_sim.py`` holds such a case).
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ from kvpool.hashing import HashAlgo
 from kvpool.planner import ModelSpec, PoolPlan, plan_pools
 from kvpool.replay.bounds import BlockStream, HitRateBound, belady_hit_rate, unlimited_hit_rate
 from kvpool.replay.engine_sim import (
+    LOOKUP,
     RequestRecord,
     SchedulerConfig,
     SimWorker,
@@ -76,9 +89,12 @@ __all__ = [
     "ReplayResult",
     "WorkerResult",
     "block_cache",
+    "bound_stream",
     "planned_cache",
     "replay",
     "replay_policy",
+    "request_chain",
+    "run_bound",
     "workload_bounds",
 ]
 
@@ -192,7 +208,7 @@ class ClusterConfig:
 
     @property
     def capacity_blocks(self) -> int:
-        """Slots of the reference layer group over every tier and worker (the bounds' cache)."""
+        """Slots of the reference layer group over every tier and worker (Belady's cache)."""
         g = reference_group(self.cache)
         return self.workers * sum(tier[g] for tier in self.cache.slots)
 
@@ -233,6 +249,7 @@ class WorkerResult:
 class PolicyResult:
     """One policy's replay: every request's record and the cluster's counters.
 
+    ``belady`` bounds the run's whole-block reuse (see the module docstring).
     ``decision_latency_s`` and ``wall_s`` are wall-clock measurements (they vary run to run);
     everything else is a function of the workload, the configuration and the seed.
     """
@@ -242,6 +259,7 @@ class PolicyResult:
     workers: list[WorkerResult]
     events_emitted: int
     events_applied: int
+    belady: HitRateBound
     wall_s: float
     decision_latency_s: list[float]
 
@@ -284,45 +302,75 @@ def _chain_keys(tokens: array[int], blocks: int, tpb: int, salt: str | None) -> 
     return out
 
 
+def request_chain(req: Request, tokens_per_block: int, *, seed: int = 0) -> list[int]:
+    """Keys of the whole blocks of ``prompt + output`` that a request may ever commit or look
+    up: the first (n + m - 1) // tpb blocks (xxh3 chains, salted like
+    :func:`~kvpool.replay.bounds.request_block_keys`; only their equality matters)."""
+    tpb = tokens_per_block
+    n, m = len(req.tokens), req.output_length
+    blocks = (n + m - 1) // tpb
+    tokens = req.tokens
+    if blocks * tpb > n:
+        tokens = tokens + output_tokens(req, seed)[: blocks * tpb - n]
+    return _chain_keys(tokens, blocks, tpb, req.cache_salt)
+
+
+def _stream(entries: list[tuple[list[int], int]], tokens_per_block: int) -> BlockStream:
+    """A stream of (keys, prompt tokens) entries; prompt tokens 0 marks inserts."""
+    lengths = [len(k) for k, _ in entries]
+    offsets = np.zeros(len(entries) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = [key for keys, _ in entries for key in keys]
+    prompts = np.array([p for _, p in entries], dtype=np.int64)
+    return BlockStream(np.array(flat, dtype=np.uint64), offsets, prompts, tokens_per_block)
+
+
 def bound_stream(workload: Workload, tokens_per_block: int, *, seed: int = 0) -> BlockStream:
-    """The block stream the bounds are computed on (see the module docstring).
+    """The workload's stream in arrival order (see the module docstring).
 
     Entries alternate per request: its lookups (``prompt_tokens`` = its prompt length), then
     the blocks it commits beyond them (``prompt_tokens`` 0; an access there that hits would
-    only raise the bound, and with generated answers none does).
+    only raise a bound, and with generated answers none does).
     """
     tpb = tokens_per_block
-    keys: list[int] = []
-    lengths: list[int] = []
-    prompts: list[int] = []
+    entries: list[tuple[list[int], int]] = []
     for req in workload.requests:
         n, m = len(req.tokens), req.output_length
         look = (n - 1) // tpb
-        c = committed_tokens(n, m)
-        total = c // tpb
-        tokens = req.tokens
-        if total * tpb > n:
-            tokens = tokens + output_tokens(req, seed)[: total * tpb - n]
-        chain = _chain_keys(tokens, max(look, total), tpb, req.cache_salt)
-        keys.extend(chain)
-        lengths.extend((look, len(chain) - look))
-        prompts.extend((n, 0))
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return BlockStream(
-        np.array(keys, dtype=np.uint64), offsets, np.array(prompts, dtype=np.int64), tpb
-    )
+        chain = request_chain(req, tpb, seed=seed)[: max(look, committed_tokens(n, m) // tpb)]
+        entries.append((chain[:look], n))
+        entries.append((chain[look:], 0))
+    return _stream(entries, tpb)
 
 
 def workload_bounds(
-    workload: Workload, tokens_per_block: int, capacity_blocks: int, *, seed: int = 0
+    workload: Workload, tokens_per_block: int, *, seed: int = 0
 ) -> dict[str, HitRateBound]:
-    """``{"unlimited": ..., "belady": ...}`` for the workload and a total capacity in blocks."""
-    stream = bound_stream(workload, tokens_per_block, seed=seed)
-    return {
-        "unlimited": unlimited_hit_rate(stream),
-        "belady": belady_hit_rate(stream, capacity_blocks),
-    }
+    """``{"unlimited": ...}``: the unlimited-cache bound of the workload (whole blocks)."""
+    return {"unlimited": unlimited_hit_rate(bound_stream(workload, tokens_per_block, seed=seed))}
+
+
+def run_bound(
+    workload: Workload,
+    accesses: Sequence[tuple[int, int, int, int]],
+    tokens_per_block: int,
+    capacity_blocks: int,
+    *,
+    seed: int = 0,
+) -> HitRateBound:
+    """Belady (with bypass) for ``capacity_blocks`` over a run's access log (see
+    :class:`~kvpool.replay.engine_sim.SimWorker`)."""
+    chains: dict[int, list[int]] = {}
+    entries: list[tuple[list[int], int]] = []
+    requests = workload.requests
+    for index, kind, first, end in accesses:
+        chain = chains.get(index)
+        if chain is None:
+            chain = chains[index] = request_chain(requests[index], tokens_per_block, seed=seed)
+        entries.append(
+            (chain[first:end], len(requests[index].tokens) if kind == LOOKUP else 0)
+        )
+    return belady_hit_rate(_stream(entries, tokens_per_block), capacity_blocks, bypass=True)
 
 
 # ------------------------------------------------------------------------------ transports
@@ -430,11 +478,13 @@ class _Replay:
         self.events = [
             EventManager(1 << 20, hash_algo=cache.hash_algo) for _ in self.worker_ids
         ]
+        self.accesses: list[tuple[int, int, int, int]] = []
         self.workers = [
             SimWorker(wid, cache, config.scheduler, config.time_model, events=em,
-                      coalesce=config.coalesce_steps)
+                      coalesce=config.coalesce_steps, accesses=self.accesses)
             for wid, em in zip(self.worker_ids, self.events, strict=True)
         ]
+        self.slot_of = {wid: i for i, wid in enumerate(self.worker_ids)}
         self.index = KvIndex()
         for wid in self.worker_ids:
             self.index.add_worker(
@@ -479,6 +529,9 @@ class _Replay:
             self._loop(transport, progress)
         finally:
             transport.close()
+        cfg = self.config
+        belady = run_bound(self.workload, self.accesses, cfg.cache.tokens_per_block,
+                           cfg.capacity_blocks, seed=cfg.seed)
         return PolicyResult(
             policy=self.policy,
             records=self.records,
@@ -495,6 +548,7 @@ class _Replay:
             ],
             events_emitted=self.emitted,
             events_applied=self.applied,
+            belady=belady,
             wall_s=time.perf_counter() - started,
             decision_latency_s=self.latencies,
         )
@@ -551,7 +605,7 @@ class _Replay:
             decision = self.router.route(
                 req.tokens, cache_salt=req.cache_salt, request_id=req.request_id
             )
-            return int(decision.worker_id[1:])
+            return self.slot_of[decision.worker_id]
         if policy == "round-robin":
             w = self.rr
             self.rr = (w + 1) % len(self.workers)
@@ -699,9 +753,7 @@ def replay(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
     t0 = time.perf_counter()
-    bounds = workload_bounds(
-        workload, config.cache.tokens_per_block, config.capacity_blocks, seed=config.seed
-    )
+    bounds = workload_bounds(workload, config.cache.tokens_per_block, seed=config.seed)
     bounds_wall = time.perf_counter() - t0
     jobs = min(jobs, len(policies))
     if jobs > 1:

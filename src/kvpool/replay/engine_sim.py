@@ -64,6 +64,8 @@ from kvpool.manager import KVCacheManager
 from kvpool.replay.workloads import DEFAULT_VOCAB_SIZE, Request
 
 __all__ = [
+    "INSERT",
+    "LOOKUP",
     "RequestRecord",
     "SchedulerConfig",
     "SimWorker",
@@ -72,6 +74,11 @@ __all__ = [
     "output_tokens",
     "reference_group",
 ]
+
+LOOKUP: Final = 0
+"""Access kind: the whole blocks a request reused at its first admission."""
+INSERT: Final = 1
+"""Access kind: blocks a sequence committed to the tree."""
 
 _WAITING: Final = 0
 _PREFILL: Final = 1
@@ -253,8 +260,8 @@ class _Run:
     """
 
     __slots__ = (
-        "computed", "due", "epoch", "gen_base", "generated", "m", "mgr_len", "n", "order", "out",
-        "rec", "req", "seq_req", "state", "step_base", "target",
+        "computed", "due", "epoch", "gen_base", "generated", "logged", "m", "mgr_len", "n",
+        "order", "out", "rec", "req", "seq_req", "state", "step_base", "target",
     )
 
     def __init__(self, req: Request, rec: RequestRecord, out: array[int]) -> None:
@@ -273,6 +280,7 @@ class _Run:
         self.due = 0  # decode-step count at which this run needs attention
         self.epoch = 0  # bumped when the run leaves a state (stale heap entries)
         self.order = 0  # admission order
+        self.logged = 0  # blocks of this admission known to be in the tree (access log)
         self.seq_req: SequenceRequest | None = None
 
     def sequence_request(self) -> SequenceRequest:
@@ -313,6 +321,13 @@ class SimWorker:
     ``coalesce=False`` turns lazy appends and macro steps off: every sampled token is appended
     by its own ``add_tokens`` call and every step is simulated on its own. The results are the
     same (up to float rounding of times); it exists to check exactly that.
+
+    ``accesses``, when given, receives the cache accesses in the order they happen, as
+    ``(request index, kind, first block, end block)`` over the blocks of the request's
+    ``prompt + output`` chain: kind :data:`LOOKUP` when a request is first admitted (the whole
+    blocks it reused), kind :data:`INSERT` when blocks are committed (``store_context_blocks``,
+    ``remove_sequence``); a block a request computes is accessed when it is committed, the
+    moment it can first be in a cache. Several workers may share one list.
     """
 
     def __init__(
@@ -324,9 +339,11 @@ class SimWorker:
         *,
         events: EventManager | None = None,
         coalesce: bool = True,
+        accesses: list[tuple[int, int, int, int]] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.coalesce = coalesce
+        self.accesses = accesses
         self.cache = cache
         self.scheduler = scheduler
         self.time_model = time_model
@@ -480,6 +497,7 @@ class SimWorker:
             run.computed += c
             run.rec.computed_tokens += c
             mgr.store_context_blocks(run.req.request_id, run.computed)
+            self._log_insert(run, run.computed // self.tpb)
             if run.computed == run.target:
                 run.generated += 1  # prefill samples the next token
                 if run.rec.first_token_s is None:
@@ -536,7 +554,7 @@ class SimWorker:
         runs: list[_Run] = []
         reqs: list[SequenceRequest] = []
         sizes: list[int] = []
-        plans: list[RequestPlan | None] = []
+        found: list[tuple[int, list[int]] | None] = []  # (reuse, tokens per tier) if planned
         tpb = self.tpb
         slots = sched.max_batch_size - len(self._running)
         room = mgr.gpu_available(self._self_groups[0]) if self._simple else -1
@@ -546,7 +564,7 @@ class SimWorker:
             sreq = run.sequence_request()
             n = len(sreq.tokens)
             bound = -(-n // tpb) + 1
-            plan: RequestPlan | None = None
+            tiers: tuple[int, list[int]] | None = None
             if worst + bound <= room:
                 reused = mgr.count_reusable_tokens(sreq.tokens, cache_salt=sreq.cache_salt)
             else:
@@ -558,6 +576,8 @@ class SimWorker:
                     break
                 plan = trial.requests[-1]
                 reused = plan.reused_tokens
+                # where the reuse is now: admission onboards it to the GPU
+                tiers = (reused, self._tier_tokens(plan))
             todo = n - reused
             if todo > budget:
                 if not sched.chunked_prefill and (chunks or runs):
@@ -569,20 +589,20 @@ class SimWorker:
             runs.append(run)
             reqs.append(sreq)
             sizes.append(c)
-            plans.append(plan)
+            found.append(tiers)
             worst += bound
             budget -= c
             slots -= 1
         if not runs:
             return
         results = mgr.add_sequence_batch(reqs)
-        g = self._ref_group
-        for run, res, p, c in zip(runs, results, plans, sizes, strict=True):
+        for run, res, where, c in zip(runs, results, found, sizes, strict=True):
             rec = run.rec
             run.state = _PREFILL
             run.target = len(run.sequence_request().tokens)
             run.seq_req = None
             run.computed = res.reused_tokens
+            run.logged = (res.reused_tokens - res.reused_tokens % tpb) // tpb
             run.mgr_len = run.target
             self._orders += 1
             run.order = self._orders
@@ -590,21 +610,29 @@ class SimWorker:
             self._prefilling.append(run)
             chunks.append((run, c))
             if rec.admitted_s is None:
+                if self.accesses is not None:  # even empty: it carries the prompt's tokens
+                    self.accesses.append((rec.index, LOOKUP, 0, run.logged))
                 # a partial match is shorter than a block: it is the reuse beyond whole blocks
                 partial = res.reused_tokens % tpb
                 rec.admitted_s = now
                 rec.reused_tokens = res.reused_tokens
                 rec.reused_partial_tokens = partial
                 rec.reused_full_tokens = res.reused_tokens - partial
-                tiers = rec.tier_tokens
-                if p is None:
-                    tiers[0] += res.reused_tokens
-                    continue
-                assert p.reused_tokens == res.reused_tokens, "plan_batch and admission disagree"
-                for node in p.matched:
-                    tiers[node.tier[g]] += tpb
-                if p.partial is not None:
-                    tiers[p.partial.tier[g]] += p.partial_tokens
+                if where is None:  # the shortcut: one GPU tier
+                    rec.tier_tokens[0] += res.reused_tokens
+                else:
+                    assert where[0] == res.reused_tokens, "plan_batch and admission disagree"
+                    rec.tier_tokens = where[1]
+
+    def _tier_tokens(self, plan: RequestPlan) -> list[int]:
+        """Reused tokens per tier the matched blocks are on (reference layer group)."""
+        g = self._ref_group
+        out = [0, 0, 0]
+        for node in plan.matched:
+            out[node.tier[g]] += self.tpb
+        if plan.partial is not None:
+            out[plan.partial.tier[g]] += plan.partial_tokens
+        return out
 
     def _is_sync(self, length: int) -> bool:
         """Does growing a sequence to ``length`` tokens change more than its token list?"""
@@ -676,6 +704,19 @@ class SimWorker:
         run.epoch += 1
         self._blocked = False
 
+    def _remove_storing(self, run: _Run) -> None:
+        """``remove_sequence(store_for_reuse=True)``, logging what it commits: the appended
+        tokens but the last once decoding began (the manager's rule)."""
+        length = run.mgr_len
+        computed = length - 1 if length > run.target else length
+        self.manager.remove_sequence(run.req.request_id, store_for_reuse=True)
+        self._log_insert(run, computed // self.tpb)
+
+    def _log_insert(self, run: _Run, blocks: int) -> None:
+        if self.accesses is not None and blocks > run.logged:
+            self.accesses.append((run.rec.index, INSERT, run.logged, blocks))
+            run.logged = blocks
+
     def _flush_appended(self, run: _Run, upto: int) -> None:
         if run.mgr_len < upto:
             n = run.n
@@ -686,7 +727,7 @@ class SimWorker:
         self._leave(run)
         # every sampled token but the final one is appended (no sync lies before it)
         self._flush_appended(run, run.n + run.m - 1)
-        self.manager.remove_sequence(run.req.request_id, store_for_reuse=True)
+        self._remove_storing(run)
         run.state = _DONE
         run.rec.finish_s = now
         finished.append(run.rec)
@@ -699,7 +740,7 @@ class SimWorker:
             # so one token at a time it would not have had its turn yet (and a token at a sync
             # length would need the block that is missing).
             self._flush_appended(run, run.n + run.generated - 1)
-            self.manager.remove_sequence(run.req.request_id, store_for_reuse=True)
+            self._remove_storing(run)
         else:
             # mid-prefill: the computed chunks were stored; the rest holds no valid KV
             self.manager.remove_sequence(run.req.request_id, store_for_reuse=False)

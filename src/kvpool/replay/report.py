@@ -10,7 +10,8 @@ Definitions (over the requests that were not rejected):
 * token hit rate = tokens reused at first admission / prompt tokens (whole and partial
   blocks, any tier); the per-tier rates split it by the tier the blocks were found on;
 * full-block hit rate = the whole-block part: what the bounds (which count whole blocks)
-  compare with; ``of_belady`` = full-block hit rate / Belady bound;
+  compare with; ``belady`` is the run's own Belady bound (see :mod:`kvpool.replay.cluster`)
+  and ``of_belady`` = full-block hit rate / that bound;
 * prefill computed = every prompt token computed, recomputation after preemption included;
 * TTFT = first token time - arrival (queueing included); throughput = output tokens /
   makespan (first arrival to last finish).
@@ -106,10 +107,9 @@ def summarize(
     width = (max(arrivals) - start) / TIMELINE_BINS if arrivals else 0.0
     full_rate = _rate(full, prompt)
     vs: dict[str, float] = {}
-    if bounds:
-        for name, b in bounds.items():
-            vs[f"{name}_token_hit_rate"] = b.token_hit_rate
-            vs[f"of_{name}"] = _rate(full_rate, b.token_hit_rate)
+    for name, b in {**(bounds or {}), "belady": result.belady}.items():
+        vs[f"{name}_token_hit_rate"] = b.token_hit_rate
+        vs[f"of_{name}"] = _rate(full_rate, b.token_hit_rate)
     lat = result.decision_latency_s
     summary: dict[str, Any] = {
         "policy": result.policy,
@@ -141,6 +141,7 @@ def summarize(
             "applied": result.events_applied,
             "applied_per_s": _rate(result.events_applied, makespan),
         },
+        "belady": result.belady.as_dict(),
         "vs_bounds": vs,
         "workers": [
             {
@@ -208,40 +209,35 @@ def _ms(s: float) -> str:
     return f"{1e3 * s:,.0f} ms" if s >= 0.1 else f"{1e3 * s:.1f} ms"
 
 
-def _us(us: float) -> str:
-    return f"{us:,.0f} µs" if us >= 10 else f"{us:.1f} µs"
-
-
 def _describe(result: ReplayResult) -> list[str]:
     w = result.workload
     cfg = result.config
     cache = cfg.cache
     sizing = cfg.description
+    g = reference_group(cache)
+    blocks = " + ".join(f"{t[g]:,}" for t in cache.slots)
     if sizing.get("model"):
         mem = f"{sizing['model']}, {sizing.get('gpu_mem', '?')} GPU"
         if sizing.get("host_mem"):
             mem += f" + {sizing['host_mem']} host"
         if sizing.get("disk_mem"):
             mem += f" + {sizing['disk_mem']} disk"
-        mem += " KV per worker"
+        mem += f" KV = {blocks} blocks"
     else:
-        mem = "block counts given"
-    slots = " + ".join(f"{t[reference_group(cache)]:,}" for t in cache.slots)
+        mem = f"{blocks} blocks"
     sched = cfg.scheduler
     b = result.bounds
     lines = [
-        f"workload {w['name']}: {w['requests']:,} requests, {_tokens(w['prompt_tokens'])} prompt "
-        f"tokens, {_tokens(w['output_tokens'])} output tokens over {w['duration_s']:,.0f} s",
-        f"cluster: {cfg.workers} workers × ({mem}: {slots} blocks of "
-        f"{cache.tokens_per_block} tokens); batch {sched.max_batch_size}, "
-        f"{sched.max_num_tokens} tokens/step"
-        f"{', chunked prefill' if sched.chunked_prefill else ''}; events {cfg.transport}",
+        f"workload {w['name']}: {w['requests']:,} requests, {_tokens(w['prompt_tokens'])} "
+        f"prompt + {_tokens(w['output_tokens'])} output tokens over {w['duration_s']:,.0f} s",
+        f"cluster: {cfg.workers} workers × ({mem} of {cache.tokens_per_block} tokens); "
+        f"batch {sched.max_batch_size}, {sched.max_num_tokens} tokens/step"
+        f"{', chunked' if sched.chunked_prefill else ''}; events {cfg.transport}",
     ]
-    if b:
-        lines.append(
-            f"bounds (whole blocks, {cfg.capacity_blocks:,} blocks in all): unlimited cache "
-            f"{_pct(b['unlimited'].token_hit_rate)}, Belady {_pct(b['belady'].token_hit_rate)}"
-        )
+    lines.append(
+        (f"unlimited-cache bound {_pct(b['unlimited'].token_hit_rate)}; " if b else "")
+        + f"Belady bound per run for {cfg.capacity_blocks:,} blocks in all (whole blocks)"
+    )
     return lines
 
 
@@ -249,7 +245,8 @@ _Row = tuple[str, list[str], list[float], str]
 
 
 def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
-    """(label, cells, sort keys, 'max'|'min'|'') per row of the comparison table."""
+    """(label, cells, sort keys, 'max'|'min'|'') per row of the comparison table. Units sit
+    in the labels so that cells stay narrow (five policies fit 80 columns)."""
     tiers = result.config.cache.num_tiers
     rows: list[_Row] = []
 
@@ -257,33 +254,44 @@ def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
         vals = list(values)
         rows.append((label, [fmt(v) for v in vals], vals, best))
 
-    row("token hit rate", (s["token_hit_rate"] for s in sums), _pct, "max")
+    def pct(v: float) -> str:
+        return f"{100 * v:.1f}"
+
+    def count(v: float) -> str:
+        return f"{v:,.0f}" if v < 1e6 else _tokens(v)
+
+    def ms(v: float) -> str:
+        return f"{1e3 * v:,.0f}" if v >= 0.1 else f"{1e3 * v:.1f}"
+
+    def us(v: float) -> str:
+        return f"{v:,.0f}" if v >= 10 else f"{v:.1f}"
+
+    row("token hit rate %", (s["token_hit_rate"] for s in sums), pct, "max")
     for t in range(tiers if tiers > 1 else 0):
-        row(f"  on {_TIERS[t]}", (s["tier_hit_rate"][_TIERS[t]] for s in sums), _pct)
-    row("  partial blocks", (_rate(s["reused_partial_tokens"], s["prompt_tokens"]) for s in sums),
-        _pct)
-    row("full-block hit rate", (s["full_block_hit_rate"] for s in sums), _pct, "max")
-    if result.bounds:
-        row("  of Belady bound", (s["vs_bounds"]["of_belady"] for s in sums), _pct, "max")
+        row(f"  on {_TIERS[t]} %", (s["tier_hit_rate"][_TIERS[t]] for s in sums), pct)
+    row("  partial blocks %",
+        (_rate(s["reused_partial_tokens"], s["prompt_tokens"]) for s in sums), pct)
+    row("full-block hit %", (s["full_block_hit_rate"] for s in sums), pct, "max")
+    row("  Belady bound %", (s["belady"]["token_hit_rate"] for s in sums), pct)
+    row("  of Belady %", (s["vs_bounds"]["of_belady"] for s in sums), pct, "max")
     row("prefill computed", (s["prefill_tokens_computed"] for s in sums), _tokens, "min")
-    row("preemptions", (s["preemptions"] for s in sums), lambda v: f"{v:,}", "min")
+    row("preemptions", (s["preemptions"] for s in sums), count, "min")
     for q in ("p50", "p90", "p99"):
-        row(f"TTFT {q}", (s["ttft_s"][q] for s in sums), _ms, "min")
-    row("throughput", (s["throughput"]["output_tokens_per_s"] for s in sums),
-        lambda v: f"{v:,.0f} tok/s", "max")
-    row("GPU busy", (s["gpu_busy"] for s in sums), _pct, "min")
-    row("makespan", (s["makespan_s"] for s in sums), lambda v: f"{v:,.1f} s", "min")
-    row("evicted blocks", (s["cache"]["evicted_blocks"] for s in sums), lambda v: f"{v:,}")
+        row(f"TTFT {q} (ms)", (s["ttft_s"][q] for s in sums), ms, "min")
+    row("output tok/s", (s["throughput"]["output_tokens_per_s"] for s in sums), count, "max")
+    row("GPU busy %", (s["gpu_busy"] for s in sums), pct, "min")
+    row("makespan (s)", (s["makespan_s"] for s in sums), lambda v: f"{v:,.1f}", "min")
+    row("evicted blocks", (s["cache"]["evicted_blocks"] for s in sums), count)
     if tiers > 1:
-        row("  offloaded", (s["cache"]["offload_blocks"] for s in sums), lambda v: f"{v:,}")
-        row("  onboarded", (s["cache"]["onboard_blocks"] for s in sums), lambda v: f"{v:,}")
-    row("events applied", (s["events"]["applied"] for s in sums), lambda v: f"{v:,}")
-    row("  per sim. second", (s["events"]["applied_per_s"] for s in sums), lambda v: f"{v:,.0f}/s")
-    row("route decision p50", (s["wall"]["decision_latency_us"]["p50"] for s in sums), _us)
-    row("route decision p99", (s["wall"]["decision_latency_us"]["p99"] for s in sums), _us)
-    row("replay wall time", (s["wall"]["replay_s"] for s in sums), lambda v: f"{v:,.1f} s")
+        row("  offloaded", (s["cache"]["offload_blocks"] for s in sums), count)
+        row("  onboarded", (s["cache"]["onboard_blocks"] for s in sums), count)
+    row("events applied", (s["events"]["applied"] for s in sums), count)
+    row("  per sim. second", (s["events"]["applied_per_s"] for s in sums), count)
+    row("route p50 (µs)", (s["wall"]["decision_latency_us"]["p50"] for s in sums), us)
+    row("route p99 (µs)", (s["wall"]["decision_latency_us"]["p99"] for s in sums), us)
+    row("wall time (s)", (s["wall"]["replay_s"] for s in sums), lambda v: f"{v:,.1f}")
     if any(s["rejected"] for s in sums):
-        row("rejected (too long)", (s["rejected"] for s in sums), lambda v: f"{v:,}")
+        row("rejected (too long)", (s["rejected"] for s in sums), count)
     return rows
 
 
@@ -293,11 +301,13 @@ def render(result: ReplayResult, console: Any) -> None:
 
     sums = [summarize(p, result.bounds) for p in result.policies]
     for line in _describe(result):
-        console.print(line)
+        console.print(line, highlight=False)
     table = Table(title="kvpool replay", title_style="bold")
     table.add_column("metric", no_wrap=True)
+    narrow = console.width < 110
     for s in sums:
-        table.add_column(s["policy"], justify="right")
+        name = s["policy"].replace("-", "-\n") if narrow else s["policy"]
+        table.add_column(name, justify="right", no_wrap=True)
     for label, cells, vals, best in _rows(result, sums):
         if best and len(vals) > 1 and len(set(vals)) > 1:
             target = max(vals) if best == "max" else min(vals)
@@ -306,9 +316,11 @@ def render(result: ReplayResult, console: Any) -> None:
         table.add_row(label, *cells)
     console.print(table)
     console.print(
-        "[dim]hit rates count the tokens each request reused at its first admission; the "
-        "bounds and 'of Belady' count whole blocks only. Times are simulated (TimeModel); "
-        "route decisions and wall time are measured.[/]"
+        "[dim]Hit rates: tokens each request reused at its first admission / prompt tokens. "
+        "Bounds count whole blocks; a run's Belady bound is the offline optimum over its own "
+        "lookups and commits. Times are simulated (TimeModel); route decisions and wall time "
+        "are measured.[/]",
+        highlight=False,
     )
 
 
@@ -317,21 +329,22 @@ def to_markdown(result: ReplayResult) -> str:
     sums = [summarize(p, result.bounds) for p in result.policies]
     lines = [f"- {line}" for line in _describe(result)]
     lines.append("")
-    head = ["policy", "token hit rate", "full-block hit rate"]
-    if result.bounds:
-        head.append("of Belady")
-    head += ["prefill computed", "TTFT p50", "TTFT p99", "throughput", "evicted blocks",
-             "preemptions"]
+    head = ["policy", "token hit rate", "full-block hit rate", "Belady bound", "of Belady",
+             "prefill computed", "TTFT p50", "TTFT p99", "GPU busy", "throughput",
+             "evicted blocks", "preemptions"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for s in sums:
-        cells = [f"`{s['policy']}`", _pct(s["token_hit_rate"]), _pct(s["full_block_hit_rate"])]
-        if result.bounds:
-            cells.append(_pct(s["vs_bounds"]["of_belady"]))
-        cells += [
+        cells = [
+            f"`{s['policy']}`",
+            _pct(s["token_hit_rate"]),
+            _pct(s["full_block_hit_rate"]),
+            _pct(s["belady"]["token_hit_rate"]),
+            _pct(s["vs_bounds"]["of_belady"]),
             _tokens(s["prefill_tokens_computed"]),
             _ms(s["ttft_s"]["p50"]),
             _ms(s["ttft_s"]["p99"]),
+            _pct(s["gpu_busy"]),
             f"{s['throughput']['output_tokens_per_s']:,.0f} tok/s",
             f"{s['cache']['evicted_blocks']:,}",
             f"{s['preemptions']:,}",
@@ -358,8 +371,8 @@ def write_plot(result: ReplayResult, path: str | Path) -> None:
         ax1.plot(xs, rate, marker="o", markersize=3, label=s["policy"])
         ax2.plot(xs, ttft, marker="o", markersize=3, label=s["policy"])
     if result.bounds:
-        ax1.axhline(100 * result.bounds["belady"].token_hit_rate, color="grey", linestyle="--",
-                    linewidth=1, label="Belady bound (whole run)")
+        ax1.axhline(100 * result.bounds["unlimited"].token_hit_rate, color="grey",
+                    linestyle="--", linewidth=1, label="unlimited-cache bound (whole run)")
     ax1.set_ylabel("token hit rate (%)")
     ax1.set_ylim(0, 100)
     ax1.legend(fontsize=8, ncol=3)
