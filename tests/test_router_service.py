@@ -469,6 +469,14 @@ def test_kvpool_router_command_serves_until_terminated(tmp_path: Path) -> None:
             assert line.startswith("kvpool router listening on http://127.0.0.1:"), line
             base = line.split()[-1]
             async with aiohttp.ClientSession() as s:
+                async def indexed() -> bool:
+                    view = workers_by_id((await get_json(s, f"{base}/workers"))[1])
+                    return list(view["t"]["blocks_per_tier"]) == [2, 0, 0]
+
+                # route only once t's events are in: a request routed earlier would leave a
+                # prediction (by design) that keeps its identical successors on the other worker
+                await eventually(indexed)
+
                 async def routed_to_t() -> bool:
                     status, d = await post(s, f"{base}/route", {"token_ids": PROMPT})
                     await post(s, f"{base}/finished", {"request_id": d["request_id"]})

@@ -17,7 +17,7 @@ does not emit, is written as ``{"type": "all_cleared"}``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -111,13 +111,160 @@ def _data_to_dict(data: EventData) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ decode
 
 
-def parse_trtllm_json(text: str | bytes) -> list[KVCacheEvent]:
-    """Parse an event list; raises :class:`EventFormatError` naming the first bad value."""
+def parse_trtllm_json(text: str | bytes, *, tokens: bool = True) -> list[KVCacheEvent]:
+    """Parse an event list; raises :class:`EventFormatError` naming the first bad value.
+
+    Well-formed input is decoded by typed msgspec structs in C; anything the typed shape
+    rejects goes through the checking parser, which names the fault. With ``tokens=False``
+    stored blocks carry no tokens (a consumer keyed by block hashes parses several times
+    faster).
+    """
+    try:
+        typed = (_TYPED if tokens else _TYPED_NO_TOKENS).decode(text)
+    except (msgspec.DecodeError, TypeError):
+        typed = None
+    if typed is not None:
+        try:
+            return [_from_typed(e, tokens) for e in typed]
+        except _Fallback:
+            pass
     try:
         obj = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
         raise EventFormatError(f"KV event JSON does not parse: {exc}") from None
     return parse_trtllm_dicts(obj)
+
+
+class _Fallback(Exception):
+    """The typed shape decoded, but a value needs the checking parser (e.g. a hash > u64)."""
+
+
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec itself rejects ints beyond u64
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_JHash = _U64 | str
+
+
+class _JToken(msgspec.Struct, gc=False):
+    token_id: _NonNegative
+
+
+class _JMmKey(msgspec.Struct, gc=False):
+    hash: str
+
+
+class _JDiff(msgspec.Struct, gc=False):
+    old_value: int
+    new_value: int
+
+
+class _JBlock(msgspec.Struct, gc=False):
+    block_hash: _JHash
+    tokens: list[_JToken | _NonNegative] = []
+    cache_level: int = 0
+    priority: int = DEFAULT_PRIORITY
+    lora_id: int | None = None
+    mm_keys: list[_JMmKey | str] = []
+
+
+class _JBlockNoTokens(msgspec.Struct, gc=False):
+    block_hash: _JHash
+    tokens: msgspec.Raw = msgspec.Raw(b"")
+    cache_level: int = 0
+    priority: int = DEFAULT_PRIORITY
+    lora_id: int | None = None
+    mm_keys: list[_JMmKey | str] = []
+
+
+class _JCreated(msgspec.Struct, tag="created", tag_field="type", gc=False):
+    num_blocks_per_cache_level: list[int]
+
+
+class _JStored(msgspec.Struct, tag="stored", tag_field="type", gc=False):
+    blocks: list[_JBlock]
+    parent_hash: _JHash | None = None
+
+
+class _JStoredNoTokens(msgspec.Struct, tag="stored", tag_field="type", gc=False):
+    blocks: list[_JBlockNoTokens]
+    parent_hash: _JHash | None = None
+
+
+class _JRemoved(msgspec.Struct, tag="removed", tag_field="type", gc=False):
+    block_hashes: list[_JHash]
+
+
+class _JUpdated(msgspec.Struct, tag="updated", tag_field="type", gc=False):
+    block_hash: _JHash
+    cache_level: _JDiff | None = None
+    priority: _JDiff | None = None
+
+
+class _JCleared(msgspec.Struct, tag="all_cleared", tag_field="type", gc=False):
+    pass
+
+
+class _JEvent(msgspec.Struct, gc=False):
+    event_id: int
+    data: _JCreated | _JStored | _JRemoved | _JUpdated | _JCleared
+    window_size: int = 0
+    layer_group_id: int = 0
+    hash_algo: str = "v1_block_key"
+    attention_dp_rank: int | None = None
+
+
+class _JEventNoTokens(msgspec.Struct, gc=False):
+    event_id: int
+    data: _JCreated | _JStoredNoTokens | _JRemoved | _JUpdated | _JCleared
+    window_size: int = 0
+    layer_group_id: int = 0
+    hash_algo: str = "v1_block_key"
+    attention_dp_rank: int | None = None
+
+
+_TYPED = msgspec.json.Decoder(list[_JEvent])
+_TYPED_NO_TOKENS = msgspec.json.Decoder(list[_JEventNoTokens])
+
+
+def _h(value: int | str) -> int | str:
+    if type(value) is int and value > _M64:
+        raise _Fallback
+    return value
+
+
+def _diff_of(d: _JDiff | None) -> EventDiff | None:
+    return None if d is None else EventDiff(old_value=d.old_value, new_value=d.new_value)
+
+
+def _from_typed(e: _JEvent | _JEventNoTokens, tokens: bool) -> KVCacheEvent:
+    d = e.data
+    data: EventData
+    if isinstance(d, _JStored | _JStoredNoTokens):
+        blocks = []
+        for b in d.blocks:
+            toks: tuple[int, ...] = ()
+            if tokens:
+                assert isinstance(b, _JBlock)
+                toks = tuple(t if type(t) is int else t.token_id  # type: ignore[union-attr]
+                             for t in b.tokens)
+            mm = tuple(k if type(k) is str else k.hash for k in b.mm_keys)  # type: ignore[union-attr]
+            blocks.append(
+                StoredBlock(_h(b.block_hash), toks, b.cache_level, b.priority, b.lora_id, mm)
+            )
+        parent = None if d.parent_hash is None else _h(d.parent_hash)
+        data = Stored(parent_hash=parent, blocks=tuple(blocks))
+    elif isinstance(d, _JRemoved):
+        data = Removed(tuple([_h(x) for x in d.block_hashes]))
+    elif isinstance(d, _JUpdated):
+        data = Updated(_h(d.block_hash), _diff_of(d.cache_level), _diff_of(d.priority))
+    elif isinstance(d, _JCreated):
+        data = Created(tuple(d.num_blocks_per_cache_level))
+    else:
+        data = AllCleared()
+    return KVCacheEvent(
+        event_id=e.event_id, data=data, window_size=e.window_size,
+        layer_group_id=e.layer_group_id, hash_algo=e.hash_algo,
+        attention_dp_rank=e.attention_dp_rank,
+    )
 
 
 def parse_trtllm_dicts(obj: Any) -> list[KVCacheEvent]:

@@ -221,8 +221,11 @@ class Ingest:
     def feed_trtllm(self, worker_id: str, text: str | bytes) -> int:
         """Decode one TensorRT-LLM JSON event list and apply it."""
         status = self.status(worker_id)
+        cfg = self._workers.get(worker_id)
         try:
-            events = parse_trtllm_json(text)
+            events = parse_trtllm_json(
+                text, tokens=bool(cfg is not None and cfg.match_by_tokens)
+            )
         except EventFormatError:
             self._malformed(worker_id, status)
             return 0
