@@ -197,6 +197,17 @@ def test_expired_priority_falls_back_to_default_at_the_recent_end(name: str) -> 
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
+def test_an_expiry_survives_a_stale_entry_at_another_level(name: str) -> None:
+    clock = Clock()
+    p = make_policy(name, clock, capacity=16)
+    p.push(1, 10, expires_at=3.0, key=key(1))
+    assert p.pop() == (1, 10)
+    p.push(1, 80, expires_at=3.0, key=key(1))  # same slot and expiry, another level
+    clock.now = 3.0
+    assert p.priority_of(1) == 35
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_stale_expiry_does_not_expire_a_later_push(name: str) -> None:
     clock = Clock()
     p = make_policy(name, clock, capacity=16)

@@ -103,8 +103,8 @@ class PrioritizedLRU:
         self._order: list[int] = []  # non-empty-or-once-used priority levels, ascending
         self._level: dict[int, int] = {}  # slot -> priority level it is queued at
         self._expiry: list[tuple[float, int, int]] = []  # (expires_at, slot, level) min-heap
-        # slot -> the expiry of its current push; tells a live heap entry from a stale one
-        self._expires: dict[int, float] = {}
+        # slot -> (expiry, level) of its current push; tells live heap entries from stale ones
+        self._expires: dict[int, tuple[float, int]] = {}
 
     def __len__(self) -> int:
         return len(self._level)
@@ -127,7 +127,7 @@ class PrioritizedLRU:
         self._bucket(priority)[slot] = None
         self._level[slot] = priority
         if expires_at is not None and priority != DEFAULT_PRIORITY:
-            self._expires[slot] = expires_at
+            self._expires[slot] = (expires_at, priority)
             heapq.heappush(self._expiry, (expires_at, slot, priority))
         elif self._expires:
             self._expires.pop(slot, None)
@@ -156,7 +156,7 @@ class PrioritizedLRU:
         now = self._clock()
         while heap and heap[0][0] <= now:
             at, slot, level = heapq.heappop(heap)
-            if self._expires.get(slot) != at:
+            if self._expires.get(slot) != (at, level):
                 continue  # stale: the slot was pushed again since
             del self._expires[slot]
             if self._level.get(slot) == level:
@@ -191,12 +191,14 @@ class KeyHistory:
 
     The policies of one layer group's tiers share one history, so a block keeps its count
     when it moves down a tier (popped from the GPU queue, pushed to the host queue) or up
-    (claimed from the host queue, released into the GPU queue). An entry packs ``stamp << 8
-    | min(count, 255)``, positive for an evicted block (a *ghost*), negative for a block
-    claimed from a colder tier (on its way up); ``stamp`` numbers the entries in the order
-    they were added. At most ``bound`` entries: an addition beyond that forgets, in one pass
-    (amortised O(1) per addition), every key but the ``bound // 2`` inserted last, so a key
-    outlives at least the next ``bound // 2 - 1`` insertions.
+    (claimed from the host queue, released into the GPU queue). An entry is ``min(count,
+    255)``, positive for an evicted block (a *ghost*), negative for a block claimed from a
+    colder tier (on its way up); with ``count_ghosts`` (ARC) it also packs a stamp, ``stamp
+    << 8 | min(count, 255)``, numbering the entries in the order they were added.
+
+    At most ``bound`` entries: an addition beyond that forgets, in one pass (amortised O(1)
+    per addition), every key but the ``bound // 2`` inserted last, so a key outlives at least
+    the next ``bound // 2 - 1`` insertions.
     """
 
     __slots__ = ("bound", "count_ghosts", "entries", "ghosts", "seq", "share")
@@ -204,7 +206,7 @@ class KeyHistory:
     def __init__(self, bound: int, share: float, *, count_ghosts: bool = False) -> None:
         self.entries: dict[BlockKey, int] = {}
         self.bound = bound
-        self.seq = 0  # entries added so far: the last one's stamp
+        self.seq = 0  # entries added so far, if count_ghosts: the last one's stamp
         self.count_ghosts = count_ghosts
         self.ghosts = [0, 0]  # ghosts of count 1 and of count > 1 (if count_ghosts: ARC)
         self.share = share  # the recent segment's share of a level (ARC adapts it)
@@ -214,8 +216,10 @@ class KeyHistory:
 
     def add(self, key: BlockKey, count: int, *, ghost: bool) -> None:
         """Remember ``key`` with ``count``: evicted (``ghost``) or claimed from below."""
-        self.seq += 1
-        v = self.seq << 8 | (count if count < 255 else 255)
+        v = count if count < 255 else 255
+        if self.count_ghosts:
+            self.seq += 1
+            v |= self.seq << 8
         if ghost:
             self.entries[key] = v
             if self.count_ghosts:
@@ -317,7 +321,7 @@ class SegmentedPolicy:
         self._last_slot = -1
         self._last_count = 0
         self._expiry: list[tuple[float, int, int]] = []
-        self._expires: dict[int, float] = {}
+        self._expires: dict[int, tuple[float, int]] = {}  # as in PrioritizedLRU
 
     # ------------------------------------------------------------------ protocol
 
@@ -341,7 +345,7 @@ class SegmentedPolicy:
         else:
             self._enqueue_many(lvl, (slot,), (key,))
         if expires_at is not None and priority != DEFAULT_PRIORITY:
-            self._expires[slot] = expires_at
+            self._expires[slot] = (expires_at, priority)
             heapq.heappush(self._expiry, (expires_at, slot, priority))
         elif self._expires:
             self._expires.pop(slot, None)
@@ -403,11 +407,13 @@ class SegmentedPolicy:
                 self._keys[slot] = None
                 # KeyHistory.add inlined: one per victim
                 h = self._history
-                seq = h.seq = h.seq + 1
                 entries = h.entries
-                entries[key] = seq << 8 | (count if count < 255 else 255)
                 if h.count_ghosts:
+                    seq = h.seq = h.seq + 1
+                    entries[key] = seq << 8 | (count if count < 255 else 255)
                     h.ghosts[count > 1] += 1
+                else:
+                    entries[key] = count if count < 255 else 255
                 if len(entries) > h.bound:
                     h.trim()
             return slot, p
@@ -531,7 +537,7 @@ class SegmentedPolicy:
         now = self._clock()
         while heap and heap[0][0] <= now:
             at, slot, level = heapq.heappop(heap)
-            if self._expires.get(slot) != at:
+            if self._expires.get(slot) != (at, level):
                 continue  # stale: the slot was pushed again since
             del self._expires[slot]
             lvl = self._levels[level]
