@@ -60,6 +60,7 @@ class RequestPlan:
     partial_mode: PartialMode | None = None
     onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
     claim_tiers: dict[int, list[int]] = field(default_factory=dict)  # tier of each claim
+    claim_slots: dict[int, list[int]] = field(default_factory=dict)  # slot of each claim
     partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
 
 
@@ -272,16 +273,19 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             onboard = 0
             ref = mgr.gpu_refs(g)
             ce = claimed_evictable[g]
-            matched = p.matched
-            for i in p.claimed[g]:
-                node = matched[i]
-                if node.tier[g]:
-                    if (id(node), g) not in onboarded:
-                        onboarded.add((id(node), g))
-                        onboard += 1
-                else:
-                    s = node.slot[g]
-                    if not ref[s]:
+            idxs = p.claimed[g]
+            nodes = p.matched if len(idxs) == d else [p.matched[i] for i in idxs]
+            tiers = p.claim_tiers[g] = [n.tier[g] for n in nodes]
+            slots = p.claim_slots[g] = [n.slot[g] for n in nodes]
+            if not any(tiers):
+                ce.update([s for s in slots if not ref[s]])
+            else:
+                for node, t, s in zip(nodes, tiers, slots, strict=True):
+                    if t:
+                        if (id(node), g) not in onboarded:
+                            onboarded.add((id(node), g))
+                            onboard += 1
+                    elif not ref[s]:
                         ce.add(s)
             p.onboard[g] = onboard
             p.new_blocks[g] = fresh + copies + onboard

@@ -57,6 +57,9 @@ DEFAULT_GHOST_MULTIPLE = 4.0
 class EvictionPolicy(Protocol):
     """What the manager needs from a free queue."""
 
+    uses_keys: bool
+    """Does the policy read the keys given to ``push``/``push_many`` (else they may be None)?"""
+
     def push(self, slot: int, priority: int, expires_at: float | None = None,
              key: BlockKey | None = None) -> None:
         """``slot``, holding the block ``key``, became evictable (most recently released)."""
@@ -73,8 +76,14 @@ class EvictionPolicy(Protocol):
     def remove(self, slot: int) -> None:
         """``slot`` is claimed again; it must be queued."""
 
+    def remove_many(self, slots: Sequence[int]) -> None:
+        """``remove`` of each of ``slots`` (distinct, all queued), in order."""
+
     def pop(self) -> tuple[int, int]:
         """Take the next victim: (slot, its expiry-adjusted priority). Must not be empty."""
+
+    def pop_many(self, n: int) -> list[tuple[int, int]]:
+        """The next ``n`` victims, as ``n`` calls of ``pop`` would give them (n <= len)."""
 
     def peek_order(self) -> list[int]:
         """Every queued slot in victim order (for tests and introspection; O(n))."""
@@ -94,6 +103,8 @@ class PrioritizedLRU:
     """
 
     __slots__ = ("_buckets", "_clock", "_expires", "_expiry", "_level", "_order")
+
+    uses_keys = False
 
     def __init__(self, clock: Callable[[], float], *, capacity: int | None = None,
                  offload_gate: str = "all") -> None:
@@ -145,6 +156,35 @@ class PrioritizedLRU:
 
     def remove(self, slot: int) -> None:
         del self._buckets[self._level.pop(slot)][slot]
+
+    def remove_many(self, slots: Sequence[int]) -> None:
+        buckets = self._buckets
+        pop_level = self._level.pop
+        for slot in slots:
+            del buckets[pop_level(slot)][slot]
+
+    def pop_many(self, n: int) -> list[tuple[int, int]]:
+        self._expire()
+        out: list[tuple[int, int]] = []
+        level = self._level
+        for p in self._order:
+            bucket = self._buckets[p]
+            take = min(n - len(out), len(bucket))
+            if take:
+                popitem = bucket.popitem
+                for _ in range(take):
+                    slot = popitem(last=False)[0]
+                    del level[slot]
+                    out.append((slot, p))
+                if len(out) == n:
+                    return out
+        if len(out) < n:
+            for slot, p in reversed(out):  # put them back: nothing changed
+                self._buckets[p][slot] = None
+                self._buckets[p].move_to_end(slot, last=False)
+                level[slot] = p
+            raise IndexError(f"pop of {n} from an eviction queue of {len(out)}")
+        return out
 
     def should_offload(self, slot: int) -> bool:
         return True
@@ -282,6 +322,7 @@ class SegmentedPolicy:
         "_multiple", "_ranked", "_tier0",
     )
 
+    uses_keys = True
     RECENT_SHARE = 0.25
     """The recent segment gives the victim while it holds more than this share of its level."""
     MAX_LAPS = 0
@@ -374,6 +415,15 @@ class SegmentedPolicy:
         if self._expires:
             for slot in slots:
                 self._expires.pop(slot, None)
+
+    def remove_many(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.remove(slot)
+
+    def pop_many(self, n: int) -> list[tuple[int, int]]:
+        if n > len(self):
+            raise IndexError(f"pop of {n} from an eviction queue of {len(self)}")
+        return [self.pop() for _ in range(n)]
 
     def remove(self, slot: int) -> None:
         count = self._loc.pop(slot).pop(slot)

@@ -15,6 +15,7 @@ so either completes or raises with the manager unchanged (and no event emitted).
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from array import array
@@ -93,15 +94,27 @@ def _stage(c: BlockCopy) -> tuple[int, int]:
     return (2, 0)
 
 
-def _projection(algo: HashAlgo) -> Callable[[BlockKey], int | str]:
-    """``event_hash`` specialised to one algorithm (the manager projects every event's keys)."""
+def _projection(algo: HashAlgo) -> Callable[[list[BlockKey]], list[int | str]]:
+    """``event_hash`` of a list of keys, specialised to one algorithm (the manager projects
+    every event's keys; one comprehension per event)."""
     if algo is HashAlgo.V1_BLOCK_KEY:
-        return lambda key: key  # type: ignore[return-value]
+        return list  # type: ignore[return-value]
     if algo is HashAlgo.V2_SHA256:
-        return lambda key: key.hex()  # type: ignore[union-attr]
+        return lambda keys: [k.hex() for k in keys]  # type: ignore[union-attr]
     if algo is HashAlgo.V2_SHA256_64:
-        return lambda key: int.from_bytes(key[:8], "big")  # type: ignore[index]
-    return lambda key: int.from_bytes(key[-8:], "big")  # type: ignore[index]
+        return lambda keys: [int.from_bytes(k[:8], "big") for k in keys]  # type: ignore[index]
+    return lambda keys: [int.from_bytes(k[-8:], "big") for k in keys]  # type: ignore[index]
+
+
+_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _token_tuple(tkey: bytes) -> tuple[int, ...]:
+    """A node's tokens (native uint32 bytes) as a tuple of ints."""
+    st = _TOKEN_STRUCTS.get(len(tkey))
+    if st is None:
+        st = _TOKEN_STRUCTS[len(tkey)] = struct.Struct(f"={len(tkey) // 4}I")
+    return st.unpack(tkey)
 
 
 class KVCacheManager:
@@ -119,7 +132,7 @@ class KVCacheManager:
         self.config = config
         self.tpb = config.tokens_per_block
         self._ev_algo = self._event_algo()
-        self._ev_hash = _projection(self._ev_algo)
+        self._ev_hashes = _projection(self._ev_algo)
         self._clock = config.clock or time.monotonic
         self._lock = threading.RLock()
         groups = config.num_groups
@@ -238,20 +251,21 @@ class KVCacheManager:
         takeovers: set[int] = set()
         for p in plan.requests:
             beams = p.request.beam_width
-            for g, idxs in p.claimed.items():
-                for i in idxs:
-                    node = p.matched[i]
-                    t, s = node.tier[g], node.slot[g]
+            for g, slots in p.claim_slots.items():
+                tiers = p.claim_tiers[g]
+                ref = self._ref[g]
+                if not any(tiers):  # all on the GPU (slots are distinct within a request)
+                    self._queue[0][g].remove_many([s for s in slots if not ref[s]])
+                    for s in slots:
+                        ref[s] += beams
+                    continue
+                for t, s in zip(tiers, slots, strict=True):
                     if t == 0:
-                        if self._ref[g][s] == 0:
+                        if ref[s] == 0:
                             self._queue[0][g].remove(s)
-                        self._ref[g][s] += beams
+                        ref[s] += beams
                     elif s in self._queue[t][g]:
                         self._queue[t][g].remove(s)  # claimed for onboarding
-            matched = p.matched
-            p.claim_tiers = {
-                g: [matched[i].tier[g] for i in idxs] for g, idxs in p.claimed.items()
-            }
         # partial sources after every full match: a full match of the same block holds it
         for p in plan.requests:
             src = p.partial
@@ -299,9 +313,11 @@ class KVCacheManager:
                     shared[i] = node.slot[g]
                 for t in range(1, self._tiers):
                     tier_hits[t] += claim_tiers.count(t)
+            elif len(claimed) == d:
+                shared = list(p.claim_slots[g])
             else:
-                for i in claimed:
-                    shared[i] = matched[i].slot[g]
+                for i, s in zip(claimed, p.claim_slots[g], strict=True):
+                    shared[i] = s
             tier_hits[0] += claim_tiers.count(0)
             st.full_reused += len(claimed)
             last = p.num_blocks - 1
@@ -371,30 +387,61 @@ class KVCacheManager:
         if n <= 0:
             return []
         free = self._free[0][g]
+        self._new_count[g] += n
         if len(free) >= n:
-            self._new_count[g] += n
             out = free[-n:]
             del free[-n:]
             out.reverse()
             return out
-        self._new_count[g] += n
         out = free[::-1]
         free.clear()
         pop = self._queue[0][g].pop
-        evict = self._evict
-        while len(out) < n:
-            if free:  # an eviction's cascade freed its descendants' slots
-                out.append(free.pop())
-                continue
-            s, prio = pop()
-            evict(0, g, s, prio)
+        if self._tiers > 1 or self._pending_dst:
+            while len(out) < n:
+                if free:  # an eviction's cascade freed its descendants' slots
+                    out.append(free.pop())
+                    continue
+                s, prio = pop()
+                self._evict(0, g, s, prio)
+                out.append(s)
+            return out
+        # GPU only, no copy in flight: the victims are taken in one pop, and a victim that is
+        # a leaf just leaves the tree. (A victim with queued descendants drops them too; their
+        # slots go to the free list, so the call may evict a few more blocks than it needs.)
+        node_at = self._node_at[0][g]
+        single = self.config.num_groups == 1
+        removed: list[Node] = []
+        dropped = 0
+        for s, prio in self._queue[0][g].pop_many(n - len(out)):
+            node = node_at[s]
+            assert node is not None
+            if node.children:
+                self._emit_removed(g, removed)  # keep the removed hashes in eviction order
+                removed = []
+                self._evict(0, g, s, prio)
+            else:
+                node_at[s] = None
+                node.slot[g] = NO_SLOT
+                dropped += 1
+                removed.append(node)
+                if single or max(node.slot) == NO_SLOT:
+                    parent = node.parent
+                    assert parent is not None
+                    parent.remove_child(node)
+                    node.alive = False
+                    if not parent.children and parent.parent is not None \
+                            and max(parent.slot) == NO_SLOT:
+                        prune(parent)
             out.append(s)
+        self._stats.evicted_blocks += dropped
+        self._stats.dropped_blocks += dropped
+        self._emit_removed(g, removed)
         return out
 
     def _root(self, key: BlockKey) -> Node:
         root = self.roots.get(key)
         if root is None:
-            root = self.roots[key] = Node(key, None, array("I"), self.config.num_groups)
+            root = self.roots[key] = Node(key, None, b"", self.config.num_groups)
         return root
 
     # ------------------------------------------------------------------ slots and eviction
@@ -592,7 +639,7 @@ class KVCacheManager:
                 for n in root.descendants():
                     for g, s in enumerate(n.slot):
                         if s != NO_SLOT:
-                            out.add((self._ev_hash(n.key), g, n.tier[g]))
+                            out.add((self._ev_hashes([n.key])[0], g, n.tier[g]))
             return out
 
     def _emit_removed(self, g: int, nodes: list[Node]) -> None:
@@ -602,8 +649,7 @@ class KVCacheManager:
             pending = self._removed_pending.get(g)
             if pending is None:
                 pending = self._removed_pending[g] = []
-            ev_hash = self._ev_hash
-            pending.extend([ev_hash(n.key) for n in nodes])
+            pending.extend(self._ev_hashes([n.key for n in nodes]))
 
     def _flush_removed(self) -> None:
         if self._removed_pending and self._events is not None:
@@ -614,17 +660,18 @@ class KVCacheManager:
     def _emit_updated(self, g: int, node: Node, old: int, new: int) -> None:
         if self._events is not None:
             self._flush_removed()
-            self._events.on_updated(g, self.config.window_size(g), self._ev_hash(node.key),
+            self._events.on_updated(g, self.config.window_size(g), self._ev_hashes([node.key])[0],
                                     cache_level=EventDiff(old, new))
 
     def _emit_stored(self, g: int, parent: Node, chain: list[Node], lora_id: int | None) -> None:
         if self._events is None or not chain:
             return
         self._flush_removed()
-        parent_hash = None if parent.parent is None else self._ev_hash(parent.key)
+        parent_hash = None if parent.parent is None else self._ev_hashes([parent.key])[0]
+        hashes = self._ev_hashes([n.key for n in chain])
         blocks = [
-            StoredBlock(self._ev_hash(n.key), tuple(n.tokens), n.tier[g], n.priority, lora_id)
-            for n in chain
+            StoredBlock(h, _token_tuple(n.tkey), n.tier[g], n.priority, lora_id)
+            for h, n in zip(hashes, chain, strict=True)
         ]
         self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
 
@@ -769,7 +816,7 @@ class KVCacheManager:
         free = self._free[0][g]
         queue = self._queue[0][g]
         batch: list[int] = []
-        keys: list[BlockKey] = []
+        keys: list[BlockKey] | None = [] if queue.uses_keys else None
         batch_prio = -1
         for s in reversed(slots):
             if s == NO_SLOT:
@@ -785,15 +832,16 @@ class KVCacheManager:
                 if node.priority != batch_prio and batch:
                     queue.push_many(batch, batch_prio, keys)
                     batch = []
-                    keys = []
+                    keys = [] if keys is not None else None
                 batch_prio = node.priority
                 batch.append(s)
-                keys.append(node.key)
+                if keys is not None:
+                    keys.append(node.key)
             else:
                 if batch:
                     queue.push_many(batch, batch_prio, keys)
                     batch = []
-                    keys = []
+                    keys = [] if keys is not None else None
                 queue.push(s, node.priority, self._clock() + node.duration, node.key)
         if batch:
             queue.push_many(batch, batch_prio, keys)
@@ -865,7 +913,8 @@ class KVCacheManager:
         """Insert the sequence's full blocks [committed, upto) into the tree (beam 0).
 
         Blocks already in the tree (another sequence committed them) are found by their
-        tokens; keys are computed, in one chained batch, only for the blocks that are new.
+        tokens; after the first block that is not, every later one is new too (its parent
+        is), so those are created in one pass, their keys computed in one chained batch.
         """
         start = seq.committed_blocks
         if not self.config.enable_block_reuse or upto <= start:
@@ -876,30 +925,19 @@ class KVCacheManager:
             nodes = seq.commit_nodes = self._path(seq, len(nodes))
         parent = nodes[-1] if nodes else seq.root
         groups = self.config.num_groups
-        self_groups = self.self_groups
         node_at = self._node_at[0]
-        tables = [seq.tables[g][0] for g in range(groups)]
         chains: dict[int, tuple[Node, list[Node]]] = {}
         events = self._events is not None
         tokens = seq.tokens
         raw = tokens.tobytes()
         step = 4 * tpb
-        new_keys: list[BlockKey] | None = None
         keys = seq.keys
-        group_tables = [(g, tables[g]) for g in self_groups]
-        retention = seq.retention
-        for i in range(start, upto):
-            tkey = raw[i * step:(i + 1) * step]
-            node = parent.children.get(tkey)
+        group_tables = [(g, seq.tables[g][0]) for g in self.self_groups]
+        i = start
+        while i < upto:  # blocks another sequence committed already
+            node = parent.children.get(raw[i * step:(i + 1) * step])
             if node is None:
-                if new_keys is None:
-                    new_keys = self._hasher_after(seq, i).extend(tokens[i * tpb:upto * tpb])
-                    first_new = i
-                node = Node(new_keys[i - first_new], parent, tokens[i * tpb:(i + 1) * tpb],
-                            groups, tkey)
-                if retention is not None:
-                    self._set_priority(seq, node, i * tpb)
-                parent.add_child(node)
+                break
             keys.append(node.key)
             slots = node.slot
             for g, tb in group_tables:
@@ -919,6 +957,48 @@ class KVCacheManager:
                     self._emit_stored(g, chain_parent, chain_nodes, seq.lora_id)
             nodes.append(node)
             parent = node
+            i += 1
+        if i < upto:  # new blocks: a chain under ``parent``
+            first = i
+            new_keys = self._hasher_after(seq, first).extend(tokens[first * tpb:upto * tpb])
+            fresh = [
+                Node(key, None, raw[j * step:(j + 1) * step], groups)
+                for j, key in enumerate(new_keys, first)
+            ]
+            head = parent
+            for node in fresh:
+                node.parent = parent
+                if parent is head:
+                    parent.add_child(node)
+                else:  # a new node: no first-token index yet
+                    parent.children[node.tkey] = node
+                parent = node
+            if seq.retention is not None:
+                for j, node in enumerate(fresh, first):
+                    self._set_priority(seq, node, j * tpb)
+            keys.extend(new_keys)
+            nodes.extend(fresh)
+            for g, tb in group_tables:
+                na = node_at[g]
+                chain = chains.pop(g, None)
+                run: list[Node] = chain[1] if chain is not None else []
+                run_parent = chain[0] if chain is not None else head
+                prev = head
+                for j, node in enumerate(fresh, first):
+                    s = tb[j] if j < len(tb) else NO_SLOT
+                    if s != NO_SLOT and na[s] is None:
+                        node.slot[g] = s
+                        na[s] = node
+                        if events:
+                            if not run:
+                                run_parent = prev
+                            run.append(node)
+                    elif run:
+                        self._emit_stored(g, run_parent, run, seq.lora_id)
+                        run = []
+                    prev = node
+                if run:
+                    chains[g] = (run_parent, run)
         for g, (chain_parent, chain_nodes) in chains.items():
             self._emit_stored(g, chain_parent, chain_nodes, seq.lora_id)
         seq.committed_blocks = upto
@@ -937,7 +1017,7 @@ class KVCacheManager:
             tokens = seq.tokens[i * tpb:(i + 1) * tpb]
             node = parent.children.get(tokens.tobytes())
             if node is None:
-                node = Node(seq.keys[i], parent, tokens, self.config.num_groups)
+                node = Node(seq.keys[i], parent, tokens.tobytes(), self.config.num_groups)
                 self._set_priority(seq, node, i * tpb)
                 parent.add_child(node)
             out.append(node)
@@ -986,7 +1066,7 @@ class KVCacheManager:
         if tokens.tobytes() in parent.children:
             return
         key = self._hasher_after(seq, full).key_of_prefix_block(tokens)
-        node = Node(key, parent, tokens, self.config.num_groups)
+        node = Node(key, parent, tokens.tobytes(), self.config.num_groups)
         self._set_priority(seq, node, full * self.tpb)
         stored: list[int] = []
         for g in self.self_groups:
@@ -1249,7 +1329,7 @@ class KVCacheManager:
                     assert n.alive
                     assert n.children or n.has_any_slot() or True
                     if n.children:
-                        assert len(n.tokens) == self.tpb, "a non-leaf node is a partial block"
+                        assert len(n.tkey) == 4 * self.tpb, "a non-leaf node is a partial block"
                     pk = n.parent.key if n.parent is not None else rk
                     assert (pk, n.key) not in seen
                     seen.add((pk, n.key))

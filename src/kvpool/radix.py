@@ -18,30 +18,32 @@ among siblings (so in the tree, since keys chain); a non-leaf node is a full blo
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Iterator
 
 from kvpool.hashing import BlockKey
 
 NO_SLOT = -1
+_U32 = struct.Struct("=I")  # one token as the tree stores it (native uint32, like array("I"))
 
 
 class Node:
-    """One cached block (or a path node with no slot left)."""
+    """One cached block (or a path node with no slot left).
+
+    A node keeps its tokens as bytes (``tkey``, native uint32s: what its parent indexes it
+    by); ``tokens`` decodes them when needed (partial matching, stored events).
+    """
 
     __slots__ = (
         "alive", "by_first", "children", "duration", "key", "parent", "priority", "slot", "tier",
-        "tkey", "tokens",
+        "tkey",
     )
 
-    def __init__(
-        self, key: BlockKey, parent: Node | None, tokens: array[int], groups: int,
-        tkey: bytes | None = None,
-    ) -> None:
+    def __init__(self, key: BlockKey, parent: Node | None, tkey: bytes, groups: int) -> None:
         self.key = key
         self.parent = parent
-        self.tokens = tokens
-        self.tkey = tokens.tobytes() if tkey is None else tkey
+        self.tkey = tkey
         self.children: dict[bytes, Node] = {}
         # first token -> children starting with it; built lazily for partial matching
         self.by_first: dict[int, list[Node]] | None = None
@@ -51,8 +53,19 @@ class Node:
         self.duration: float | None = None
         self.alive = True
 
+    @property
+    def tokens(self) -> array[int]:
+        out = array("I")
+        out.frombytes(self.tkey)
+        return out
+
+    @property
+    def first_token(self) -> int | None:
+        """The block's first token (None for an empty root)."""
+        return _U32.unpack_from(self.tkey)[0] if self.tkey else None
+
     def __repr__(self) -> str:
-        return f"Node(tokens={len(self.tokens)}, slot={self.slot}, tier={self.tier})"
+        return f"Node(tokens={len(self.tkey) // 4}, slot={self.slot}, tier={self.tier})"
 
     @property
     def is_leaf(self) -> bool:
@@ -63,23 +76,24 @@ class Node:
 
     def add_child(self, child: Node) -> None:
         self.children[child.tkey] = child
-        if self.by_first is not None and child.tokens:
-            self.by_first.setdefault(child.tokens[0], []).append(child)
+        if self.by_first is not None and child.tkey:
+            self.by_first.setdefault(_U32.unpack_from(child.tkey)[0], []).append(child)
 
     def remove_child(self, child: Node) -> None:
         del self.children[child.tkey]
-        if self.by_first is not None and child.tokens:
-            bucket = self.by_first[child.tokens[0]]
+        if self.by_first is not None and child.tkey:
+            first = _U32.unpack_from(child.tkey)[0]
+            bucket = self.by_first[first]
             bucket.remove(child)
             if not bucket:
-                del self.by_first[child.tokens[0]]
+                del self.by_first[first]
 
     def children_starting_with(self, token: int) -> list[Node]:
         if self.by_first is None:
             index: dict[int, list[Node]] = {}
-            for c in self.children.values():
-                if c.tokens:
-                    index.setdefault(c.tokens[0], []).append(c)
+            for tkey, c in self.children.items():
+                if tkey:
+                    index.setdefault(_U32.unpack_from(tkey)[0], []).append(c)
             self.by_first = index
         return self.by_first.get(token, [])
 

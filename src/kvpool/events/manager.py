@@ -249,8 +249,13 @@ class EventManager:
             registry = self._announced.get(layer_group)
             if registry is None:
                 registry = self._announced[layer_group] = {}
-            # A plain loop: measured faster than set operations on the registry (dict
-            # insertion dominates either way).
+            hashes = [b.block_hash for b in blocks]
+            distinct = set(hashes)
+            if len(distinct) == len(hashes) and registry.keys().isdisjoint(distinct):
+                # the common case: every block is new
+                registry.update(zip(hashes, [b.cache_level for b in blocks], strict=True))
+                self._emit_stored(layer_group, window_size, parent_hash, list(blocks))
+                return
             run: list[StoredBlock] = []
             run_parent = parent_hash
             for block in blocks:
@@ -281,18 +286,22 @@ class EventManager:
             registry = self._announced.get(layer_group)
             if not registry:
                 return
-            batch: _PendingRemoved | None = None
-            for h in block_hashes:
-                tier = registry.pop(h, None)
-                if tier is None:
-                    continue
-                if batch is None:
-                    batch = self._removed.get(layer_group)
-                    if batch is None:
-                        batch = self._removed[layer_group] = _PendingRemoved(window_size)
-                    batch.window_size = window_size
-                batch.block_hashes.append(h)
-                batch.cache_levels.append(tier)
+            pop = registry.pop
+            tiers = [pop(h, None) for h in block_hashes]
+            if None in tiers:  # skip the unannounced ones
+                kept = [(h, t) for h, t in zip(block_hashes, tiers, strict=True) if t is not None]
+                if not kept:
+                    return
+                block_hashes = [h for h, _ in kept]
+                tiers = [t for _, t in kept]
+            elif not tiers:
+                return
+            batch = self._removed.get(layer_group)
+            if batch is None:
+                batch = self._removed[layer_group] = _PendingRemoved(window_size)
+            batch.window_size = window_size
+            batch.block_hashes.extend(block_hashes)
+            batch.cache_levels.extend(tiers)  # type: ignore[arg-type]
 
     def on_updated(
         self,
