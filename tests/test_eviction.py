@@ -489,6 +489,27 @@ class PolicyMachine(RuleBasedStateMachine):
         if self.gate == "all":
             assert self.pol.should_offload(slot)
 
+    @rule(n=st.integers(0, 5))
+    def pop_many(self, n: int) -> None:
+        order = self.pol.peek_order()
+        if n > len(order):
+            with pytest.raises(IndexError):
+                self.pol.pop_many(n)
+            assert self.pol.peek_order() == order, "a failed pop_many changed the queue"
+            return
+        expected = [(s, self._prio(s)) for s in order[:n]]
+        assert self.pol.pop_many(n) == expected, "pop_many is not n pops in victim order"
+        for s, _ in expected:
+            del self.model[s]
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def remove_many(self, data: st.DataObject) -> None:
+        slots = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True, max_size=4))
+        self.pol.remove_many(slots)
+        for s in slots:
+            del self.model[s]
+
     @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))
     def tick(self, dt: float) -> None:
         self.clock.now += dt
