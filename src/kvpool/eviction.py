@@ -417,8 +417,14 @@ class SegmentedPolicy:
                 self._expires.pop(slot, None)
 
     def remove_many(self, slots: Sequence[int]) -> None:
+        if not self._tier0:
+            for slot in slots:
+                self.remove(slot)
+            return
+        pop_loc = self._loc.pop
+        counts = self._counts
         for slot in slots:
-            self.remove(slot)
+            counts[slot] = pop_loc(slot).pop(slot)  # ``remove`` on the GPU tier
 
     def pop_many(self, n: int) -> list[tuple[int, int]]:
         if n > len(self):

@@ -970,8 +970,8 @@ class KVCacheManager:
                 node.parent = parent
                 if parent is head:
                     parent.add_child(node)
-                else:  # a new node: no first-token index yet
-                    parent.children[node.tkey] = node
+                else:  # a new node: no first-token index yet, no children
+                    parent.children = {node.tkey: node}
                 parent = node
             if seq.retention is not None:
                 for j, node in enumerate(fresh, first):

@@ -21,11 +21,16 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterator
+from types import MappingProxyType
+from typing import cast
 
 from kvpool.hashing import BlockKey
 
 NO_SLOT = -1
 _U32 = struct.Struct("=I")  # one token as the tree stores it (native uint32, like array("I"))
+_NO_SLOTS = array("i", [NO_SLOT])
+_GPU_TIER = array("i", [0])
+_NO_CHILDREN = cast("dict[bytes, Node]", MappingProxyType({}))
 
 
 class Node:
@@ -44,11 +49,14 @@ class Node:
         self.key = key
         self.parent = parent
         self.tkey = tkey
-        self.children: dict[bytes, Node] = {}
+        # a shared read-only empty mapping until the first child arrives (``add_child``)
+        self.children: dict[bytes, Node] = _NO_CHILDREN
         # first token -> children starting with it; built lazily for partial matching
         self.by_first: dict[int, list[Node]] | None = None
-        self.slot: list[int] = [NO_SLOT] * groups
-        self.tier: list[int] = [0] * groups
+        # slot and tier per layer group: arrays hold no references, so the garbage collector
+        # does not track them (a node is one tracked object, not four)
+        self.slot: array[int] = _NO_SLOTS * groups
+        self.tier: array[int] = _GPU_TIER * groups
         self.priority = 35
         self.duration: float | None = None
         self.alive = True
@@ -75,6 +83,8 @@ class Node:
         return max(self.slot) != NO_SLOT  # slots are >= NO_SLOT
 
     def add_child(self, child: Node) -> None:
+        if self.children is _NO_CHILDREN:
+            self.children = {}
         self.children[child.tkey] = child
         if self.by_first is not None and child.tkey:
             self.by_first.setdefault(_U32.unpack_from(child.tkey)[0], []).append(child)
