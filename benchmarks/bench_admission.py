@@ -11,7 +11,10 @@ W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesi
 around every BlockHasher.extend/key call it made during the run (the manager hashes only the
 blocks that enter its tree; matched blocks are found by their tokens and never rehashed).
 
-Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--trace PATH]
+The garbage collector is off in the timed loops unless --with-gc (both reported in the note).
+
+Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--with-gc]
+       [--trace PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvpool.hashing import BlockHasher, HashAlgo
 from kvpool.manager import KVCacheManager
 
 TPB = 32
+WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
@@ -80,7 +84,8 @@ def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dic
     m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
                                    host_blocks=host_blocks, eviction_policy=policy))
     gc.collect()
-    gc.disable()
+    if not WITH_GC:
+        gc.disable()
     with HashTimer() as ht:
         t0 = time.perf_counter()
         c0 = time.process_time()
@@ -102,7 +107,7 @@ def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dic
         "us_per_block_incl_hash": total / blocks * 1e6,
         "us_per_block_excl_hash": (total - hashing) / blocks * 1e6,
         "block_hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
-        "early_releases": 0,
+        "early_releases": 0, "gc": WITH_GC,
     }
 
 
@@ -117,7 +122,8 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
     held: collections.deque[int] = collections.deque()
     early = 0
     gc.collect()
-    gc.disable()
+    if not WITH_GC:
+        gc.disable()
     ht = HashTimer().__enter__()
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -156,7 +162,7 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
         "us_per_block_excl_hash": (total - hashing) / blocks * 1e6,
         "block_hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
         "gpu_tier_hits": tiers[0], "host_tier_hits": tiers[1],
-        "early_releases": early,
+        "early_releases": early, "gc": WITH_GC,
     }
 
 
@@ -167,7 +173,11 @@ def main() -> None:
     ap.add_argument("--algo", default="v2_sha256", choices=[a.value for a in HashAlgo])
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--policy", default="lru", help="CacheConfig.eviction_policy")
+    ap.add_argument("--with-gc", action="store_true",
+                    help="leave Python's garbage collector on in the timed loops (default: off)")
     args = ap.parse_args()
+    global WITH_GC
+    WITH_GC = args.with_gc
     algo = HashAlgo(args.algo)
     rows = [run_w1(400 if args.quick else 2000, algo, 0, args.policy)]
     if not args.skip_w2 and args.trace.exists():
