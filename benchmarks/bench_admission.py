@@ -11,7 +11,7 @@ W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesi
 around every BlockHasher.extend/key call it made during the run (the manager hashes only the
 blocks that enter its tree; matched blocks are found by their tokens and never rehashed).
 
-The garbage collector is off in the timed loops unless --with-gc (both reported in the note).
+The garbage collector is off in the timed loops unless --with-gc.
 
 Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--with-gc]
        [--trace PATH]
