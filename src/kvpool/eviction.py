@@ -439,7 +439,7 @@ class SegmentedPolicy:
         entries = h.entries
         ghosts = h.count_ghosts
         laps = self.MAX_LAPS
-        slot = count = 0
+        slot = count = prio = 0
         for _ in range(n):
             for p, lvl in self._ranked:
                 recent = lvl.recent
@@ -452,6 +452,7 @@ class SegmentedPolicy:
                                    else frequent.popitem(last=False))
                 else:
                     continue
+                prio = p
                 break
             del loc[slot]
             key = slot_keys[slot]
@@ -465,7 +466,7 @@ class SegmentedPolicy:
                     entries[key] = count if count < 255 else 255
                 if len(entries) > h.bound:
                     h.trim()
-            out.append((slot, p))
+            out.append((slot, prio))
         if out:
             self._last_slot = slot
             self._last_count = count

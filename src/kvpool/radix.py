@@ -68,9 +68,10 @@ class Node:
         return out
 
     @property
-    def first_token(self) -> int | None:
-        """The block's first token (None for an empty root)."""
-        return _U32.unpack_from(self.tkey)[0] if self.tkey else None
+    def first_token(self) -> int:
+        """The block's first token (a root has no tokens: ``struct.error``)."""
+        first: int = _U32.unpack_from(self.tkey)[0]
+        return first
 
     def __repr__(self) -> str:
         return f"Node(tokens={len(self.tkey) // 4}, slot={self.slot}, tier={self.tier})"
@@ -87,12 +88,12 @@ class Node:
             self.children = {}
         self.children[child.tkey] = child
         if self.by_first is not None and child.tkey:
-            self.by_first.setdefault(_U32.unpack_from(child.tkey)[0], []).append(child)
+            self.by_first.setdefault(child.first_token, []).append(child)
 
     def remove_child(self, child: Node) -> None:
         del self.children[child.tkey]
         if self.by_first is not None and child.tkey:
-            first = _U32.unpack_from(child.tkey)[0]
+            first = child.first_token
             bucket = self.by_first[first]
             bucket.remove(child)
             if not bucket:
@@ -101,9 +102,9 @@ class Node:
     def children_starting_with(self, token: int) -> list[Node]:
         if self.by_first is None:
             index: dict[int, list[Node]] = {}
-            for tkey, c in self.children.items():
-                if tkey:
-                    index.setdefault(_U32.unpack_from(tkey)[0], []).append(c)
+            for c in self.children.values():
+                if c.tkey:
+                    index.setdefault(c.first_token, []).append(c)
             self.by_first = index
         return self.by_first.get(token, [])
 
