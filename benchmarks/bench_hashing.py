@@ -14,7 +14,7 @@ a ``--vocab``-sized vocabulary (default Llama 3's 128,256). Modes:
 Each mode runs ``--repeat`` times with the garbage collector paused (as ``timeit`` does); the
 table shows the best wall-clock rate (``Mtok/s``, which the targets judge) and the best rate by
 process CPU time (``Mtok/s cpu``, less disturbed by other load on a shared machine).
-``--quick`` shrinks the workload for a smoke run.
+``--quick`` shrinks the workload for a smoke run; ``--algos`` and ``--modes`` pick a subset.
 
     .venv/bin/python benchmarks/bench_hashing.py [--quick]
 """
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     decode = [[[t] for t in p] for p in prompts[: max(1, args.sequences // 10)]]
 
     rows: list[dict[str, Any]] = []
-    for algo in HashAlgo:
+    for algo in args.algos or list(HashAlgo):
 
         def whole(algo: HashAlgo = algo) -> None:
             for p in prompts:
@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", type=lambda v: v.split(","), default=None,
         help="comma-separated subset of: " + ", ".join(MODES),
+    )
+    parser.add_argument(
+        "--algos", type=lambda v: [HashAlgo(a) for a in v.split(",")], default=None,
+        help="comma-separated subset of: " + ", ".join(a.value for a in HashAlgo),
     )
     args = parser.parse_args(argv)
     unknown = set(args.modes or ()) - set(MODES)

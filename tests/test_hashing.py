@@ -15,6 +15,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+import cbor2
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -324,6 +325,20 @@ def test_block_hasher_matches_reference(
     assert [event_hash(algo, k) for k in keys] == [ref_event(algo, k) for k in expected[:n_full]]
 
 
+@given(algo=algo_st, tokens=tokens_st, tpb=tpb_st, salt=salt_st, lora=lora_st)
+def test_block_hasher_given_its_root_key_chains_the_same(
+    algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None
+) -> None:
+    salt_id = cache_salt_id(salt) if salt is not None else None
+    root = BlockHasher.root_key(algo, lora_id=lora, salt_id=salt_id)
+    given_root = BlockHasher(algo, tpb, lora_id=lora, cache_salt=salt, root=root)
+    expected = ref_chain(algo, tokens, tpb, salt, lora)[:len(tokens) // tpb]
+    assert given_root.extend(tokens) == expected
+    other: int | bytes = 1 if algo is HashAlgo.V1_BLOCK_KEY else b"\x01" * 32
+    elsewhere = BlockHasher(algo, tpb, lora_id=lora, cache_salt=salt, root=other)
+    assert not expected or elsewhere.extend(tokens)[0] != expected[0], "the root was ignored"
+
+
 def test_vllm_extra_keys_encode_as_canonical_cbor() -> None:
     extra = ("adapter", "salt ✓", 5, None, b"\x00\x01")
     tokens = [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1]
@@ -331,6 +346,102 @@ def test_vllm_extra_keys_encode_as_canonical_cbor() -> None:
     assert vllm_sha256_cbor_block_hash(None, tokens, list(extra)) == expected
     # vLLM passes None when there are no extra keys; an empty sequence means the same
     assert vllm_sha256_cbor_block_hash(None, tokens, []) == ref_vllm_block(None, tokens, None)
+
+
+# Token ids at the edges of CBOR's width classes (1, 2, 3 and 5 bytes: below 24, 2**8, 2**16,
+# 2**32), of kvpool's range and of the v1 premix table (2**18).
+CBOR_EDGES = [0, 1, 22, 23, 24, 25, 254, 255, 256, 257, 65_534, 65_535, 65_536, 65_537,
+              2**18 - 1, 2**18, 2**24, 2**31 - 2, 2**31 - 1]
+edge_tokens_st = st.lists(
+    st.one_of(st.sampled_from(CBOR_EDGES), st.integers(0, 2**31 - 1)), max_size=120
+)
+
+
+def test_reference_cbor_matches_cbor2_at_width_boundaries() -> None:
+    """The hand-written reference CBOR agrees with cbor2 (what vLLM uses) where widths change:
+    token ids, and array heads (block sizes)."""
+    for n in [*CBOR_EDGES, 2**32 - 1]:
+        assert cbor(n) == cbor2.dumps(n, canonical=True), n
+    for size in [0, 1, 23, 24, 255, 256, 65_535, 65_536]:
+        items = [size % 300] * size
+        assert cbor(items) == cbor2.dumps(items, canonical=True), size
+
+
+@pytest.mark.parametrize("tpb", [1, 5, 23, 24, 32, 255, 256, 300])
+@pytest.mark.parametrize(("salt", "lora"), [(None, None), ("tenant", None), ("s", 3)])
+def test_vllm_every_id_near_the_width_boundaries(
+    tpb: int, salt: str | None, lora: int | None
+) -> None:
+    """Every id within 150 of a width boundary, at every position of a block, chained over
+    many blocks (block sizes include the array-head boundaries 24 and 256)."""
+    tokens = [*range(0, 300), *range(65_386, 65_686), *range(2**31 - 300, 2**31)]
+    tokens += tokens[::-1][: tpb // 2 + 1]  # a partial last block
+    algo = HashAlgo.VLLM_SHA256_CBOR
+    expected = ref_chain(algo, tokens, tpb, salt, lora)
+    hasher = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
+    n_full = len(tokens) // tpb
+    assert hasher.extend(tokens) == expected[:n_full]
+    assert hasher.partial_key() == (expected[n_full] if len(tokens) % tpb else None)
+    assert request_block_hashes(tokens, tpb, algo, cache_salt=salt, lora_id=lora) == ref_request(
+        algo, tokens, tpb, salt, lora
+    )
+
+
+@given(algo=algo_st, tokens=edge_tokens_st, tpb=st.sampled_from([1, 2, 3, 23, 24, 25, 32]),
+       salt=salt_st, lora=lora_st, data=st.data())
+def test_width_boundary_tokens_match_reference(
+    algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None,
+    data: st.DataObject,
+) -> None:
+    """Chained over several blocks, fed in pieces, with and without salt and LoRA."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(tokens)), max_size=4)))
+    hasher = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
+    returned = []
+    for start, stop in zip([0, *cuts], [*cuts, len(tokens)], strict=True):
+        returned += hasher.extend(tokens[start:stop])
+    expected = ref_chain(algo, tokens, tpb, salt, lora)
+    n_full = len(tokens) // tpb
+    assert returned == expected[:n_full]
+    assert hasher.partial_key() == (expected[n_full] if len(tokens) % tpb else None)
+    got = request_block_hashes(tokens, tpb, algo, cache_salt=salt, lora_id=lora)
+    assert got == ref_request(algo, tokens, tpb, salt, lora)
+
+
+@given(tokens=edge_tokens_st, tpb=st.sampled_from([1, 4, 24, 32]), salt=salt_st, lora=lora_st)
+def test_vllm_chain_matches_cbor2_block_by_block(
+    tokens: list[int], tpb: int, salt: str | None, lora: int | None
+) -> None:
+    """A second oracle: each block hashed on its own, encoded whole by cbor2."""
+    hasher = BlockHasher(HashAlgo.VLLM_SHA256_CBOR, tpb, cache_salt=salt, lora_id=lora)
+    keys = hasher.extend(tokens)
+    parent: bytes | None = None
+    for i, key in enumerate(keys):
+        block = tokens[i * tpb:(i + 1) * tpb]
+        extra = ref_vllm_extra(i, lora, salt)
+        payload = [parent or REF_NONE_HASH, block, extra]
+        assert key == hashlib.sha256(cbor2.dumps(payload, canonical=True)).digest()
+        assert key == vllm_sha256_cbor_block_hash(parent, block, extra)
+        parent = key
+
+
+@pytest.mark.parametrize("lora", [None, 0, 2**64 - 1])
+def test_v1_premix_table_and_computed_paths_agree(lora: int | None) -> None:
+    """Ids below 2**18 are premixed from a table, a call with a larger id computes them all;
+    both agree with the reference, including 64-bit wrap-around of parents and LoRA ids."""
+    small = [(i * 40_503) % 2**18 for i in range(200)] + [0, 23, 24, 2**18 - 1]
+    large = [*small, 2**31 - 1]
+    tpb = 17
+    salt = ref_salt_id("tenant")
+    a = v1_block_keys(small, tpb, lora_id=lora, salt_id=salt)
+    b = v1_block_keys(large, tpb, lora_id=lora, salt_id=salt)
+    n_full = len(small) // tpb
+    assert a[:n_full] == b[:n_full] == ref_chain(
+        HashAlgo.V1_BLOCK_KEY, small, tpb, "tenant", lora
+    )[:n_full]
+    assert b == ref_chain(HashAlgo.V1_BLOCK_KEY, large, tpb, "tenant", lora)
+    parent = M64  # the largest parent: parent * C64a wraps
+    assert v1_block_key(large[:tpb], parent, lora_id=lora) == ref_v1(large[:tpb], parent, lora)
+    assert v1_block_key(small[:tpb], parent, lora_id=lora) == ref_v1(small[:tpb], parent, lora)
 
 
 @pytest.mark.parametrize("algo", list(HashAlgo))

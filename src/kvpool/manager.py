@@ -905,7 +905,7 @@ class KVCacheManager:
     def _hasher_after(self, seq: Seq, blocks: int) -> BlockHasher:
         """A hasher positioned after the sequence's first ``blocks`` full blocks."""
         h = BlockHasher(self.config.hash_algo, self.tpb, lora_id=seq.lora_id,
-                        cache_salt=seq.cache_salt)
+                        cache_salt=seq.cache_salt, root=seq.root.key)
         h.resume(seq.keys[:blocks])
         return h
 
