@@ -5,6 +5,9 @@ batches (what a ZMQ subscriber receives) and as TensorRT-LLM JSON lists (what an
 returns): each batch holds 8 stored chains of 16 blocks of ``--tpb`` tokens, and a quarter of
 the block events are removals. The time covers decoding and applying to the index
 (:meth:`Ingest.feed_vllm` / :meth:`Ingest.feed_trtllm`); the rate is block events per second.
+The worker is configured as a service configuration names it (algorithm, tokens per block,
+``match_by_tokens`` for the token-chain rows), so the ingest decodes what its index needs;
+every event must apply cleanly (no malformed event, no anomaly).
 Target: >= 500,000 block events/s. ``index only`` rows apply the same events already decoded
 (:meth:`Ingest.feed`), which splits the cost between the decoders and the index.
 
@@ -103,7 +106,8 @@ def bench_ingest(args: argparse.Namespace, rng: random.Random) -> list[dict[str,
             index.add_worker("w", hash_algo=wire_algo, tokens_per_block=args.tpb,
                              match_by_tokens=by_tokens)
             ingest = Ingest(index)
-            ingest.add(WorkerConfig("w", WorkerKind.KVPOOL))
+            ingest.add(WorkerConfig("w", WorkerKind.KVPOOL, tokens_per_block=args.tpb,
+                                    hash_algo=wire_algo, match_by_tokens=by_tokens))
             feeds: dict[str, Callable[[str, Any], int]] = {
                 "vllm msgpack": ingest.feed_vllm,
                 "trtllm json": ingest.feed_trtllm,
@@ -119,7 +123,7 @@ def bench_ingest(args: argparse.Namespace, rng: random.Random) -> list[dict[str,
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             finally:
                 gc.enable()
-            assert index.counters.events_malformed == 0
+            assert index.counters.events_malformed == 0 and index.counters.anomalies == 0
             rows.append({
                 "bench": "ingest",
                 "algo": algo,

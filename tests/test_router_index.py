@@ -184,6 +184,30 @@ def test_blocks_of_two_layer_groups_count_while_either_holds_them() -> None:
     assert index.worker_info("w").blocks_per_tier == (0, 0, 0)
 
 
+def test_counts_survive_a_second_layer_group_and_a_reset_starts_over() -> None:
+    """One layer group keeps its counts in the presence masks (compact); a second group moves
+    them to per-group counts; a reset drops them and the next group is the only one again."""
+    index = KvIndex()
+    index.add_worker("w")
+    index.add_worker("other")
+    index.apply("other", ev(0, stored(1, 2)))
+    index.apply("w", ev(0, stored(1, 1, 2, tier=1), group=3))  # 1 held twice
+    assert index.worker_info("w").layer_groups == (3,)
+    index.apply("w", ev(1, stored(1), group=4))  # a second group
+    assert index.worker_info("w").layer_groups == (3, 4)
+    index.apply("w", ev(2, Removed((1,), (1,)), group=3))
+    assert index.tiers_of("w", 1) == (0, 1)  # group 3 still holds its second reference
+    index.apply("w", ev(3, Removed((1,), (1,)), group=3))
+    assert index.tiers_of("w", 1) == (0,)
+    assert present(index, "w") == {(1, 0), (2, 1)}
+    index.reset_worker("w")
+    assert present(index, "w") == set() and index.worker_info("w").layer_groups == ()
+    assert present(index, "other") == {(1, 0), (2, 0)}
+    index.apply("w", ev(0, stored(2), group=4))
+    assert index.worker_info("w").layer_groups == (4,) and index.tiers_of("w", 2) == (0,)
+    assert index.counters.anomalies == 0
+
+
 def test_tier_move_arriving_before_its_store_gives_the_in_order_result() -> None:
     index = KvIndex()
     index.add_worker("w")

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, TransportError
 from kvpool.events.model import Created, KVCacheEvent, Removed, Stored, StoredBlock
 from kvpool.events.trtllm_json import to_trtllm_json
 from kvpool.events.vllm_msgpack import encode_vllm_batch
@@ -290,23 +290,64 @@ def test_fake_trtllm_worker_is_polled_and_marked_unhealthy_when_it_stops() -> No
     run(main())
 
 
+async def within(check: Callable[[], Awaitable[bool]], timeout: float) -> bool:
+    """Poll ``check`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def rebind_publisher(endpoint: str, replay: str) -> ZmqEventPublisher:
+    """A publisher on the endpoints another one just released (the port may still be busy)."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            return ZmqEventPublisher(endpoint, replay)
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 def test_vllm_worker_over_zmq_with_gap_replay_and_restart() -> None:
+    # Every wait is on a condition, never a fixed sleep: under load a subscriber connects, a
+    # replay answers and a SUB socket reconnects late. Replies and probes get a generous
+    # timeout for the same reason (a late replay would count a batch as lost, a late probe
+    # would mark the worker unhealthy).
+    ingest = {**FAST_INGEST, "http_timeout_s": 5.0}
+
     async def main() -> None:
         pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        svc = RouterService(config([
-            {"id": "vllm", "kind": "vllm", "zmq_endpoint": pub.endpoint,
-             "replay_endpoint": pub.replay_endpoint, "tokens_per_block": 16},
-            {"id": "idle", "kind": "kvpool", "tokens_per_block": 16},
-        ]))
+        svc = RouterService(parse_config({
+            "listen": {"host": LOCAL, "port": 0}, "ingest": ingest, "workers": [
+                {"id": "vllm", "kind": "vllm", "zmq_endpoint": pub.endpoint,
+                 "replay_endpoint": pub.replay_endpoint, "tokens_per_block": 16},
+                {"id": "idle", "kind": "kvpool", "tokens_per_block": 16},
+            ]}))
         port = await svc.start()
         base = f"http://{LOCAL}:{port}"
         algo = "vllm_sha256_cbor"
         hashes = request_block_hashes(PROMPT, 16, algo)
         try:
             async with aiohttp.ClientSession() as s:
+                async def view() -> dict[str, Any]:
+                    return workers_by_id((await get_json(s, f"{base}/workers"))[1])["vllm"]
+
                 async def blocks() -> list[int]:
-                    view = workers_by_id((await get_json(s, f"{base}/workers"))[1])
-                    return list(view["vllm"]["blocks_per_tier"])
+                    return list((await view())["blocks_per_tier"])
+
+                async def seen_up_to(seq: int) -> bool:
+                    last = (await view())["ingest"]["last_seq"]
+                    return last is not None and last >= seq
+
+                # The subscriber joins in its own time: publish empty batches until one
+                # arrives (any it missed is then replayed, as a gap).
+                pub.publish(encode_vllm_batch([]))
+                while not await within(lambda: seen_up_to(0), 0.5):
+                    pub.publish(encode_vllm_batch([]))
 
                 # stored twice (vLLM does not de-duplicate), published in two batches
                 for _ in range(2):
@@ -344,22 +385,30 @@ def test_vllm_worker_over_zmq_with_gap_replay_and_restart() -> None:
 
                 await eventually(counted)
 
+                # A restart shows as a sequence number going back: the new publisher's batches
+                # must carry seqs the subscriber already saw from the old one. Raise that bar,
+                # so that batches lost while the SUB socket reconnects cannot exhaust it.
+                last = pub.next_seq + 19  # all sent so far (the garbage batch was counted)
+                for _ in range(20):
+                    pub.publish(encode_vllm_batch([]))
+                await eventually(lambda: seen_up_to(last))
+
                 # the publisher restarts on the same endpoints: the worker is reset
                 endpoint, replay = pub.endpoint, pub.replay_endpoint
+                assert replay is not None
                 pub.close()
-                pub = ZmqEventPublisher(endpoint, replay)
+                pub = await rebind_publisher(endpoint, replay)
 
                 async def restarted() -> bool:
                     return await metric("kvpool_router_publisher_restarts_total") >= 1
 
-                # A restart shows as a sequence number going back; batches published while the
-                # SUB socket reconnects are lost to it, so publish slowly until one arrives.
-                for _ in range(4):
+                # Batches published while the SUB socket reconnects are lost to it: publish
+                # until one arrives, within the seqs that still read as a restart.
+                sent = 0
+                while not await within(restarted, 1.0):
+                    assert sent <= last, "the subscriber never reconnected"
                     pub.publish(encode_vllm_batch(chain(PROMPT, 16, algo, 1)))
-                    await asyncio.sleep(0.25)
-                    if await restarted():
-                        break
-                await eventually(restarted)
+                    sent += 1
                 # after the reset only the new publisher's first block remains
                 assert (await blocks())[0] == 1
         finally:

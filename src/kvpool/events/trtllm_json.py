@@ -12,16 +12,22 @@ tokens), ``removed`` or ``updated`` (``event_diff`` values). Hashes are ints (wh
 TensorRT-LLM's JSON and are not written: a removed event's per-hash ``cache_levels`` and a stored
 block's ``lora_id`` (both parse back as None). kvpool's all-cleared event, which TensorRT-LLM
 does not emit, is written as ``{"type": "all_cleared"}``.
+
+:func:`parse_trtllm_keys` parses the same lists for a consumer keyed by block hashes (the
+router's index): token lists skipped, stored and removed events as :mod:`kvpool.events.keyed`
+records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Any
+from operator import attrgetter
+from typing import Annotated, Any, cast
 
 import msgspec
 
 from kvpool.errors import EventFormatError
+from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredKeys, hex_keys, normalize_hashes
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
     AllCleared,
@@ -36,7 +42,13 @@ from kvpool.events.model import (
     Updated,
 )
 
-__all__ = ["parse_trtllm_dicts", "parse_trtllm_json", "to_trtllm_dicts", "to_trtllm_json"]
+__all__ = [
+    "parse_trtllm_dicts",
+    "parse_trtllm_json",
+    "parse_trtllm_keys",
+    "to_trtllm_dicts",
+    "to_trtllm_json",
+]
 
 _M64 = (1 << 64) - 1
 
@@ -116,23 +128,112 @@ def parse_trtllm_json(text: str | bytes, *, tokens: bool = True) -> list[KVCache
 
     Well-formed input is decoded by typed msgspec structs in C; anything the typed shape
     rejects goes through the checking parser, which names the fault. With ``tokens=False``
-    stored blocks carry no tokens (a consumer keyed by block hashes parses several times
-    faster).
+    stored blocks carry no tokens and their token lists are neither read nor checked (a
+    consumer keyed by block hashes parses several times faster).
     """
-    try:
-        typed = (_TYPED if tokens else _TYPED_NO_TOKENS).decode(text)
-    except (msgspec.DecodeError, TypeError):
-        typed = None
+    typed = _decode_typed(text, tokens)
     if typed is not None:
         try:
             return [_from_typed(e, tokens) for e in typed]
         except _Fallback:
             pass
+    return _parse_checked(text)
+
+
+def parse_trtllm_keys(text: str | bytes) -> list[KeyedEvent]:
+    """Parse an event list for a consumer keyed by block hashes (the router's index).
+
+    The events mean what ``parse_trtllm_json(text, tokens=False)`` means to such a consumer
+    (the same events, the same errors), but stored events whose blocks share one tier and
+    removed events come as :class:`~kvpool.events.keyed.StoredKeys` /
+    :class:`~kvpool.events.keyed.RemovedKeys` records holding their blocks' normalized keys,
+    with no object per block. Events the records cannot carry (hashes that make no key, blocks
+    on mixed tiers, created and updated events) stay ordinary events.
+    """
+    typed = _decode_typed(text, False)
+    if typed is not None:
+        try:
+            return [_keyed(e) for e in cast(list[_JEventNoTokens], typed)]
+        except _Fallback:
+            pass
+    events: list[KeyedEvent] = list(_parse_checked(text))
+    return events
+
+
+def _parse_checked(text: str | bytes) -> list[KVCacheEvent]:
     try:
         obj = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
         raise EventFormatError(f"KV event JSON does not parse: {exc}") from None
     return parse_trtllm_dicts(obj)
+
+
+def _decode_typed(text: str | bytes, tokens: bool) -> list[_JEvent] | list[_JEventNoTokens] | None:
+    """The typed decoding of ``text``, or None when the typed shape rejects it."""
+    if not tokens:
+        emptied = _without_token_lists(text)
+        if emptied is not None:
+            try:
+                return _TYPED_NO_TOKENS.decode(emptied)
+            except (msgspec.DecodeError, TypeError):
+                pass  # a token list holding ']' (not TensorRT-LLM's) or garbage: as it is
+    try:
+        return (_TYPED if tokens else _TYPED_NO_TOKENS).decode(text)
+    except (msgspec.DecodeError, TypeError):
+        return None
+
+
+_TOKENS_KEYS = (b'"tokens":[', b'"tokens": [')  # compact (TensorRT-LLM's server), spaced
+# After a token list, TensorRT-LLM writes at least 83 bytes before the next block's list
+# (cache level, priority, multimodal keys, the next block's type and hash): the search for it
+# starts past _GAP bytes and looks within _NEAR bytes first. (A list these bounds miss is
+# decoded whole, never cut wrong.)
+_GAP = 64
+_NEAR = 4096
+
+
+def _without_token_lists(text: str | bytes) -> bytes | None:
+    """``text`` with the content of every ``"tokens":[...]`` list cut out, or None when there is
+    none.
+
+    Token lists are most of TensorRT-LLM's JSON (about 55 bytes per token), and a consumer that
+    does not read them would otherwise pay msgspec to scan them; finding each list's end is one
+    ``memchr`` for ``]``. This is exact for valid JSON: the key's closing quote cannot be inside
+    a string (it follows a letter, so it is not escaped), and if the first ``]`` after the key
+    is not the one closing its list (it sits in a string, or closes a nested list), the text
+    cut out holds an odd number of string quotes or an unclosed ``[``, so the result is not
+    valid JSON and the caller decodes the text as it is. A result that is valid JSON differs
+    from ``text`` only inside token lists, which such a consumer does not check.
+    """
+    if isinstance(text, str):
+        try:
+            text = text.encode()
+        except UnicodeEncodeError:
+            return None
+    find = text.find
+    for key in _TOKENS_KEYS:
+        start = find(key)
+        if start >= 0:
+            break
+    else:
+        return None
+    skip = len(key)
+    parts: list[bytes] = []
+    append = parts.append
+    pos = 0
+    while start >= 0:
+        start += skip
+        end = find(b"]", start)
+        if end < 0:
+            break
+        append(text[pos:start])
+        pos = end
+        # Bounded first: on a long rest CPython prepares a costlier search algorithm.
+        start = find(key, end + _GAP, end + _NEAR)
+        if start < 0:
+            start = find(key, end + _GAP)
+    append(text[pos:])
+    return b"".join(parts)
 
 
 class _Fallback(Exception):
@@ -167,12 +268,13 @@ class _JBlock(msgspec.Struct, gc=False):
 
 
 class _JBlockNoTokens(msgspec.Struct, gc=False):
+    # No tokens field: skipped as an unknown key, any value accepted (and no object built).
+    # mm_keys as a tuple: the usual empty one is a singleton, not a new list per block.
     block_hash: _JHash
-    tokens: msgspec.Raw = msgspec.Raw(b"")
     cache_level: int = 0
     priority: int = DEFAULT_PRIORITY
     lora_id: int | None = None
-    mm_keys: list[_JMmKey | str] = []
+    mm_keys: tuple[_JMmKey | str, ...] = ()
 
 
 class _JCreated(msgspec.Struct, tag="created", tag_field="type", gc=False):
@@ -265,6 +367,58 @@ def _from_typed(e: _JEvent | _JEventNoTokens, tokens: bool) -> KVCacheEvent:
         layer_group_id=e.layer_group_id, hash_algo=e.hash_algo,
         attention_dp_rank=e.attention_dp_rank,
     )
+
+
+_LEVEL = attrgetter("cache_level")
+_HASH = attrgetter("block_hash")
+
+
+def _keyed(e: _JEventNoTokens) -> KeyedEvent:
+    """A typed event as a keyed record when one can carry it, else as :func:`_from_typed`."""
+    d = e.data
+    if type(d) is _JStoredNoTokens:
+        blocks = d.blocks
+        if d.parent_hash is not None:
+            _h(d.parent_hash)
+        if blocks:
+            level = blocks[0].cache_level
+            if 0 <= level < 3 and list(map(_LEVEL, blocks)).count(level) == len(blocks):
+                keys = _keys(list(map(_HASH, blocks)))
+                if keys is not None:
+                    return StoredKeys(e.event_id, keys, level, e.layer_group_id, e.hash_algo,
+                                      e.attention_dp_rank)
+    elif type(d) is _JRemoved:
+        keys = _keys(d.block_hashes)
+        if keys is not None:
+            return RemovedKeys(e.event_id, keys, None, e.layer_group_id, e.hash_algo,
+                               e.attention_dp_rank)
+    return _from_typed(e, False)
+
+
+def _keys(hashes: list[Any]) -> list[int] | None:
+    """Normalized keys of typed hashes (ints >= 0 and strings); None when one makes no key
+    (then the ordinary event carries it to the consumer, which rejects it). Raises _Fallback
+    as :func:`_h` does."""
+    if not hashes:
+        return []
+    if type(hashes[0]) is str:
+        keys = hex_keys(hashes)
+        if keys is not None:
+            return keys
+    try:
+        top = max(hashes)
+    except TypeError:  # ints and strings
+        for h in hashes:
+            _h(h)
+    else:
+        if type(top) is int:  # all ints, and >= 0 (checked by msgspec): keys as they are
+            if top > _M64:
+                raise _Fallback
+            return hashes
+    try:
+        return normalize_hashes(hashes)
+    except ValueError:
+        return None
 
 
 def parse_trtllm_dicts(obj: Any) -> list[KVCacheEvent]:

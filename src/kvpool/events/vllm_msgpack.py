@@ -34,6 +34,8 @@ The decoder also accepts older engines' positional events (``["BlockStored", blo
 parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kind,
 window]``, 6 to 12 elements; ``["BlockRemoved", block_hashes, medium, group_idx]``, 2 to 4),
 a batch written as a map, ignores unknown keys and tolerates missing optional fields.
+:func:`decode_vllm_keys` decodes the same batches for a consumer keyed by block hashes (the
+router's index): stored and removed events as :mod:`kvpool.events.keyed` records.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, cast
 
 import msgspec
 
 from kvpool.errors import EventFormatError, InvalidArgumentError
+from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredKeys, digest_keys
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
     AllCleared,
@@ -63,6 +66,7 @@ __all__ = [
     "TIER_OF_MEDIUM",
     "VllmEventBatch",
     "decode_vllm_batch",
+    "decode_vllm_keys",
     "encode_vllm_batch",
 ]
 
@@ -328,7 +332,45 @@ def decode_vllm_batch(
             decoder.removed(ev.block_hashes, ev.medium, ev.group_idx, index)
         else:
             decoder.emit(AllCleared(), 0, 0)
-    return VllmEventBatch(batch.ts, decoder.out, batch.data_parallel_rank)
+    return VllmEventBatch(batch.ts, decoder.events(), batch.data_parallel_rank)
+
+
+def decode_vllm_keys(
+    payload: bytes,
+    *,
+    hash_algo: str = HashAlgo.VLLM_SHA256_CBOR.value,
+    first_event_id: int = 0,
+) -> list[KeyedEvent]:
+    """Decode one batch for a consumer keyed by block hashes (the router's index).
+
+    The events mean to such a consumer what :func:`decode_vllm_batch`'s mean, numbered and
+    stamped the same way, but stored and removed events come as
+    :class:`~kvpool.events.keyed.StoredKeys` / :class:`~kvpool.events.keyed.RemovedKeys`
+    records holding their blocks' normalized keys: no object per block. Token ids are neither
+    built nor checked (as with ``tokens=False``); a stored record carries the token count of
+    its first block (from ``block_size`` and the length of ``token_ids``), so the block size
+    is learned as from the full events. Hashes that do not make a key (a ``v2_sha256`` digest
+    longer than 32 bytes) leave their event an ordinary one, for the consumer to reject;
+    batches only the generic decoder reads (positional events, map batches) come back as
+    ordinary events.
+
+    Raises:
+        EventFormatError: as :func:`decode_vllm_batch`.
+    """
+    try:
+        batch = _TYPED_DECODER_NO_TOKENS.decode(payload)
+    except (msgspec.DecodeError, TypeError):
+        events: list[KeyedEvent] = list(_decode_generic(payload, hash_algo, first_event_id).events)
+        return events
+    decoder = _Decoder(hash_algo, first_event_id, batch.data_parallel_rank, typed=True)
+    for index, ev in enumerate(batch.events):
+        if type(ev) is _InStoredNoTokens:
+            decoder.stored_keys(ev, index)
+        elif type(ev) is _InRemoved:
+            decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
+        else:
+            decoder.emit(AllCleared(), 0, 0)
+    return decoder.out
 
 
 # Decoding structs for the current shape: msgspec validates types in C and ignores unknown keys;
@@ -429,7 +471,7 @@ def _decode_generic(payload: bytes, hash_algo: str, first_event_id: int) -> Vllm
     decoder = _Decoder(hash_algo, first_event_id, rank, typed=False)
     for index, raw in enumerate(raw_events):
         decoder.generic(raw, index)
-    return VllmEventBatch(float(ts), decoder.out, rank)
+    return VllmEventBatch(float(ts), decoder.events(), rank)
 
 
 def _where(index: int, field: str = "") -> str:
@@ -450,7 +492,11 @@ class _Decoder:
         self.hex_bytes = algo == _V2_SHA256
         self.next_id = first_event_id
         self.rank = rank
-        self.out: list[KVCacheEvent] = []
+        self.out: list[KeyedEvent] = []
+
+    def events(self) -> list[KVCacheEvent]:
+        """What was emitted, when only the event path ran (it emits nothing else)."""
+        return cast(list[KVCacheEvent], self.out)
 
     def emit(self, data: Stored | Removed | AllCleared, group: int, window: int) -> None:
         self.out.append(KVCacheEvent(self.next_id, data, window, group, self.algo, self.rank))
@@ -479,8 +525,83 @@ class _Decoder:
                 if min(value) >= 0:
                     return value
             except TypeError:  # bytes
-                pass
+                digests: list[BlockHash] | None
+                if self.hex_bytes:
+                    try:
+                        digests = [h.hex() for h in value]
+                    except AttributeError:  # ints among them
+                        digests = None
+                else:
+                    digests = digest_keys(value, head=False)  # type: ignore[assignment]
+                if digests is not None:
+                    return digests
         return [self.hash(h, index, f"block_hashes[{i}]") for i, h in enumerate(value)]
+
+    def keys(self, value: list[Any]) -> list[int] | None:
+        """The normalized keys of msgspec-checked hashes (ints and bytes); None when a digest
+        makes no key (the event then goes the event path, for the consumer to reject)."""
+        try:
+            if min(value) >= 0:
+                return value  # all ints below 2**64
+            return [h & _M64 for h in value]
+        except TypeError:  # bytes among them
+            pass
+        keys = digest_keys(value, head=self.hex_bytes)
+        if keys is not None:
+            return keys
+        out: list[int] = []
+        for h in value:
+            if type(h) is int:
+                out.append(h & _M64)
+            elif not self.hex_bytes:
+                out.append(int.from_bytes(h[-8:], "big"))
+            elif 0 < len(h) <= 32:  # its hex digest normalizes to its first 8 bytes
+                out.append(int.from_bytes(h[:8], "big"))
+            else:
+                return None
+        return out
+
+    def stored_keys(self, ev: _InStoredNoTokens, index: int) -> None:
+        """Emit one stored event as a keyed record (see :func:`decode_vllm_keys`)."""
+        raw = ev.block_hashes
+        if ev.parent_block_hash is not None:
+            self.hash(ev.parent_block_hash, index, "parent_block_hash")
+        level = self.tier(ev.medium, index) or 0
+        if not raw:
+            return
+        keys = self.keys(raw)
+        if keys is None:
+            self.stored(raw, ev.parent_block_hash, (), ev.block_size, ev.lora_id, ev.medium,
+                        ev.group_idx, ev.kv_cache_spec_sliding_window, index)
+            return
+        # The first block's token count, as stored() would cut token_ids into blocks.
+        size, first = ev.block_size, 0
+        n_tokens = _array_length(ev.token_ids) if size else 0
+        if size and n_tokens:
+            n = len(keys)
+            if n == 1 and n_tokens <= size:
+                first = n_tokens
+            else:
+                base = max(0, -(-n_tokens // size) - n) * size
+                first = max(0, min(size, n_tokens - base))
+        self.out.append(
+            StoredKeys(self.next_id, keys, level, ev.group_idx or 0, self.algo, self.rank, first)
+        )
+        self.next_id += 1
+
+    def removed_keys(
+        self, raw: list[int | bytes], medium: Any, group: int | None, index: int
+    ) -> None:
+        """Emit one removed event as a keyed record (see :func:`decode_vllm_keys`)."""
+        tier = self.tier(medium, index)
+        if not raw:
+            return
+        keys = self.keys(raw)
+        if keys is None:
+            self.removed(raw, medium, group, index)
+            return
+        self.out.append(RemovedKeys(self.next_id, keys, tier, group or 0, self.algo, self.rank))
+        self.next_id += 1
 
     @staticmethod
     def tier(medium: Any, index: int) -> int | None:
@@ -604,6 +725,21 @@ class _Decoder:
             return
         levels = None if tier is None else (tier,) * len(hashes)
         self.emit(Removed(tuple(hashes), levels), group or 0, 0)
+
+
+def _array_length(raw: msgspec.Raw) -> int:
+    """Elements of the msgpack array in ``raw`` (0 for nil, absent or not an array)."""
+    view = memoryview(raw)
+    if not view:
+        return 0
+    head = view[0]
+    if 0x90 <= head <= 0x9F:  # fixarray
+        return head & 0x0F
+    if head == 0xDC:  # array 16
+        return int.from_bytes(view[1:3], "big")
+    if head == 0xDD:  # array 32
+        return int.from_bytes(view[1:5], "big")
+    return 0
 
 
 def _short(value: Any) -> str:

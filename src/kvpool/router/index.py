@@ -10,8 +10,14 @@ Layout
   the worker in ``slot`` holds the hash on ``tier`` (0 = GPU, 1 = host, 2 = disk) in any of
   its layer groups. Walking a 256-block request over 32 workers is then 256 dict lookups and a
   few integer operations per block (:mod:`kvpool.router.scoring`).
-* Per worker, per layer group, per tier, a dict of reference counts: vLLM does not
-  de-duplicate, so a hash stored twice is removed twice before it is gone.
+* Reference counts per worker, layer group and tier: vLLM does not de-duplicate, so a hash
+  stored twice is removed twice before it is gone. A worker with one layer group (the usual
+  case) is *compact*: its presence bits in the global dict are its counts of one, and it keeps
+  only the counts above one (per tier, usually empty). Applying a block event then touches one
+  large dict instead of two, which halves its cost once the index outgrows the CPU caches.
+  Dropping a compact worker's blocks (reset, all cleared, removal) scans the global dict
+  instead of the worker's own. The first event of a second layer group expands the worker
+  into per group, per tier dicts of counts.
 
 Event semantics (the "event-implied set")
 -----------------------------------------
@@ -53,7 +59,9 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from itertools import compress, repeat
+from operator import and_
+from typing import Final
 
 import xxhash
 
@@ -62,6 +70,13 @@ from kvpool.errors import (
     InvalidArgumentError,
     UnknownHashAlgorithmError,
     UnknownWorkerError,
+)
+from kvpool.events.keyed import (
+    KeyedEvent,
+    RemovedKeys,
+    StoredKeys,
+    normalize_hash,
+    normalize_hashes,
 )
 from kvpool.events.model import (
     AllCleared,
@@ -129,27 +144,6 @@ class _Malformed(Exception):
 
 class _Skipped(Exception):
     """An event is well formed but refers to something unknown; counted as an anomaly."""
-
-
-def normalize_hash(value: object) -> int:
-    """Map an event's block hash to the index's key, an unsigned 64-bit int.
-
-    Ints are taken modulo 2**64 (engines that used Python's signed ``hash()`` map consistently);
-    ``v2_sha256`` hex digests keep their first 8 bytes, big-endian, which equals the
-    ``v2_sha256_64`` encoding of the same block; raw digests (bytes) keep their last 8 bytes,
-    big-endian, as vLLM's event ids do. Anything else raises :class:`ValueError`.
-    """
-    if type(value) is int:
-        return value & _M64
-    if isinstance(value, str):
-        if not value or len(value) > 64:
-            raise ValueError(f"block hash {value!r} is not a hex digest")
-        return int(value[:16], 16)  # ValueError for non-hex text
-    if isinstance(value, bytes | bytearray):
-        if not value:
-            raise ValueError("block hash is empty bytes")
-        return int.from_bytes(value[-8:], "big")
-    raise ValueError(f"block hash {value!r} ({type(value).__name__}) is not an int, str or bytes")
 
 
 def _scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:
@@ -281,7 +275,12 @@ class _Worker:
     tpb_configured: bool
     match_by_tokens: bool
     healthy: bool = True
-    # layer group -> per tier {hash: positive reference count}
+    # Compact (one layer group, ``group`` once seen): a count is 1 + extras[tier].get(hash, 0)
+    # where the worker's bit of (tier, hash) is set in KvIndex.masks, else 0; ``groups`` is
+    # empty. Expanded (several layer groups): layer group -> per tier {hash: positive count}.
+    compact: bool = True
+    group: int | None = None
+    extras: list[dict[int, int]] = field(default_factory=lambda: [{} for _ in range(TIERS)])
     groups: dict[int, list[dict[int, int]]] = field(default_factory=dict)
     # (layer group, tier, hash) -> steps still to be put in event-id order
     ledger: dict[tuple[int, int, int], _Entry] = field(default_factory=dict)
@@ -477,10 +476,14 @@ class KvIndex:
 
     def snapshot(self, worker_id: str) -> dict[int, frozenset[int]]:
         """Tier -> normalized hashes the worker holds there (any layer group). For tests and
-        debugging: O(blocks)."""
+        debugging: O(blocks of the index) for a compact worker."""
         w = self._worker(worker_id)
         out: dict[int, frozenset[int]] = {}
         for t in range(TIERS):
+            if w.compact:
+                shift = t * self._stride + w.slot
+                out[t] = frozenset([h for h, m in self.masks.items() if (m >> shift) & 1])
+                continue
             keys: set[int] = set()
             for tiers in w.groups.values():
                 keys.update(tiers[t])
@@ -504,7 +507,10 @@ class KvIndex:
             healthy=w.healthy,
             blocks_per_tier=tuple(w.present),
             capacity_per_tier=cap,
-            layer_groups=tuple(sorted(w.groups)),
+            layer_groups=(
+                tuple(sorted(w.groups)) if not w.compact
+                else () if w.group is None else (w.group,)
+            ),
             events_applied=c.events_applied,
             events_malformed=c.events_malformed,
             anomalies=c.anomalies,
@@ -521,20 +527,39 @@ class KvIndex:
     # ---------------------------------------------------------------------------------------
     # applying events
 
-    def apply(self, worker_id: str, event: KVCacheEvent) -> bool:
+    def apply(self, worker_id: str, event: KeyedEvent) -> bool:
         """Apply one event of ``worker_id``. Returns False when the event was malformed
         (counted, nothing changed). Raises only :class:`UnknownWorkerError`."""
         w = self._worker(worker_id)
-        return self._apply(w, event)
+        if not self._apply(w, event):
+            return False
+        w.last_event_at = time.monotonic()
+        return True
 
-    def apply_many(self, worker_id: str, events: Iterable[KVCacheEvent]) -> int:
-        """Apply events in order; returns how many were applied (malformed ones are skipped)."""
+    def apply_many(self, worker_id: str, events: Iterable[KeyedEvent]) -> int:
+        """Apply events in order; returns how many were applied (malformed ones are skipped).
+
+        Events may be :class:`~kvpool.events.model.KVCacheEvent` objects or, from the wire
+        decoders' keyed paths, :class:`~kvpool.events.keyed.StoredKeys` /
+        :class:`~kvpool.events.keyed.RemovedKeys` records: both mean the same to the index.
+        """
         w = self._worker(worker_id)
         apply = self._apply
         n = 0
         for ev in events:
             n += apply(w, ev)
+        if n:
+            w.last_event_at = time.monotonic()
         return n
+
+    def uses_tokens(self, worker_id: str) -> bool:
+        """True when the worker's stored events must carry their token ids (``match_by_tokens``):
+        keyed records carry none."""
+        return self._worker(worker_id).match_by_tokens
+
+    def learns_block_size(self, worker_id: str) -> bool:
+        """True when the worker's tokens per block are learned from its stored events."""
+        return not self._worker(worker_id).tpb_configured
 
     def note_malformed(self, worker_id: str, count: int = 1) -> None:
         """Count events of ``worker_id`` that could not even be decoded."""
@@ -542,9 +567,11 @@ class KvIndex:
         w.counters.events_malformed += count
         self.counters.events_malformed += count
 
-    def _apply(self, w: _Worker, ev: KVCacheEvent) -> bool:
+    def _apply(self, w: _Worker, ev: KeyedEvent) -> bool:
         try:
-            if not isinstance(ev, KVCacheEvent):
+            if type(ev) is not StoredKeys and type(ev) is not RemovedKeys and not isinstance(
+                ev, KVCacheEvent
+            ):
                 raise _Malformed(f"not a KVCacheEvent: {type(ev).__name__}")
             eid = ev.event_id
             group = ev.layer_group_id
@@ -555,30 +582,46 @@ class KvIndex:
             if stream is None:
                 stream = w.streams[rank] = _Stream()
             # Steps of an event that arrives after a later one cannot be history (see _release).
-            w.arrived_late = eid < stream.top
+            top = stream.top
+            w.arrived_late = eid < top
             # Seen even if malformed: its id arrived and will not arrive again.
-            closed = stream.see(eid)
-            data = ev.data
+            if eid == top + 1 and not stream.holes:  # the next id, nothing missing: the usual
+                stream.top = eid
+                closed = False
+            else:
+                closed = stream.see(eid)
             learned: HashAlgo | None = None
-            if not w.algo_configured and (w.algo is None or ev.hash_algo != w.algo.value):
+            if not w.algo_configured and (w.algo is None or ev.hash_algo != w.algo):
                 try:
                     learned = parse_hash_algo(ev.hash_algo)
                 except UnknownHashAlgorithmError as exc:
                     raise _Malformed(str(exc)) from None
-            if type(data) is Stored:
-                self._apply_stored(w, group, eid, rank, data)
-            elif type(data) is Removed:
-                self._apply_removed(w, group, eid, rank, data)
-            elif type(data) is Updated:
-                self._apply_updated(w, group, eid, rank, data)
-            elif type(data) is AllCleared:
-                self._drop_blocks(w)
-                for listener in self._listeners:
-                    listener(w.worker_id, w.slot, False)
-            elif type(data) is Created:
-                self._apply_created(w, group, eid, rank, data)
+            if type(ev) is StoredKeys:
+                if ev.keys:
+                    self._apply_stored_keys(w, group, eid, rank, ev)
+            elif type(ev) is RemovedKeys:
+                if w.match_by_tokens:  # engine hashes: mapped as the event path maps them
+                    keys, level = ev.keys, ev.cache_level
+                    levels = None if level is None else (level,) * len(keys)
+                    self._apply_removed(w, group, eid, rank, Removed(tuple(keys), levels))
+                else:
+                    self._remove(w, group, eid, rank, ev.keys, ev.cache_level, None)
             else:
-                raise _Malformed(f"unknown event data {type(data).__name__}")
+                data = ev.data
+                if type(data) is Stored:
+                    self._apply_stored(w, group, eid, rank, data)
+                elif type(data) is Removed:
+                    self._apply_removed(w, group, eid, rank, data)
+                elif type(data) is Updated:
+                    self._apply_updated(w, group, eid, rank, data)
+                elif type(data) is AllCleared:
+                    self._drop_blocks(w)
+                    for listener in self._listeners:
+                        listener(w.worker_id, w.slot, False)
+                elif type(data) is Created:
+                    self._apply_created(w, group, eid, rank, data)
+                else:
+                    raise _Malformed(f"unknown event data {type(data).__name__}")
         except _Malformed:
             w.counters.events_malformed += 1
             self.counters.events_malformed += 1
@@ -593,8 +636,7 @@ class KvIndex:
             self._groups_cache = None
         w.counters.events_applied += 1
         self.counters.events_applied += 1
-        w.last_event_id = eid
-        w.last_event_at = time.monotonic()
+        w.last_event_id = eid  # the callers stamp last_event_at (once per batch)
         return True
 
     def _apply_created(
@@ -618,22 +660,22 @@ class KvIndex:
         blocks = data.blocks
         if not blocks:
             return
-        m64 = _M64
         try:
             raw = [b.block_hash for b in blocks]
             levels = [b.cache_level for b in blocks]
         except AttributeError as exc:
             raise _Malformed(str(exc)) from None
-        keys = _int_keys(raw)
-        if keys is None:
-            keys = _hex_keys(raw)
-        if keys is None:
-            try:
-                keys = [h & m64 if type(h) is int else normalize_hash(h) for h in raw]
-            except ValueError as exc:
-                raise _Malformed(str(exc)) from None
-        if any(levels) and not all(type(t) is int and 0 <= t < TIERS for t in levels):
-            raise _Malformed(f"cache levels {levels!r} out of range")
+        try:
+            keys = normalize_hashes(raw)
+        except ValueError as exc:
+            raise _Malformed(str(exc)) from None
+        level: int | None = 0
+        if any(levels):
+            if not all(type(t) is int and 0 <= t < TIERS for t in levels):
+                raise _Malformed(f"cache levels {levels!r} out of range")
+            level = levels[0]
+            if levels.count(level) != len(levels):
+                level = None  # mixed tiers: block by block
         if w.match_by_tokens:
             keys = self._chain_keys(w, data.parent_hash, blocks, keys)
         if not w.tpb_configured:
@@ -642,7 +684,21 @@ class KvIndex:
             if longest > (w.tpb or 0):
                 w.tpb = longest
                 self._groups_cache = None
-        self._store(w, group, eid, rank, keys, levels)
+        self._store(w, group, eid, rank, keys, level, levels)
+
+    def _apply_stored_keys(
+        self, w: _Worker, group: int, eid: int, rank: int | None, ev: StoredKeys
+    ) -> None:
+        keys = ev.keys
+        if w.match_by_tokens:
+            # Records carry no tokens: only blocks the index already keyed can be re-announced.
+            blocks = tuple([StoredBlock(k, (), ev.cache_level) for k in keys])
+            self._apply_stored(w, group, eid, rank, Stored(None, blocks))
+            return
+        if not w.tpb_configured and ev.block_tokens > (w.tpb or 0):
+            w.tpb = ev.block_tokens
+            self._groups_cache = None
+        self._store(w, group, eid, rank, keys, ev.cache_level, None)
 
     def _chain_keys(
         self, w: _Worker, parent: object, blocks: Sequence[StoredBlock], engine: list[int]
@@ -698,41 +754,55 @@ class KvIndex:
         eid: int,
         rank: int | None,
         keys: list[int],
-        levels: list[int],
+        level: int | None,
+        levels: list[int] | None,
     ) -> None:
-        tiers = w.groups.get(group)
-        if tiers is None:
-            tiers = w.groups[group] = [{} for _ in range(TIERS)]
+        """+1 reference per key: on ``level``, or block by block on ``levels`` when None."""
+        if not (w.compact and w.group == group):
+            self._adopt(w, group)
         masks = self.masks
         mget = masks.get
         stride = self._stride
         bit0 = 1 << w.slot
         present = w.present
-        if not w.ledger and len(w.groups) == 1 and not any(levels):
-            # The common case, kept tight: one layer group, all on the GPU, nothing pending.
-            d = tiers[0]
-            dget = d.get
-            new = 0
+        if w.compact and level is not None and not w.ledger:
+            # The common case, kept tight: one layer group, one tier, nothing pending.
+            extra = w.extras[level]
+            bit = bit0 << (level * stride)
+            again = 0  # keys already held: one more reference
             for h in keys:
-                c = dget(h, 0)
-                d[h] = c + 1
-                if not c:
-                    masks[h] = mget(h, 0) | bit0
-                    new += 1
-            present[0] += new
-        else:
-            multi = len(w.groups) > 1
-            ledger = w.ledger
-            for h, t in zip(keys, levels, strict=True):
-                if ledger and (group, t, h) in ledger:
-                    self._step(w, (group, t, h), eid, rank, 1)
+                if h not in masks:
+                    masks[h] = bit
                     continue
-                d = tiers[t]
-                c = d.get(h, 0)
-                d[h] = c + 1
-                if c == 0 and not (multi and _held_elsewhere(w, group, t, h)):
-                    masks[h] = mget(h, 0) | (bit0 << (t * stride))
-                    present[t] += 1
+                m = masks[h]
+                if m & bit:
+                    extra[h] = extra.get(h, 0) + 1
+                    again += 1
+                else:
+                    masks[h] = m | bit
+            present[level] += len(keys) - again
+        else:
+            ledger = w.ledger
+            per_block = levels if levels is not None else [level or 0] * len(keys)
+            if w.compact:
+                for h, t in zip(keys, per_block, strict=True):
+                    if ledger and (group, t, h) in ledger:
+                        self._step(w, (group, t, h), eid, rank, 1)
+                    else:
+                        c = self._count(w, group, t, h)
+                        self._set_count(w, (group, t, h), c, c + 1)
+            else:
+                tiers = w.groups[group]
+                for h, t in zip(keys, per_block, strict=True):
+                    if ledger and (group, t, h) in ledger:
+                        self._step(w, (group, t, h), eid, rank, 1)
+                        continue
+                    d = tiers[t]
+                    c = d.get(h, 0)
+                    d[h] = c + 1
+                    if c == 0 and not _held_elsewhere(w, group, t, h):
+                        masks[h] = mget(h, 0) | (bit0 << (t * stride))
+                        present[t] += 1
         w.counters.blocks_stored += len(keys)
         self.counters.blocks_stored += len(keys)
 
@@ -743,8 +813,7 @@ class KvIndex:
         key = (group, t, h)
         if w.ledger and key in w.ledger:
             return self._step(w, key, eid, rank, -1)
-        tiers = w.groups.get(group)
-        c = tiers[t].get(h, 0) if tiers is not None else 0
+        c = self._count(w, group, t, h)
         if c > 0:
             self._set_count(w, key, c, c - 1)
             return True
@@ -763,18 +832,59 @@ class KvIndex:
                     self._settle_entry(w, old, force=True)
         return False
 
-    def _set_count(self, w: _Worker, key: tuple[int, int, int], old: int, new: int) -> None:
-        """Set a count (old and new >= 0) and keep the presence masks in step."""
-        group, t, h = key
+    def _count(self, w: _Worker, group: int, t: int, h: int) -> int:
+        """The worker's references of ``h`` on tier ``t`` in layer group ``group``."""
+        if w.compact:
+            if group != w.group or not (self.masks.get(h, 0) >> (t * self._stride + w.slot)) & 1:
+                return 0
+            return 1 + w.extras[t].get(h, 0)
         tiers = w.groups.get(group)
-        if tiers is None:
-            tiers = w.groups[group] = [{} for _ in range(TIERS)]
-        if new > 0:
-            tiers[t][h] = new
+        return tiers[t].get(h, 0) if tiers is not None else 0
+
+    def _adopt(self, w: _Worker, group: int) -> None:
+        """Make ``group`` one whose counts can be set: a compact worker takes it as its layer
+        group, or expands when it has another one."""
+        if w.compact:
+            if w.group is None:
+                w.group = group
+            elif group != w.group:
+                self._expand(w)
+        if not w.compact and group not in w.groups:
+            w.groups[group] = [{} for _ in range(TIERS)]
+
+    def _expand(self, w: _Worker) -> None:
+        """A second layer group: the compact worker's counts move to per-group dicts."""
+        assert w.compact and w.group is not None
+        tiers: list[dict[int, int]] = [{} for _ in range(TIERS)]
+        if any(w.present):
+            stride = self._stride
+            for h, m in self.masks.items():
+                for t in range(TIERS):
+                    if (m >> (t * stride + w.slot)) & 1:
+                        tiers[t][h] = 1 + w.extras[t].get(h, 0)
+        w.groups = {w.group: tiers}
+        w.compact, w.group, w.extras = False, None, [{} for _ in range(TIERS)]
+
+    def _set_count(self, w: _Worker, key: tuple[int, int, int], old: int, new: int) -> None:
+        """Set a count (old and new >= 0, old the current one) and keep the presence masks in
+        step."""
+        group, t, h = key
+        self._adopt(w, group)
+        if w.compact:
+            if new > 1:
+                w.extras[t][h] = new - 1
+            elif old > 1:
+                del w.extras[t][h]
+            if (old > 0) == (new > 0):
+                return
         else:
-            tiers[t].pop(h, None)
-        if (old > 0) == (new > 0) or (len(w.groups) > 1 and _held_elsewhere(w, group, t, h)):
-            return
+            tiers = w.groups[group]
+            if new > 0:
+                tiers[t][h] = new
+            else:
+                tiers[t].pop(h, None)
+            if (old > 0) == (new > 0) or (len(w.groups) > 1 and _held_elsewhere(w, group, t, h)):
+                return
         bit = (1 << w.slot) << (t * self._stride)
         if new > 0:
             self.masks[h] = self.masks.get(h, 0) | bit
@@ -795,8 +905,7 @@ class KvIndex:
     ) -> bool:
         """Add a step to a ledger entry; True when the count went down (for a release)."""
         group, t, h = key
-        tiers = w.groups.get(group)
-        before = tiers[t].get(h, 0) if tiers is not None else 0
+        before = self._count(w, group, t, h)
         if delta < 0 and w.arrived_late:
             delta = _LATE_RELEASE
         w.ledger[key].steps.append((eid, rank, delta))
@@ -820,9 +929,7 @@ class KvIndex:
 
     def _settle_entry(self, w: _Worker, key: tuple[int, int, int], force: bool = False) -> int:
         entry = w.ledger[key]
-        group, t, h = key
-        tiers = w.groups.get(group)
-        old = tiers[t].get(h, 0) if tiers is not None else 0
+        old = self._count(w, *key)
         count = self._evaluate(w, entry)
         self._set_count(w, key, old, max(count, 0))
         # Settled when no step can still arrive before the ones we hold. A negative count waits
@@ -857,65 +964,120 @@ class KvIndex:
     ) -> None:
         levels = data.cache_levels
         hashes = data.block_hashes
+        level: int | None = None
         if levels is not None:
             if len(levels) != len(hashes):
                 raise _Malformed("cache_levels and block_hashes differ in length")
-            if any(levels) and not all(type(t) is int and 0 <= t < TIERS for t in levels):
-                raise _Malformed(f"cache_levels {levels!r} out of range")
-        ints = None if w.match_by_tokens else _int_keys(hashes)
-        keys: list[int | None] = (
-            list(ints) if ints is not None else [self._resolve(w, h) for h in hashes]
-        )
-        tiers = w.groups.get(group)
+            level = 0
+            if any(levels):
+                if not all(type(t) is int and 0 <= t < TIERS for t in levels):
+                    raise _Malformed(f"cache_levels {levels!r} out of range")
+                level = levels[0]
+                if levels.count(level) != len(levels):
+                    level = None  # mixed tiers: block by block
+        if not w.match_by_tokens:
+            try:
+                keys = normalize_hashes(hashes)
+            except ValueError as exc:
+                raise _Malformed(str(exc)) from None
+            self._remove(w, group, eid, rank, keys, level, levels)
+            return
+        resolved = [self._resolve(w, h) for h in hashes]
         removed = 0
-        if (levels is not None and tiers is not None and not w.ledger and len(w.groups) == 1
-                and not w.match_by_tokens and not any(levels)):
-            # The common case, kept tight: GPU removals of one group, nothing pending.
-            d = tiers[0]
-            masks = self.masks
-            clear = ~(1 << w.slot)
-            for key in keys:
-                assert key is not None
-                c = d.get(key, 0)
-                if c > 1:
-                    d[key] = c - 1
-                elif c == 1:
-                    del d[key]
-                    m = masks[key] & clear
-                    if m:
-                        masks[key] = m
-                    else:
-                        del masks[key]
-                    w.present[0] -= 1
-                else:
-                    self._release(w, group, eid, rank, key, 0)
-                    continue
-                removed += 1
-        else:
-            for i, key in enumerate(keys):
-                if key is None:
-                    w.counters.anomalies += 1
-                    self.counters.anomalies += 1
-                    continue
-                if levels is not None:
-                    removed += self._release(w, group, eid, rank, key, levels[i])
-                else:
-                    held = [t for t in range(TIERS) if tiers is not None and key in tiers[t]]
-                    if not held:
-                        w.counters.anomalies += 1
-                        self.counters.anomalies += 1
-                    for t in held:
-                        removed += self._release(w, group, eid, rank, key, t)
-                if w.match_by_tokens:
-                    self._forget_chain(w, hashes[i], key)
+        for i, key in enumerate(resolved):
+            if key is None:
+                w.counters.anomalies += 1
+                self.counters.anomalies += 1
+                continue
+            if levels is not None:
+                removed += self._release(w, group, eid, rank, key, levels[i] or 0)
+            else:
+                removed += self._release_everywhere(w, group, eid, rank, key)
+            self._forget_chain(w, hashes[i], key)
         w.counters.blocks_removed += removed
         self.counters.blocks_removed += removed
 
+    def _remove(
+        self,
+        w: _Worker,
+        group: int,
+        eid: int,
+        rank: int | None,
+        keys: list[int],
+        level: int | None,
+        levels: Sequence[int] | None,
+    ) -> None:
+        """-1 reference per key: on ``level``; block by block on ``levels`` when ``level`` is
+        None; on every tier that holds it when both are None."""
+        removed = 0
+        anomalies = 0
+        present = w.present
+        if (w.compact and group == w.group and not w.ledger
+                and (level is not None or (levels is None and not present[1] and not present[2]))):
+            # The common case, kept tight: one layer group, one tier, nothing pending. (A
+            # removal from every tier while only the GPU holds anything is a GPU removal.)
+            everywhere = level is None
+            t = level or 0
+            extra = w.extras[t]
+            masks = self.masks
+            bit = (1 << w.slot) << (t * self._stride)
+            clear = ~bit
+            kept = missing = 0  # references left / keys not held
+            for key in keys:
+                try:
+                    m = masks[key]
+                except KeyError:  # held by nobody: rare, an anomaly
+                    m = 0
+                if m & bit:
+                    if extra and key in extra:
+                        c = extra.pop(key)
+                        if c > 1:
+                            extra[key] = c - 1
+                        kept += 1
+                    elif m := m & clear:
+                        masks[key] = m
+                    else:
+                        del masks[key]
+                else:
+                    missing += 1
+                    if not everywhere:
+                        self._release(w, group, eid, rank, key, t)
+            removed = len(keys) - missing
+            present[t] -= removed - kept
+            if everywhere:
+                anomalies = missing  # held nowhere: nothing can be pending either
+        elif level is not None:
+            for key in keys:
+                removed += self._release(w, group, eid, rank, key, level)
+        elif levels is not None:
+            for key, t in zip(keys, levels, strict=True):
+                removed += self._release(w, group, eid, rank, key, t or 0)
+        else:
+            for key in keys:
+                removed += self._release_everywhere(w, group, eid, rank, key)
+        if anomalies:
+            w.counters.anomalies += anomalies
+            self.counters.anomalies += anomalies
+        w.counters.blocks_removed += removed
+        self.counters.blocks_removed += removed
+
+    def _release_everywhere(
+        self, w: _Worker, group: int, eid: int, rank: int | None, key: int
+    ) -> int:
+        """A removal without tiers: one reference from every tier that holds ``key``."""
+        held = [t for t in range(TIERS) if self._count(w, group, t, key)]
+        if not held:
+            w.counters.anomalies += 1
+            self.counters.anomalies += 1
+        return sum([self._release(w, group, eid, rank, key, t) for t in held])
+
     def _forget_chain(self, w: _Worker, raw_hash: object, key: int) -> None:
-        for tiers in w.groups.values():
-            for d in tiers:
-                if key in d:
-                    return
+        if w.compact:
+            m, stride = self.masks.get(key, 0) >> w.slot, self._stride
+            if m & 1 or (m >> stride) & 1 or (m >> 2 * stride) & 1:  # held on a tier (TIERS = 3)
+                return
+        elif any(key in d for tiers in w.groups.values() for d in tiers):
+            return
         # Keep the mapping a while: a block removed from one tier is often announced on
         # another right after (by hash only), and a late child may still name it as parent.
         h = self._resolve_engine(raw_hash)
@@ -947,7 +1109,7 @@ class KvIndex:
         if old == new:
             return
         self._release(w, group, eid, rank, key, old)
-        self._store(w, group, eid, rank, [key], [new])
+        self._store(w, group, eid, rank, [key], new, None)
         # _store counted a stored block; a move is not a store.
         w.counters.blocks_stored -= 1
         self.counters.blocks_stored -= 1
@@ -976,15 +1138,28 @@ class KvIndex:
     def _drop_blocks(self, w: _Worker) -> None:
         masks = self.masks
         stride = self._stride
-        for t in range(TIERS):
-            clear = ~((1 << w.slot) << (t * stride))
-            for tiers in w.groups.values():
-                for h in tiers[t]:
-                    m = masks.get(h, 0) & clear
+        if w.compact:
+            if any(w.present):
+                # The worker keeps no list of its hashes: find them by its bits (in C loops).
+                bits = sum((1 << w.slot) << (t * stride) for t in range(TIERS))
+                clear = ~bits
+                for h in list(compress(masks, map(and_, masks.values(), repeat(bits)))):
+                    m = masks[h] & clear
                     if m:
                         masks[h] = m
                     else:
-                        masks.pop(h, None)
+                        del masks[h]
+        else:
+            for t in range(TIERS):
+                clear = ~((1 << w.slot) << (t * stride))
+                for tiers in w.groups.values():
+                    for h in tiers[t]:
+                        m = masks.get(h, 0) & clear
+                        if m:
+                            masks[h] = m
+                        else:
+                            masks.pop(h, None)
+        w.compact, w.group, w.extras = True, None, [{} for _ in range(TIERS)]
         w.groups.clear()
         w.ledger.clear()
         w.chain.clear()
@@ -1001,24 +1176,6 @@ class KvIndex:
                 out |= ((m >> (t * old)) & full) << (t * new)
             masks[h] = out
         self._stride = new
-
-
-def _int_keys(raw: Sequence[Any]) -> list[int] | None:
-    """Int hashes taken modulo 2**64, or None when some are not ints (the slow path)."""
-    try:
-        return [h & _M64 for h in raw]  # str & int and float & int raise TypeError
-    except TypeError:
-        return None
-
-
-def _hex_keys(raw: Sequence[Any]) -> list[int] | None:
-    """``v2_sha256`` hex digests normalized (first 8 bytes), or None to take the slow path."""
-    try:
-        if max(map(len, raw)) > 64:
-            return None
-        return [int(h[:16], 16) for h in raw]
-    except (TypeError, ValueError):
-        return None
 
 
 def _first(step: tuple[int, int | None, int]) -> int:

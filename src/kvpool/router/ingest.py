@@ -3,18 +3,22 @@
 * **vLLM-format workers** (``vllm``, and ``kvpool`` workers publishing over ZMQ): one thread
   per worker runs a :class:`~kvpool.events.zmq.ZmqEventSubscriber` (sequence numbers, gap
   repair through the replay socket, restart detection) and decodes each batch with
-  :func:`~kvpool.events.vllm_msgpack.decode_vllm_batch` (map and positional events). Decoded
-  events go to the event loop, which alone touches the index. Events are numbered per worker
-  from 0, consecutively, so the index can order them; a publisher restart resets the worker
-  and the numbering. Liveness: a replay request for a sequence number past anything buffered
-  must be answered (with the end marker) within ``http_timeout_s``, every
+  :func:`~kvpool.events.vllm_msgpack.decode_vllm_keys` (map and positional events; stored and
+  removed events as keyed records, no object per block), or with
+  :func:`~kvpool.events.vllm_msgpack.decode_vllm_batch` when the index matches the worker by
+  tokens. Decoded events go to the event loop, which alone touches the index. Events are
+  numbered per worker from 0, consecutively, so the index can order them; a publisher restart
+  resets the worker and the numbering. Liveness: a replay request for a sequence number past
+  anything buffered must be answered (with the end marker) within ``http_timeout_s``, every
   ``health_interval_s``; without a replay socket, ``GET {http_base_url}/health`` is probed if
   a base URL is configured; a worker with neither is taken as healthy.
 * **TensorRT-LLM workers**: an asyncio task per worker reads ``GET {base}/server_info`` once for
   ``kv_cache_hash_algo`` (when not configured), then ``POST {base}/kv_cache_events`` every
   ``poll_interval_s`` (the call returns the engine's queued events as a JSON list and drains
-  it). A failed or non-200 poll marks the worker unhealthy; the next good one heals it. Event
-  ids that jump back to 0 (or far back) mean the engine restarted: the worker is reset.
+  it), parsed by :func:`~kvpool.events.trtllm_json.parse_trtllm_keys` (token lists skipped)
+  unless the index needs the tokens: to match by them, or to learn tokens per block. A failed
+  or non-200 poll marks the worker unhealthy; the next good one heals it. Event ids that jump
+  back to 0 (or far back) mean the engine restarted: the worker is reset.
 * **In-process feeds**: :meth:`Ingest.feed` applies :class:`~kvpool.events.model.KVCacheEvent`
   objects from a kvpool manager directly; :meth:`Ingest.feed_vllm` and
   :meth:`Ingest.feed_trtllm` decode wire payloads (for tests, benchmarks and bridges).
@@ -38,9 +42,10 @@ import aiohttp
 import zmq
 
 from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
+from kvpool.events.keyed import KeyedEvent
 from kvpool.events.model import KVCacheEvent
-from kvpool.events.trtllm_json import parse_trtllm_json
-from kvpool.events.vllm_msgpack import decode_vllm_batch
+from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
+from kvpool.events.vllm_msgpack import decode_vllm_batch, decode_vllm_keys
 from kvpool.events.zmq import END_SEQ, SubscribedBatch, ZmqEventSubscriber
 from kvpool.hashing import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
@@ -112,7 +117,7 @@ class _Delivery:
     """What a ZMQ reader thread hands to the event loop for one recv."""
 
     resets: list[int] = field(default_factory=list)  # positions in ``batches`` after a restart
-    batches: list[tuple[int, list[KVCacheEvent] | None]] = field(default_factory=list)
+    batches: list[tuple[int, list[KeyedEvent] | None]] = field(default_factory=list)
     gaps: int = 0
     replayed: int = 0
     missed: int = 0
@@ -208,24 +213,26 @@ class Ingest:
         algo = (cfg.hash_algo if cfg is not None else None) or HashAlgo.VLLM_SHA256_CBOR.value
         first = self._next_id.get(worker_id, 0)
         try:
-            batch = decode_vllm_batch(payload, hash_algo=algo, first_event_id=first,
-                                      tokens=bool(cfg is not None and cfg.match_by_tokens))
+            events = _decode_vllm(payload, algo, first, self.index.uses_tokens(worker_id))
         except EventFormatError:
             self._malformed(worker_id, status)
             return 0
-        self._next_id[worker_id] = first + len(batch.events)
-        applied = self.index.apply_many(worker_id, batch.events)
-        self._account(worker_id, status, len(batch.events))
+        self._next_id[worker_id] = first + len(events)
+        applied = self.index.apply_many(worker_id, events)
+        self._account(worker_id, status, len(events))
         return applied
 
     def feed_trtllm(self, worker_id: str, text: str | bytes) -> int:
         """Decode one TensorRT-LLM JSON event list and apply it."""
         status = self.status(worker_id)
-        cfg = self._workers.get(worker_id)
+        index = self.index
+        events: list[KeyedEvent]
         try:
-            events = parse_trtllm_json(
-                text, tokens=bool(cfg is not None and cfg.match_by_tokens)
-            )
+            # Keyed records carry neither tokens nor (unlike vLLM's) a block size to learn.
+            if index.uses_tokens(worker_id) or index.learns_block_size(worker_id):
+                events = list(parse_trtllm_json(text, tokens=True))
+            else:
+                events = parse_trtllm_keys(text)
         except EventFormatError:
             self._malformed(worker_id, status)
             return 0
@@ -259,7 +266,7 @@ class Ingest:
             logger.info("worker %s is healthy again", worker_id)
 
     def _detect_id_restart(
-        self, worker_id: str, status: TransportStatus, events: list[KVCacheEvent]
+        self, worker_id: str, status: TransportStatus, events: list[KeyedEvent]
     ) -> None:
         if not events:
             return
@@ -356,6 +363,13 @@ class Ingest:
             await asyncio.sleep(self.options.health_interval_s)
 
 
+def _decode_vllm(payload: bytes, algo: str, first_id: int, tokens: bool) -> list[KeyedEvent]:
+    """One vLLM batch as the index reads it: keyed records unless it needs the tokens."""
+    if tokens:
+        return list(decode_vllm_batch(payload, hash_algo=algo, first_event_id=first_id).events)
+    return decode_vllm_keys(payload, hash_algo=algo, first_event_id=first_id)
+
+
 class _ZmqReader(threading.Thread):
     """Owns one worker's ZMQ sockets (ZeroMQ sockets stay on the thread that made them)."""
 
@@ -365,6 +379,7 @@ class _ZmqReader(threading.Thread):
         self.loop = loop
         self.w = w
         self.algo = w.hash_algo or HashAlgo.VLLM_SHA256_CBOR.value
+        self.tokens = ingest.index.uses_tokens(w.id)  # read here, on the event loop's thread
         self.options = ingest.options
         self.stop_event = threading.Event()
         self.next_id = 0
@@ -412,16 +427,13 @@ class _ZmqReader(threading.Thread):
                 self.next_id = 0
                 d.resets.append(len(d.batches))
             try:
-                decoded = decode_vllm_batch(
-                    b.payload, hash_algo=self.algo, first_event_id=self.next_id,
-                    tokens=self.w.match_by_tokens,
-                )
+                events = _decode_vllm(b.payload, self.algo, self.next_id, self.tokens)
             except EventFormatError as exc:
                 logger.debug("worker %s sent a malformed batch %d: %s", self.w.id, b.seq, exc)
                 d.batches.append((b.seq, None))
                 continue
-            self.next_id += len(decoded.events)
-            d.batches.append((b.seq, decoded.events))
+            self.next_id += len(events)
+            d.batches.append((b.seq, events))
         self._post(self.ingest._deliver, self.w.id, d)
 
     def _probe(self, endpoint: str) -> bool:
