@@ -427,7 +427,8 @@ class SegmentedPolicy:
             counts[slot] = pop_loc(slot).pop(slot)  # ``remove`` on the GPU tier
 
     def pop_many(self, n: int) -> list[tuple[int, int]]:
-        # ``pop`` n times, its body inlined (one victim per block a batch allocates)
+        # n victims as ``pop`` gives them: a run of them from a recent segment at once, then
+        # every victim's key joins the history, in victim order
         if n > len(self._loc):
             raise IndexError(f"pop of {n} from an eviction queue of {len(self._loc)}")
         if self._expiry:
@@ -439,21 +440,24 @@ class SegmentedPolicy:
         entries = h.entries
         ghosts = h.count_ghosts
         laps = self.MAX_LAPS
-        slot = count = prio = 0
-        for _ in range(n):
-            for p, lvl in self._ranked:
-                recent = lvl.recent
-                frequent = lvl.frequent
-                nr = len(recent)
-                if nr and (not frequent or nr > h.share * (nr + len(frequent))):
-                    slot, count = recent.popitem(last=False)
-                elif frequent:
-                    slot, count = (self._pop_laps(frequent) if laps
-                                   else frequent.popitem(last=False))
-                else:
-                    continue
-                prio = p
-                break
+        victims: list[tuple[int, int]] = []  # (slot, count), in victim order
+        while len(out) < n:
+            prio, lvl = next((p, lv) for p, lv in self._ranked if lv.recent or lv.frequent)
+            recent = lvl.recent
+            nr = len(recent)
+            nf = len(lvl.frequent)
+            # victims from the recent segment while it holds more than its share of the level
+            run = 0
+            left = min(n - len(out), nr)
+            share = h.share
+            while run < left and (not nf or nr - run > share * (nr - run + nf)):
+                run += 1
+            popped = ([recent.popitem(last=False) for _ in range(run)] if run
+                      else [self._pop_laps(lvl.frequent) if laps
+                            else lvl.frequent.popitem(last=False)])
+            victims += popped
+            out += [(s, prio) for s, _ in popped]
+        for slot, count in victims:  # each victim's key joins the history
             del loc[slot]
             key = slot_keys[slot]
             if key is not None:
@@ -466,10 +470,8 @@ class SegmentedPolicy:
                     entries[key] = count if count < 255 else 255
                 if len(entries) > h.bound:
                     h.trim()
-            out.append((slot, prio))
-        if out:
-            self._last_slot = slot
-            self._last_count = count
+        if victims:
+            self._last_slot, self._last_count = victims[-1]
         return out
 
     def remove(self, slot: int) -> None:
