@@ -395,8 +395,8 @@ class KVCacheManager:
             return out
         out = free[::-1]
         free.clear()
-        pop = self._queue[0][g].pop
         if self._tiers > 1 or self._pending_dst:
+            pop = self._queue[0][g].pop
             while len(out) < n:
                 if free:  # an eviction's cascade freed its descendants' slots
                     out.append(free.pop())
