@@ -485,38 +485,9 @@ class SegmentedPolicy:
                 self._history.add(key, count, ghost=False)
 
     def pop(self) -> tuple[int, int]:
-        if self._expiry:
-            self._expire()
-        for p, lvl in self._ranked:
-            recent = lvl.recent
-            frequent = lvl.frequent
-            nr = len(recent)
-            if nr and (not frequent or nr > self._history.share * (nr + len(frequent))):
-                slot, count = recent.popitem(last=False)
-            elif frequent:
-                slot, count = (self._pop_laps(frequent) if self.MAX_LAPS
-                               else frequent.popitem(last=False))
-            else:
-                continue
-            del self._loc[slot]
-            self._last_slot = slot
-            self._last_count = count
-            key = self._keys[slot]
-            if key is not None:
-                self._keys[slot] = None
-                # KeyHistory.add inlined: one per victim
-                h = self._history
-                entries = h.entries
-                if h.count_ghosts:
-                    seq = h.seq = h.seq + 1
-                    entries[key] = seq << 8 | (count if count < 255 else 255)
-                    h.ghosts[count > 1] += 1
-                else:
-                    entries[key] = count if count < 255 else 255
-                if len(entries) > h.bound:
-                    h.trim()
-            return slot, p
-        raise IndexError("pop from an empty eviction queue")
+        if not self._loc:
+            raise IndexError("pop from an empty eviction queue")
+        return self.pop_many(1)[0]
 
     def should_offload(self, slot: int) -> bool:
         return self._gate_all or (slot == self._last_slot and self._last_count > 1)
