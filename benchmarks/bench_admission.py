@@ -2,6 +2,7 @@
 
 W1: 8 system prompts of 1,024 tokens; 2,000 requests, request i = prompt (i % 8) + 1,024
     unique tokens; tpb 32, 20,000 GPU blocks; each request added, stored and removed alone.
+    Token ids are random in [0, 128,256) (a Llama 3 vocabulary), as an engine passes them.
 W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesised per hash
     id, 512 tokens per id); tpb 32, 20,000 GPU blocks; each request admitted in trace order and
     held while the next 31 are admitted; a request that does not fit releases the oldest held
@@ -36,14 +37,17 @@ from kvpool.hashing import BlockHasher, HashAlgo
 from kvpool.manager import KVCacheManager
 
 TPB = 32
+VOCAB = 128_256  # Llama 3's vocabulary size: W1's token ids are in [0, VOCAB)
 WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def w1_requests(n: int) -> list[list[int]]:
+    """Token ids drawn from a real vocabulary's range (VOCAB): a random 32-token block repeats
+    with negligible probability, so the unique halves never match anything."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 2**31 - 1) for _ in range(1024)] for _ in range(8)]
-    return [prompts[i % 8] + [rng.randrange(1, 2**31 - 1) for _ in range(1024)] for i in range(n)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(1024)] for _ in range(8)]
+    return [prompts[i % 8] + [rng.randrange(VOCAB) for _ in range(1024)] for i in range(n)]
 
 
 class HashTimer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,6 +29,7 @@ from kvpool.eviction import (
     PrioritizedLRU,
     SegmentedPolicy,
     TwoQueue,
+    _recent_run,
     make_policies,
     make_policy,
 )
@@ -64,6 +66,24 @@ def release_again(p: EvictionPolicy, slot: int, times: int = 1) -> None:
 
 
 # ---------------------------------------------------------------------------- orders
+
+
+@given(
+    nr=st.integers(0, 5000),
+    nf=st.integers(0, 5000),
+    share=st.one_of(st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0]),
+                    st.floats(0.0, 1.0, allow_nan=False)),
+    left=st.integers(1, 6000),
+)
+def test_recent_run_is_the_victim_test_applied_one_by_one(
+    nr: int, nf: int, share: float, left: int
+) -> None:
+    # the segmented policies' rule, one victim at a time: the recent segment gives it while
+    # it holds more than ``share`` of the level, or the frequent segment is empty
+    run = 0
+    while run < min(left, nr) and (not nf or nr - run > share * (nr - run + nf)):
+        run += 1
+    assert _recent_run(nr, nf, share, left) == run
 
 
 def test_lru_order_and_priority() -> None:

@@ -434,45 +434,48 @@ class SegmentedPolicy:
         if self._expiry:
             self._expire()
         out: list[tuple[int, int]] = []
-        loc = self._loc
-        slot_keys = self._keys
         h = self._history
-        entries = h.entries
-        ghosts = h.count_ghosts
         laps = self.MAX_LAPS
         victims: list[tuple[int, int]] = []  # (slot, count), in victim order
         while len(out) < n:
             prio, lvl = next((p, lv) for p, lv in self._ranked if lv.recent or lv.frequent)
             recent = lvl.recent
-            nr = len(recent)
-            nf = len(lvl.frequent)
-            # victims from the recent segment while it holds more than its share of the level
-            run = 0
-            left = min(n - len(out), nr)
-            share = h.share
-            while run < left and (not nf or nr - run > share * (nr - run + nf)):
-                run += 1
+            run = _recent_run(len(recent), len(lvl.frequent), h.share, n - len(out))
             popped = ([recent.popitem(last=False) for _ in range(run)] if run
                       else [self._pop_laps(lvl.frequent) if laps
                             else lvl.frequent.popitem(last=False)])
             victims += popped
             out += [(s, prio) for s, _ in popped]
-        for slot, count in victims:  # each victim's key joins the history
+        if victims:
+            self._forget(victims)
+            self._last_slot, self._last_count = victims[-1]
+        return out
+
+    def _forget(self, victims: list[tuple[int, int]]) -> None:
+        """Unqueue popped victims; each one's key joins the history, in victim order."""
+        loc = self._loc
+        slot_keys = self._keys
+        h = self._history
+        entries = h.entries
+        if h.count_ghosts or len(entries) + len(victims) > h.bound:
+            for slot, count in victims:  # stamps, ghost counts or a trim on the way
+                del loc[slot]
+                key = slot_keys[slot]
+                if key is not None:
+                    slot_keys[slot] = None
+                    h.add(key, count, ghost=True)
+            return
+        # no trim can happen: the entries go in at once, in order
+        keys: list[BlockKey] = []
+        counts: list[int] = []
+        for slot, count in victims:
             del loc[slot]
             key = slot_keys[slot]
             if key is not None:
                 slot_keys[slot] = None
-                if ghosts:
-                    seq = h.seq = h.seq + 1
-                    entries[key] = seq << 8 | (count if count < 255 else 255)
-                    h.ghosts[count > 1] += 1
-                else:
-                    entries[key] = count if count < 255 else 255
-                if len(entries) > h.bound:
-                    h.trim()
-        if victims:
-            self._last_slot, self._last_count = victims[-1]
-        return out
+                keys.append(key)
+                counts.append(count if count < 255 else 255)
+        entries.update(zip(keys, counts, strict=True))
 
     def remove(self, slot: int) -> None:
         count = self._loc.pop(slot).pop(slot)
@@ -715,6 +718,29 @@ class ARC(SegmentedPolicy):
             history.share = min(1.0, history.share + max(1.0, b2 / b1) / size)
         else:
             history.share = max(0.0, history.share - max(1.0, b1 / b2) / size)
+
+
+def _recent_run(nr: int, nf: int, share: float, left: int) -> int:
+    """How many of the next ``left`` victims of a level come from its recent segment.
+
+    The recent segment (``nr`` blocks) gives a victim while it holds more than ``share`` of
+    the level (``nf`` frequent blocks), or the frequent segment is empty. That test
+    ``nr - r > share * (nr - r + nf)`` holds for r = 0, 1, ... up to some point and then no
+    more: the run is found from the closed form and settled exactly by the same test.
+    """
+    if not nf:
+        return min(left, nr)
+    if not 0.0 < share < 1.0:
+        run = 0
+        while run < left and run < nr and nr - run > share * (nr - run + nf):
+            run += 1
+        return run
+    run = min(max(nr - int(share * nf / (1.0 - share)) - 1, 0), left)
+    while run > 0 and not nr - run + 1 > share * (nr - run + 1 + nf):
+        run -= 1
+    while run < left and nr - run > share * (nr - run + nf):
+        run += 1
+    return run
 
 
 def _check_gate(gate: object) -> None:
