@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import random
+import struct
 from collections import Counter
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpool.errors import DuplicateWorkerError, UnknownHashAlgorithmError, UnknownWorkerError
 from kvpool.events.index import EventIndex
+from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredTokens, token_bytes
 from kvpool.events.model import (
     AllCleared,
     Created,
@@ -540,3 +543,100 @@ def test_request_keys_match_a_hasher_driven_by_hand() -> None:
     full = h.extend(tokens[:8])
     tail = h.key_of_prefix_block(tokens_to_u32(tokens[8:9]))
     assert request_keys("v1", 4, tokens_to_u32(tokens), None) == [*full, tail]
+
+
+# --------------------------------------------------------- token matching: the index's own chain
+
+
+def _reference_chain(start: int, blocks: list[tuple[int, ...]]) -> list[int]:
+    """``key_i = xxh3_64(block_i as u32 LE, seed=key_{i-1})``, block by block."""
+    out = []
+    for toks in blocks:
+        start = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(toks)}I", *toks), start)
+        out.append(start)
+    return out
+
+
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 40), tpb=st.integers(1, 5))
+def test_a_token_matched_worker_holds_what_a_worker_publishing_the_chain_keys_holds(
+    seed: int, steps: int, tpb: int
+) -> None:
+    """Token matching maps the engine's hashes onto the index's chain: the index then holds,
+    block for block, what it holds for a worker publishing the chain keys themselves. Stored
+    chains come as events (any block sizes, token-less re-announcements, mixed tiers) or as
+    StoredTokens records; removals as events or RemovedKeys records, with duplicates, engine
+    hashes sharing a key, hashes never stored and every kind of tier."""
+    rng = random.Random(seed)
+    mapped: dict[int, int] = {}  # engine hash -> chain key, as the token-matched worker maps it
+    tokens = KvIndex()
+    tokens.add_worker("w", match_by_tokens=True, tokens_per_block=tpb)
+    keyed = KvIndex()
+    keyed.add_worker("w", tokens_per_block=tpb)
+    for eid in range(steps):
+        if rng.random() < 0.6 or not mapped:
+            parent = rng.choice([None, *mapped]) if rng.random() < 0.7 else None
+            lora = rng.choice([None, None, 3])
+            key = token_chain_root(lora) if parent is None else mapped[parent]
+            engine = [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+            blocks, chain, sizes = [], [], []
+            for i, h in enumerate(engine):
+                last = i == len(engine) - 1
+                size = rng.choice([tpb, tpb, rng.randint(1, tpb) if last else tpb])
+                if h in mapped and rng.random() < 0.2:
+                    size = 0  # re-announced by hash alone
+                elif rng.random() < 0.1:
+                    size = rng.randint(1, tpb + 1)  # irregular sizes: block by block
+                toks = tuple(rng.randrange(2**32) if rng.random() < 0.05 else rng.randrange(50)
+                             for _ in range(size))
+                key = mapped[h] if size == 0 else _reference_chain(key, [toks])[0]
+                blocks.append(toks)
+                chain.append(key)
+                sizes.append(size)
+            tiers = [rng.randrange(TIERS)] * len(engine)
+            if rng.random() < 0.2:
+                tiers = [rng.randrange(TIERS) for _ in engine]
+            regular = (len(set(tiers)) == 1 and all(sizes) and sizes[-1] <= sizes[0]
+                       and all(s == sizes[0] for s in sizes[:-1]))
+            if regular and rng.random() < 0.5:
+                record: KeyedEvent = StoredTokens(
+                    eid, list(engine), b"".join(struct.pack(f"<{len(t)}I", *t) for t in blocks),
+                    sizes[0], parent, lora, tiers[0])
+                assert tokens.apply("w", record)
+            else:
+                assert tokens.apply("w", ev(eid, Stored(parent, tuple(
+                    StoredBlock(h, t, tier, lora_id=lora)
+                    for h, t, tier in zip(engine, blocks, tiers, strict=True)))))
+            keyed.apply("w", ev(eid, Stored(None, tuple(
+                StoredBlock(k, (), tier) for k, tier in zip(chain, tiers, strict=True)))))
+            mapped.update(zip(engine, chain, strict=True))
+        else:
+            engine = [rng.choice([*mapped, 99]) for _ in range(rng.randint(1, 5))]
+            # a hash never stored (99): an anomaly for both (key 0: no block has it)
+            keys = [mapped.get(h, 0) for h in engine]
+            shape = rng.randrange(4)
+            levels: tuple[int, ...] | None = None
+            if shape == 1:
+                levels = (rng.randrange(TIERS),) * len(engine)
+            elif shape == 2:
+                levels = tuple(rng.randrange(TIERS) for _ in engine)
+            if shape == 3 or (levels is not None and len(set(levels)) == 1 and rng.random() < .5):
+                level = None if levels is None else levels[0]
+                assert tokens.apply("w", RemovedKeys(eid, engine, level))
+            else:
+                assert tokens.apply("w", ev(eid, Removed(tuple(engine), levels)))
+            keyed.apply("w", ev(eid, Removed(tuple(keys), levels)))
+        assert tokens.masks == keyed.masks
+        assert tokens.counters == keyed.counters
+    assert tokens.counters.events_malformed == keyed.counters.events_malformed == 0
+
+
+def test_stored_chains_with_bad_token_ids_are_malformed_whole() -> None:
+    index = KvIndex()
+    index.add_worker("w", match_by_tokens=True, tokens_per_block=2)
+    for bad in ((1, -1), (1, 2**32), (1, 1.5), (1, "x")):
+        blocks = (StoredBlock(1, (5, 6)), StoredBlock(2, bad))  # type: ignore[arg-type]
+        assert not index.apply("w", ev(0, Stored(None, blocks)))
+    assert index.counters.events_malformed == 4 and not index.masks
+    assert token_bytes([0, 2**32 - 1]) == b"\x00" * 4 + b"\xff" * 4
+    with pytest.raises(ValueError):
+        token_bytes([2**32])

@@ -17,10 +17,12 @@ from kvpool.events.keyed import (
     KeyedEvent,
     RemovedKeys,
     StoredKeys,
+    StoredTokens,
     digest_keys,
     hex_keys,
     normalize_hash,
     normalize_hashes,
+    token_bytes,
 )
 from kvpool.events.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvpool.events.trtllm_json import parse_trtllm_dicts, parse_trtllm_json, parse_trtllm_keys
@@ -33,13 +35,14 @@ M64 = (1 << 64) - 1
 
 
 def index_state(
-    events: list[KeyedEvent], *, algo: str | None = None, tpb: int | None = None
+    events: list[KeyedEvent], *, algo: str | None = None, tpb: int | None = None,
+    by_tokens: bool = False,
 ) -> tuple[Any, ...]:
     """Everything the index makes of ``events`` (applied one by one and as a batch)."""
     states = []
     for batch in (True, False):
         index = KvIndex()
-        index.add_worker("w", hash_algo=algo, tokens_per_block=tpb)
+        index.add_worker("w", hash_algo=algo, tokens_per_block=tpb, match_by_tokens=by_tokens)
         applied = (
             index.apply_many("w", events) if batch else sum(index.apply("w", e) for e in events)
         )
@@ -190,6 +193,69 @@ def test_vllm_keyed_decoding_means_what_the_checked_decoding_means(
     # The index learns algorithm and block size from either stream alike.
     assert index_state(got) == index_state(expected)
     assert index_state(got, algo=algo, tpb=4) == index_state(expected, algo=algo, tpb=4)
+
+
+@given(vllm_payloads(), st.sampled_from(["vllm_sha256_cbor", "v2_sha256", "v1_block_key"]),
+       st.integers(0, 1000), st.data())
+def test_vllm_keyed_decoding_with_tokens_means_what_the_checked_decoding_means(
+    payload: bytes, algo: str, first: int, data: st.DataObject
+) -> None:
+    expected = outcome(lambda: decode_vllm_batch(payload, hash_algo=algo, first_event_id=first)
+                       .events)
+    got = outcome(decode_vllm_keys, payload, hash_algo=algo, first_event_id=first, tokens=True)
+    assert (got is None) == (expected is None)
+    if got is None or expected is None:
+        return
+    assert [e.event_id for e in got] == [e.event_id for e in expected]
+    for by_tokens in (True, False):
+        assert index_state(got, by_tokens=by_tokens) == index_state(expected, by_tokens=by_tokens)
+        assert (index_state(got, algo=algo, tpb=4, by_tokens=by_tokens)
+                == index_state(expected, algo=algo, tpb=4, by_tokens=by_tokens))
+    # Chains under the stored blocks' hashes (parents the payloads rarely name by chance).
+    held = [k for e in got if isinstance(e, StoredTokens) for k in e.keys]
+    if held:
+        size = data.draw(st.integers(1, 3))
+        child = msgspec.msgpack.encode([0.0, [
+            {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash":
+             data.draw(st.sampled_from(held)), "token_ids": list(range(size + 1)),
+             "block_size": size, "lora_id": None, "medium": None, "lora_name": None},
+        ], None])
+        start = first + len(got)
+        assert (index_state([*got, *decode_vllm_keys(child, hash_algo=algo,
+                                                     first_event_id=start, tokens=True)],
+                            by_tokens=True)
+                == index_state([*expected, *decode_vllm_batch(child, hash_algo=algo,
+                                                              first_event_id=start).events],
+                               by_tokens=True))
+
+
+def test_vllm_keyed_decoding_with_tokens_cuts_blocks_as_the_checked_decoding() -> None:
+    """token_ids may cover more blocks than block_hashes names: aligned to the last block."""
+    stored: dict[str, Any] = {
+        "type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None,
+        "token_ids": list(range(10)), "block_size": 4, "lora_id": 3, "medium": "CPU",
+        "lora_name": None}
+    payload = msgspec.msgpack.encode([0.0, [stored], 1])
+    (record,) = decode_vllm_keys(payload, first_event_id=9, tokens=True)
+    assert record == StoredTokens(9, [5, 6], token_bytes(range(4, 10)), 4, None, 3, 1, 0,
+                                  "vllm_sha256_cbor", 1)
+    (event,) = decode_vllm_batch(payload, first_event_id=9).events
+    assert isinstance(event.data, Stored)
+    assert [b.tokens for b in event.data.blocks] == [(4, 5, 6, 7), (8, 9)]
+    # Token ids a record cannot carry leave the event an ordinary one, for the index to reject;
+    # so does a parent that makes no key (a v2_sha256 digest longer than 32 bytes).
+    for changes in ({"token_ids": [1, 2, 3, 2**32]},  # an id too large
+                    {"token_ids": list(range(3))},  # a block without any
+                    {"parent_block_hash": b"\x01" * 40}):
+        payload = msgspec.msgpack.encode([0.0, [{**stored, **changes}], None])
+        (event,) = decode_vllm_keys(payload, hash_algo="v2_sha256", tokens=True)
+        assert event == decode_vllm_batch(payload, hash_algo="v2_sha256").events[0]
+    # A chain of one partial block: its tokens, not block_size, are what the index learns.
+    payload = msgspec.msgpack.encode([0.0, [{**stored, "block_hashes": [5],
+                                             "token_ids": [1, 2, 3]}], None])
+    for by_tokens in (True, False):
+        assert (index_state(decode_vllm_keys(payload, tokens=True), by_tokens=by_tokens)
+                == index_state(list(decode_vllm_batch(payload).events), by_tokens=by_tokens))
 
 
 def test_vllm_keyed_decoding_does_not_read_token_ids() -> None:

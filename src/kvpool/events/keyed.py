@@ -4,18 +4,22 @@ The router's index keys every block by an unsigned 64-bit int (:func:`normalize_
 neither tokens, priorities nor multimodal keys. The wire decoders can therefore hand it, for the
 common events, one record per event holding the normalized keys of its blocks as a list
 (:class:`StoredKeys`, :class:`RemovedKeys`) instead of a :class:`~kvpool.events.model.Stored`
-with a :class:`~kvpool.events.model.StoredBlock` per block. Any event the records cannot carry
+with a :class:`~kvpool.events.model.StoredBlock` per block. A consumer that keys blocks by their
+tokens instead reads stored events as :class:`StoredTokens`: the keys and every block's token ids,
+in one byte string. Any event the records cannot carry
 exactly (a hash that does not normalize, blocks on mixed tiers, created and updated events) stays
 a :class:`~kvpool.events.model.KVCacheEvent`, so a keyed stream means exactly what the
 corresponding event stream means to such a consumer.
 
 Records are built by the decoders from validated input and are not checked again: ``keys`` are
-ints in ``[0, 2**64)``, ``cache_level`` is 0, 1, 2 (or None on a removal: every tier).
+ints in ``[0, 2**64)``, ``cache_level`` is 0, 1, 2 (or None on a removal: every tier), a
+record's ``tokens`` are cut into blocks as :class:`StoredTokens` says.
 """
 
 from __future__ import annotations
 
 import binascii
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -29,10 +33,12 @@ __all__ = [
     "KeyedEvent",
     "RemovedKeys",
     "StoredKeys",
+    "StoredTokens",
     "digest_keys",
     "hex_keys",
     "normalize_hash",
     "normalize_hashes",
+    "token_bytes",
 ]
 
 _M64: Final = (1 << 64) - 1
@@ -68,8 +74,42 @@ class RemovedKeys(msgspec.Struct, gc=False):
     attention_dp_rank: int | None = None
 
 
-KeyedEvent = KVCacheEvent | StoredKeys | RemovedKeys
+@final
+class StoredTokens(msgspec.Struct, gc=False):
+    """A chain of blocks stored on one tier, as normalized keys with the blocks' token ids.
+
+    ``tokens`` holds the token ids of every block back to back as unsigned 32-bit little-endian
+    ints (:func:`token_bytes`): block ``i`` has ids ``i * block_size`` up to ``(i + 1) *
+    block_size``; every block has at least one, only the last may have fewer than
+    ``block_size``. ``parent`` is the normalized key of the block the chain continues, None
+    when it starts the reuse scope of ``lora_id``.
+    """
+
+    event_id: int
+    keys: list[int]
+    tokens: bytes
+    block_size: int
+    parent: int | None = None
+    lora_id: int | None = None
+    cache_level: int = 0
+    layer_group_id: int = 0
+    hash_algo: str = "v1_block_key"
+    attention_dp_rank: int | None = None
+
+
+KeyedEvent = KVCacheEvent | StoredKeys | RemovedKeys | StoredTokens
 """One event of a keyed stream."""
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as unsigned 32-bit little-endian ints, back to back (one conversion in C).
+
+    Raises :class:`ValueError` unless every id is an int in ``[0, 2**32)``.
+    """
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
 
 
 def normalize_hash(value: object) -> int:

@@ -48,7 +48,14 @@ from typing import Annotated, Any, Final, cast
 import msgspec
 
 from kvpool.errors import EventFormatError, InvalidArgumentError
-from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredKeys, digest_keys
+from kvpool.events.keyed import (
+    KeyedEvent,
+    RemovedKeys,
+    StoredKeys,
+    StoredTokens,
+    digest_keys,
+    token_bytes,
+)
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
     AllCleared,
@@ -340,6 +347,7 @@ def decode_vllm_keys(
     *,
     hash_algo: str = HashAlgo.VLLM_SHA256_CBOR.value,
     first_event_id: int = 0,
+    tokens: bool = False,
 ) -> list[KeyedEvent]:
     """Decode one batch for a consumer keyed by block hashes (the router's index).
 
@@ -349,16 +357,20 @@ def decode_vllm_keys(
     records holding their blocks' normalized keys: no object per block. Token ids are neither
     built nor checked (as with ``tokens=False``); a stored record carries the token count of
     its first block (from ``block_size`` and the length of ``token_ids``), so the block size
-    is learned as from the full events. Hashes that do not make a key (a ``v2_sha256`` digest
-    longer than 32 bytes) leave their event an ordinary one, for the consumer to reject;
-    batches only the generic decoder reads (positional events, map batches) come back as
-    ordinary events.
+    is learned as from the full events. With ``tokens=True`` (a consumer that keys blocks by
+    their tokens) stored events come as :class:`~kvpool.events.keyed.StoredTokens` records
+    instead: the blocks' token ids, cut as :func:`decode_vllm_batch` cuts them, in one byte
+    string; a stored event whose tokens such a record cannot carry (a block without tokens,
+    an id outside ``[0, 2**32)``) stays an ordinary one. Hashes that do not make a key (a
+    ``v2_sha256`` digest longer than 32 bytes) leave their event an ordinary one, for the
+    consumer to reject; batches only the generic decoder reads (positional events, map
+    batches) come back as ordinary events.
 
     Raises:
         EventFormatError: as :func:`decode_vllm_batch`.
     """
     try:
-        batch = _TYPED_DECODER_NO_TOKENS.decode(payload)
+        batch = (_TYPED_DECODER if tokens else _TYPED_DECODER_NO_TOKENS).decode(payload)
     except (msgspec.DecodeError, TypeError):
         events: list[KeyedEvent] = list(_decode_generic(payload, hash_algo, first_event_id).events)
         return events
@@ -366,6 +378,8 @@ def decode_vllm_keys(
     for index, ev in enumerate(batch.events):
         if type(ev) is _InStoredNoTokens:
             decoder.stored_keys(ev, index)
+        elif type(ev) is _InStored:
+            decoder.stored_tokens(ev, index)
         elif type(ev) is _InRemoved:
             decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
         else:
@@ -588,6 +602,37 @@ class _Decoder:
             StoredKeys(self.next_id, keys, level, ev.group_idx or 0, self.algo, self.rank, first)
         )
         self.next_id += 1
+
+    def stored_tokens(self, ev: _InStored, index: int) -> None:
+        """Emit one stored event as a record with its tokens (see :func:`decode_vllm_keys`)."""
+        raw, parent, tokens = ev.block_hashes, ev.parent_block_hash, ev.token_ids
+        if parent is not None:
+            self.hash(parent, index, "parent_block_hash")
+        level = self.tier(ev.medium, index) or 0
+        if not raw:
+            return
+        keys = self.keys(raw)
+        parent_keys = [] if parent is None else self.keys([parent])
+        size, n, n_tokens = ev.block_size or 0, len(raw), len(tokens)
+        # Cut as stored() cuts, aligned to the last block; a record needs tokens in every block.
+        base = max(0, -(-n_tokens // size) - n) * size if size else 0
+        if keys is not None and parent_keys is not None and size and (
+            base + (n - 1) * size < n_tokens
+        ):
+            end = base + n * size
+            try:
+                data = token_bytes(tokens[base:end] if base or end < n_tokens else tokens)
+            except ValueError:  # an id outside u32: the event path names it
+                pass
+            else:
+                self.out.append(StoredTokens(
+                    self.next_id, keys, data, size, parent_keys[0] if parent_keys else None,
+                    ev.lora_id, level, ev.group_idx or 0, self.algo, self.rank,
+                ))
+                self.next_id += 1
+                return
+        self.stored(raw, parent, tokens, ev.block_size, ev.lora_id, ev.medium, ev.group_idx,
+                    ev.kv_cache_spec_sliding_window, index)
 
     def removed_keys(
         self, raw: list[int | bytes], medium: Any, group: int | None, index: int

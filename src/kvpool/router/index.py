@@ -57,11 +57,12 @@ from __future__ import annotations
 import sys
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import and_
-from typing import Final
+from typing import Final, cast
 
 import xxhash
 
@@ -75,8 +76,10 @@ from kvpool.events.keyed import (
     KeyedEvent,
     RemovedKeys,
     StoredKeys,
+    StoredTokens,
     normalize_hash,
     normalize_hashes,
+    token_bytes,
 )
 from kvpool.events.model import (
     AllCleared,
@@ -179,10 +182,13 @@ def token_chain_keys(
     Every block of ``tokens`` is keyed, a trailing partial one included (its shorter byte
     string keys differently from any full block). Used for ``match_by_tokens`` workers.
     """
-    raw = _u32_bytes(tokens)
+    return _chain(_u32_bytes(tokens), tokens_per_block, root)
+
+
+def _chain(raw: bytes, tokens_per_block: int, key: int) -> list[int]:
+    """The chained keys of ``raw`` (u32 LE token ids) cut into blocks, after the key ``key``."""
     step = 4 * tokens_per_block
     out: list[int] = []
-    key = root
     for off in range(0, len(raw), step):
         key = _XXH3(raw[off:off + step], key)
         out.append(key)
@@ -287,9 +293,11 @@ class _Worker:
     # attention-DP rank -> which event ids have been seen
     streams: dict[int | None, _Stream] = field(default_factory=dict)
     arrived_late: bool = False  # the event being applied came after one with a larger id
-    # match_by_tokens: engine hash -> the index's chain key (held blocks, recently removed)
+    # match_by_tokens: engine hash -> the index's chain key (held blocks, recently removed).
+    # The recent ones are dropped oldest first: an OrderedDict drops its first entry in O(1),
+    # a dict would scan the holes that earlier drops left at its front.
     chain: dict[int, int] = field(default_factory=dict)
-    chain_recent: dict[int, int] = field(default_factory=dict)
+    chain_recent: OrderedDict[int, int] = field(default_factory=OrderedDict)
     present: list[int] = field(default_factory=lambda: [0] * TIERS)
     capacity: dict[int, tuple[int, ...]] = field(default_factory=dict)
     created_seen: set[tuple[int, int | None]] = field(default_factory=set)
@@ -569,9 +577,8 @@ class KvIndex:
 
     def _apply(self, w: _Worker, ev: KeyedEvent) -> bool:
         try:
-            if type(ev) is not StoredKeys and type(ev) is not RemovedKeys and not isinstance(
-                ev, KVCacheEvent
-            ):
+            if (type(ev) is not StoredKeys and type(ev) is not RemovedKeys
+                    and type(ev) is not StoredTokens and not isinstance(ev, KVCacheEvent)):
                 raise _Malformed(f"not a KVCacheEvent: {type(ev).__name__}")
             eid = ev.event_id
             group = ev.layer_group_id
@@ -599,11 +606,12 @@ class KvIndex:
             if type(ev) is StoredKeys:
                 if ev.keys:
                     self._apply_stored_keys(w, group, eid, rank, ev)
+            elif type(ev) is StoredTokens:
+                if ev.keys:
+                    self._apply_stored_tokens(w, group, eid, rank, ev)
             elif type(ev) is RemovedKeys:
-                if w.match_by_tokens:  # engine hashes: mapped as the event path maps them
-                    keys, level = ev.keys, ev.cache_level
-                    levels = None if level is None else (level,) * len(keys)
-                    self._apply_removed(w, group, eid, rank, Removed(tuple(keys), levels))
+                if w.match_by_tokens:  # engine hashes: mapped onto the index's keys first
+                    self._remove_mapped(w, group, eid, rank, ev.keys, ev.cache_level, None)
                 else:
                     self._remove(w, group, eid, rank, ev.keys, ev.cache_level, None)
             else:
@@ -679,11 +687,7 @@ class KvIndex:
         if w.match_by_tokens:
             keys = self._chain_keys(w, data.parent_hash, blocks, keys)
         if not w.tpb_configured:
-            # Only a chain's last block may be partial: the first is the longest.
-            longest = len(blocks[0].tokens)
-            if longest > (w.tpb or 0):
-                w.tpb = longest
-                self._groups_cache = None
+            self._learn_tpb(w, len(blocks[0].tokens))
         self._store(w, group, eid, rank, keys, level, levels)
 
     def _apply_stored_keys(
@@ -695,51 +699,74 @@ class KvIndex:
             blocks = tuple([StoredBlock(k, (), ev.cache_level) for k in keys])
             self._apply_stored(w, group, eid, rank, Stored(None, blocks))
             return
-        if not w.tpb_configured and ev.block_tokens > (w.tpb or 0):
-            w.tpb = ev.block_tokens
-            self._groups_cache = None
+        self._learn_tpb(w, ev.block_tokens)
         self._store(w, group, eid, rank, keys, ev.cache_level, None)
+
+    def _apply_stored_tokens(
+        self, w: _Worker, group: int, eid: int, rank: int | None, ev: StoredTokens
+    ) -> None:
+        keys = ev.keys
+        if w.match_by_tokens:
+            start = self._chain_start(w, ev.parent, ev.lora_id)
+            engine, keys = keys, _chain(ev.tokens, ev.block_size, start)
+            w.chain.update(zip(engine, keys, strict=True))
+        self._learn_tpb(w, min(ev.block_size, len(ev.tokens) // 4))
+        self._store(w, group, eid, rank, keys, ev.cache_level, None)
+
+    def _learn_tpb(self, w: _Worker, block_tokens: int) -> None:
+        """A chain's first block holds ``block_tokens`` tokens (its longest: only a chain's
+        last block may be partial)."""
+        if not w.tpb_configured and block_tokens > (w.tpb or 0):
+            w.tpb = block_tokens
+            self._groups_cache = None
+
+    def _chain_start(self, w: _Worker, parent: object, lora_id: int | None) -> int:
+        """The key a stored chain's first block is hashed after: its reuse scope's root, or the
+        index's key of its parent."""
+        if parent is None:
+            return token_chain_root(lora_id, None)
+        try:
+            ph = normalize_hash(parent)
+        except ValueError as exc:
+            raise _Malformed(str(exc)) from None
+        found = self._chain_get(w, ph)
+        if found is None:
+            raise _Skipped("stored chain under a parent the index never saw")
+        return found
 
     def _chain_keys(
         self, w: _Worker, parent: object, blocks: Sequence[StoredBlock], engine: list[int]
     ) -> list[int]:
-        if parent is None:
-            key = token_chain_root(blocks[0].lora_id, None)
-        else:
-            try:
-                ph = normalize_hash(parent)
-            except ValueError as exc:
-                raise _Malformed(str(exc)) from None
-            found = self._chain_get(w, ph)
-            if found is None:
-                raise _Skipped("stored chain under a parent the index never saw")
-            key = found
-        out: list[int] = []
+        key = self._chain_start(w, parent, blocks[0].lora_id)
         try:
             # One conversion for the whole chain; blocks are slices of it.
-            arr = array("I")
-            for b in blocks:
-                arr.extend(b.tokens)
-            raw = memoryview(_u32_bytes(arr))
-        except (TypeError, OverflowError, ValueError) as exc:
+            tokens = [b.tokens for b in blocks]
+            flat: list[int] = []
+            for t in tokens:
+                flat += t
+            raw = token_bytes(flat)
+            sizes = list(map(len, tokens))
+        except (TypeError, ValueError) as exc:
             raise _Malformed(f"bad token ids in a stored block: {exc}") from None
-        off = 0
-        for b, h in zip(blocks, engine, strict=True):
-            size = 4 * len(b.tokens)
-            if not size:
-                # A block re-announced by hash alone (vLLM's offloading connector, and kvpool's
-                # encoding of a tier move): it must be one we already keyed.
-                known = self._chain_get(w, h)
-                if known is None:
-                    raise _Skipped("stored block without tokens the index cannot map")
-                key = known
-            else:
-                key = _XXH3(raw[off:off + size], key)
-                off += size
-            out.append(key)
-        chain = w.chain
-        for h, k in zip(engine, out, strict=True):
-            chain[h] = k
+        size, n = sizes[0], len(sizes)
+        if 0 < sizes[-1] <= size and sizes.count(size) == n - (sizes[-1] != size):
+            out = _chain(raw, size, key)  # full blocks, the last one maybe partial: the usual
+        else:
+            out = []
+            off = 0
+            for size, h in zip(sizes, engine, strict=True):
+                if not size:
+                    # A block re-announced by hash alone (vLLM's offloading connector, and
+                    # kvpool's encoding of a tier move): it must be one we already keyed.
+                    known = self._chain_get(w, h)
+                    if known is None:
+                        raise _Skipped("stored block without tokens the index cannot map")
+                    key = known
+                else:
+                    key = _XXH3(raw[4 * off:4 * (off + size)], key)
+                    off += size
+                out.append(key)
+        w.chain.update(zip(engine, out, strict=True))
         return out
 
     @staticmethod
@@ -975,25 +1002,58 @@ class KvIndex:
                 level = levels[0]
                 if levels.count(level) != len(levels):
                     level = None  # mixed tiers: block by block
-        if not w.match_by_tokens:
-            try:
-                keys = normalize_hashes(hashes)
-            except ValueError as exc:
-                raise _Malformed(str(exc)) from None
+        try:
+            keys = normalize_hashes(hashes)
+        except ValueError as exc:
+            raise _Malformed(str(exc)) from None
+        if w.match_by_tokens:
+            self._remove_mapped(w, group, eid, rank, keys, level, levels)
+        else:
             self._remove(w, group, eid, rank, keys, level, levels)
+
+    def _remove_mapped(
+        self,
+        w: _Worker,
+        group: int,
+        eid: int,
+        rank: int | None,
+        engine: list[int],
+        level: int | None,
+        levels: Sequence[int] | None,
+    ) -> None:
+        """:meth:`_remove` for a token-matched worker: ``engine`` are the engine's (normalized)
+        hashes. A hash the index never mapped is an anomaly, skipped; the mapping of a block
+        held nowhere any more is kept a while (:meth:`_forget_chains`)."""
+        keys: list[int | None] = list(map(w.chain.get, engine))
+        mapped_all = all(keys)  # in C; False for a key of 0 too: then check for None
+        if not mapped_all:
+            recent = w.chain_recent
+            keys = [
+                k if k is not None else recent.get(h) for h, k in zip(engine, keys, strict=True)
+            ]
+            mapped_all = None not in keys
+        if (mapped_all and len(set(keys)) == len(keys) and not w.ledger
+                and len(keys) <= MAX_LEDGER):
+            # The usual case, in bulk. Distinct keys: whether a block is still held after its
+            # own release does not depend on the other releases; and the ledger cannot
+            # overflow (settling other entries) within this event.
+            mapped = cast(list[int], keys)
+            self._remove(w, group, eid, rank, mapped, level, levels)
+            self._forget_chains(w, engine, mapped)
             return
-        resolved = [self._resolve(w, h) for h in hashes]
         removed = 0
-        for i, key in enumerate(resolved):
+        for i, key in enumerate(keys):
             if key is None:
                 w.counters.anomalies += 1
                 self.counters.anomalies += 1
                 continue
-            if levels is not None:
+            if level is not None:
+                removed += self._release(w, group, eid, rank, key, level)
+            elif levels is not None:
                 removed += self._release(w, group, eid, rank, key, levels[i] or 0)
             else:
                 removed += self._release_everywhere(w, group, eid, rank, key)
-            self._forget_chain(w, hashes[i], key)
+            self._forget_chains(w, engine[i:i + 1], [key])
         w.counters.blocks_removed += removed
         self.counters.blocks_removed += removed
 
@@ -1071,26 +1131,25 @@ class KvIndex:
             self.counters.anomalies += 1
         return sum([self._release(w, group, eid, rank, key, t) for t in held])
 
-    def _forget_chain(self, w: _Worker, raw_hash: object, key: int) -> None:
+    def _forget_chains(self, w: _Worker, engine: Sequence[int], keys: Sequence[int]) -> None:
+        """Engine hashes whose keys the worker no longer holds on any tier move to the recently
+        removed mappings. Kept a while: a block removed from one tier is often announced on
+        another right after (by hash only), and a late child may still name it as parent."""
         if w.compact:
-            m, stride = self.masks.get(key, 0) >> w.slot, self._stride
-            if m & 1 or (m >> stride) & 1 or (m >> 2 * stride) & 1:  # held on a tier (TIERS = 3)
-                return
-        elif any(key in d for tiers in w.groups.values() for d in tiers):
-            return
-        # Keep the mapping a while: a block removed from one tier is often announced on
-        # another right after (by hash only), and a late child may still name it as parent.
-        h = self._resolve_engine(raw_hash)
-        key_ = w.chain.pop(h, None)
-        if key_ is not None:
-            recent = w.chain_recent
-            recent[h] = key_
-            if len(recent) > MAX_LEDGER:
-                del recent[next(iter(recent))]
-
-    @staticmethod
-    def _resolve_engine(raw_hash: object) -> int:
-        return raw_hash & _M64 if type(raw_hash) is int else normalize_hash(raw_hash)
+            masks = self.masks
+            held = _tier_bits(w.slot, self._stride)
+            gone = [h for h, k in zip(engine, keys, strict=True) if not masks.get(k, 0) & held]
+        else:
+            groups = w.groups.values()
+            gone = [h for h, k in zip(engine, keys, strict=True)
+                    if not any(k in d for tiers in groups for d in tiers)]
+        chain, recent = w.chain, w.chain_recent
+        for h in gone:
+            k = chain.pop(h, None)
+            if k is not None:
+                recent[h] = k
+                if len(recent) > MAX_LEDGER:
+                    recent.popitem(last=False)
 
     def _apply_updated(
         self, w: _Worker, group: int, eid: int, rank: int | None, data: Updated
@@ -1141,7 +1200,7 @@ class KvIndex:
         if w.compact:
             if any(w.present):
                 # The worker keeps no list of its hashes: find them by its bits (in C loops).
-                bits = sum((1 << w.slot) << (t * stride) for t in range(TIERS))
+                bits = _tier_bits(w.slot, stride)
                 clear = ~bits
                 for h in list(compress(masks, map(and_, masks.values(), repeat(bits)))):
                     m = masks[h] & clear
@@ -1180,6 +1239,11 @@ class KvIndex:
 
 def _first(step: tuple[int, int | None, int]) -> int:
     return step[0]
+
+
+def _tier_bits(slot: int, stride: int) -> int:
+    """A slot's presence bits on every tier."""
+    return sum((1 << slot) << (t * stride) for t in range(TIERS))
 
 
 def _held_elsewhere(w: _Worker, group: int, tier: int, h: int) -> bool:

@@ -4,14 +4,14 @@
   per worker runs a :class:`~kvpool.events.zmq.ZmqEventSubscriber` (sequence numbers, gap
   repair through the replay socket, restart detection) and decodes each batch with
   :func:`~kvpool.events.vllm_msgpack.decode_vllm_keys` (map and positional events; stored and
-  removed events as keyed records, no object per block), or with
-  :func:`~kvpool.events.vllm_msgpack.decode_vllm_batch` when the index matches the worker by
-  tokens. Decoded events go to the event loop, which alone touches the index. Events are
-  numbered per worker from 0, consecutively, so the index can order them; a publisher restart
-  resets the worker and the numbering. Liveness: a replay request for a sequence number past
-  anything buffered must be answered (with the end marker) within ``http_timeout_s``, every
-  ``health_interval_s``; without a replay socket, ``GET {http_base_url}/health`` is probed if
-  a base URL is configured; a worker with neither is taken as healthy.
+  removed events as keyed records, no object per block; stored records carry their blocks'
+  tokens when the index matches the worker by them). Decoded events go to the event loop,
+  which alone touches the index. Events are numbered per worker from 0, consecutively, so the
+  index can order them; a publisher restart resets the worker and the numbering. Liveness: a
+  replay request for a sequence number past anything buffered must be answered (with the end
+  marker) within ``http_timeout_s``, every ``health_interval_s``; without a replay socket,
+  ``GET {http_base_url}/health`` is probed if a base URL is configured; a worker with neither
+  is taken as healthy.
 * **TensorRT-LLM workers**: an asyncio task per worker reads ``GET {base}/server_info`` once for
   ``kv_cache_hash_algo`` (when not configured), then ``POST {base}/kv_cache_events`` every
   ``poll_interval_s`` (the call returns the engine's queued events as a JSON list and drains
@@ -45,7 +45,7 @@ from kvpool.errors import EventFormatError, KVPoolError, TransportError, Unknown
 from kvpool.events.keyed import KeyedEvent
 from kvpool.events.model import KVCacheEvent
 from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
-from kvpool.events.vllm_msgpack import decode_vllm_batch, decode_vllm_keys
+from kvpool.events.vllm_msgpack import decode_vllm_keys
 from kvpool.events.zmq import END_SEQ, SubscribedBatch, ZmqEventSubscriber
 from kvpool.hashing import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
@@ -364,10 +364,9 @@ class Ingest:
 
 
 def _decode_vllm(payload: bytes, algo: str, first_id: int, tokens: bool) -> list[KeyedEvent]:
-    """One vLLM batch as the index reads it: keyed records unless it needs the tokens."""
-    if tokens:
-        return list(decode_vllm_batch(payload, hash_algo=algo, first_event_id=first_id).events)
-    return decode_vllm_keys(payload, hash_algo=algo, first_event_id=first_id)
+    """One vLLM batch as the index reads it: keyed records, with the stored blocks' tokens when
+    it needs them."""
+    return decode_vllm_keys(payload, hash_algo=algo, first_event_id=first_id, tokens=tokens)
 
 
 class _ZmqReader(threading.Thread):
