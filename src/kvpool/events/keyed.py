@@ -5,10 +5,10 @@ neither tokens, priorities nor multimodal keys. The wire decoders can therefore 
 common events, one record per event holding the normalized keys of its blocks as a list
 (:class:`StoredKeys`, :class:`RemovedKeys`) instead of a :class:`~kvpool.events.model.Stored`
 with a :class:`~kvpool.events.model.StoredBlock` per block. A consumer that keys blocks by their
-tokens instead reads stored events as :class:`StoredTokens`: the keys and every block's token ids,
-in one byte string. Any event the records cannot carry
-exactly (a hash that does not normalize, blocks on mixed tiers, created and updated events) stays
-a :class:`~kvpool.events.model.KVCacheEvent`, so a keyed stream means exactly what the
+tokens reads stored events as :class:`StoredTokens` instead: the keys and every block's token
+ids, in one byte string. Any event the records cannot carry exactly (a hash that does not
+normalize, blocks on mixed tiers, created and updated events) stays a
+:class:`~kvpool.events.model.KVCacheEvent`, so a keyed stream means exactly what the
 corresponding event stream means to such a consumer.
 
 Records are built by the decoders from validated input and are not checked again: ``keys`` are

@@ -699,7 +699,8 @@ class KvIndex:
             blocks = tuple([StoredBlock(k, (), ev.cache_level) for k in keys])
             self._apply_stored(w, group, eid, rank, Stored(None, blocks))
             return
-        self._learn_tpb(w, ev.block_tokens)
+        if not w.tpb_configured:
+            self._learn_tpb(w, ev.block_tokens)
         self._store(w, group, eid, rank, keys, ev.cache_level, None)
 
     def _apply_stored_tokens(
