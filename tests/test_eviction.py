@@ -26,6 +26,7 @@ from kvpool.eviction import (
     POLICIES,
     S3FIFO,
     EvictionPolicy,
+    KeyHistory,
     PrioritizedLRU,
     SegmentedPolicy,
     TwoQueue,
@@ -84,6 +85,29 @@ def test_recent_run_is_the_victim_test_applied_one_by_one(
     while run < min(left, nr) and (not nf or nr - run > share * (nr - run + nf)):
         run += 1
     assert _recent_run(nr, nf, share, left) == run
+
+
+_COUNTS = st.sampled_from([1, 2, 3, 254, 255, 256]) | st.integers(1, 300)
+
+
+@given(
+    count_ghosts=st.booleans(),
+    before=st.lists(st.tuples(st.integers(0, 30), _COUNTS), max_size=20),
+    batch=st.lists(st.tuples(st.integers(0, 30), _COUNTS), min_size=1, max_size=20),
+)
+def test_history_add_ghosts_is_add_one_by_one(
+    count_ghosts: bool, before: list[tuple[int, int]], batch: list[tuple[int, int]]
+) -> None:
+    # keys may repeat (an entry is then overwritten in place, as dict assignment does)
+    one, bulk = (KeyHistory(100, 0.25, count_ghosts=count_ghosts) for _ in range(2))
+    for h in (one, bulk):
+        for k, c in before:
+            h.add(k.to_bytes(2, "big"), c, ghost=c % 2 == 0)
+    for k, c in batch:
+        one.add(k.to_bytes(2, "big"), c, ghost=True)
+    bulk.add_ghosts([k.to_bytes(2, "big") for k, _ in batch], [c for _, c in batch])
+    assert list(bulk.entries.items()) == list(one.entries.items())
+    assert (bulk.seq, bulk.ghosts) == (one.seq, one.ghosts)
 
 
 def test_lru_order_and_priority() -> None:

@@ -269,6 +269,19 @@ class KeyHistory:
         if len(self.entries) > self.bound:
             self.trim()
 
+    def add_ghosts(self, keys: list[BlockKey], counts: list[int]) -> None:
+        """``add(key, count, ghost=True)`` of each pair in order, when no trim can happen on
+        the way (``len(self) + len(keys) <= bound``): the entries go in at once."""
+        values = [c if c < 255 else 255 for c in counts]
+        if self.count_ghosts:
+            seq = self.seq
+            self.seq = seq + len(values)
+            values = [(seq + i) << 8 | v for i, v in enumerate(values, 1)]
+            frequent = sum(c > 1 for c in counts)
+            self.ghosts[1] += frequent
+            self.ghosts[0] += len(counts) - frequent
+        self.entries.update(zip(keys, values, strict=True))
+
     def trim(self) -> None:
         """Forget every key but the ``bound // 2`` inserted last (dicts keep insertion order)."""
         entries = self.entries
@@ -455,17 +468,6 @@ class SegmentedPolicy:
         """Unqueue popped victims; each one's key joins the history, in victim order."""
         loc = self._loc
         slot_keys = self._keys
-        h = self._history
-        entries = h.entries
-        if h.count_ghosts or len(entries) + len(victims) > h.bound:
-            for slot, count in victims:  # stamps, ghost counts or a trim on the way
-                del loc[slot]
-                key = slot_keys[slot]
-                if key is not None:
-                    slot_keys[slot] = None
-                    h.add(key, count, ghost=True)
-            return
-        # no trim can happen: the entries go in at once, in order
         keys: list[BlockKey] = []
         counts: list[int] = []
         for slot, count in victims:
@@ -474,8 +476,13 @@ class SegmentedPolicy:
             if key is not None:
                 slot_keys[slot] = None
                 keys.append(key)
-                counts.append(count if count < 255 else 255)
-        entries.update(zip(keys, counts, strict=True))
+                counts.append(count)
+        h = self._history
+        if len(h.entries) + len(keys) > h.bound:  # a trim on the way: one at a time
+            for key, count in zip(keys, counts, strict=True):
+                h.add(key, count, ghost=True)
+        else:
+            h.add_ghosts(keys, counts)
 
     def remove(self, slot: int) -> None:
         count = self._loc.pop(slot).pop(slot)
