@@ -14,16 +14,24 @@ blocks that enter its tree; matched blocks are found by their tokens and never r
 
 The garbage collector is off in the timed loops unless --with-gc.
 
+``--compare-policies lru,2q,arc,s3fifo [--rounds 8]`` runs W1 only, once per policy per round,
+the policies interleaved within each round, and reports each policy's median CPU time per block
+and its extra cost over the first policy listed (the machine's run-to-run noise hits every
+policy alike, and the median keeps one disturbed round from deciding). Written to
+``results/bench_admission_policies.json``.
+
 Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--with-gc]
-       [--trace PATH]
+       [--trace PATH] [--compare-policies NAMES [--rounds N]]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +50,7 @@ WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
+@functools.cache  # the requests are only read: build them once per size
 def w1_requests(n: int) -> list[list[int]]:
     """Token ids drawn from a real vocabulary's range (VOCAB): a random 32-token block repeats
     with negligible probability, so the unique halves never match anything."""
@@ -170,6 +179,30 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
     }
 
 
+def compare_policies(policies: list[str], rounds: int, n: int) -> None:
+    """W1 once per policy per round, interleaved; medians and extra cost over policies[0]."""
+    cpu: dict[str, list[float]] = {p: [] for p in policies}
+    hit: dict[str, float] = {}
+    for r in range(rounds):
+        for p in policies:
+            row = run_w1(n, HashAlgo.V2_SHA256, 0, p)
+            cpu[p].append(float(row["cpu_s"]))  # type: ignore[arg-type]
+            hit[p] = float(row["block_hit_rate"])  # type: ignore[arg-type]
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{p} {cpu[p][-1]:.3f} s" for p in policies),
+              flush=True)
+    blocks = n * 64
+    base = statistics.median(cpu[policies[0]])
+    rows = [{
+        "policy": p, "rounds": rounds, "median_cpu_s": statistics.median(cpu[p]),
+        "us_per_block": statistics.median(cpu[p]) / blocks * 1e6,
+        "extra_vs_" + policies[0]: f"{statistics.median(cpu[p]) / base - 1:+.1%}",
+        "min_cpu_s": min(cpu[p]), "max_cpu_s": max(cpu[p]), "block_hit_rate": hit[p],
+    } for p in policies]
+    report("bench_admission_policies", rows,
+           title=f"W1 per eviction policy: median of {rounds} interleaved rounds (CPU time)",
+           extra={"cpu_s": cpu})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs while developing")
@@ -179,9 +212,16 @@ def main() -> None:
     ap.add_argument("--policy", default="lru", help="CacheConfig.eviction_policy")
     ap.add_argument("--with-gc", action="store_true",
                     help="leave Python's garbage collector on in the timed loops (default: off)")
+    ap.add_argument("--compare-policies", metavar="NAMES",
+                    help="W1 only: comma-separated policies, interleaved (see the docstring)")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds of --compare-policies")
     args = ap.parse_args()
     global WITH_GC
     WITH_GC = args.with_gc
+    if args.compare_policies:
+        compare_policies(args.compare_policies.split(","), args.rounds,
+                         400 if args.quick else 2000)
+        return
     algo = HashAlgo(args.algo)
     rows = [run_w1(400 if args.quick else 2000, algo, 0, args.policy)]
     if not args.skip_w2 and args.trace.exists():
