@@ -456,6 +456,40 @@ def test_other_token_containers_hash_like_lists(algo: HashAlgo) -> None:
         assert request_block_hashes(other, 2, algo) == want  # type: ignore[arg-type]
 
 
+@given(n_blocks=st.integers(0, 9), tail=st.integers(0, 4), tpb=st.sampled_from([1, 5, 32]),
+       data=st.data())
+def test_v2_chain_cut_in_c_or_sliced_matches_reference(
+    n_blocks: int, tail: int, tpb: int, data: st.DataObject
+) -> None:
+    """From a few whole blocks on, v2 cuts them with struct.iter_unpack instead of slicing;
+    both sides of that threshold, with and without a partial block, equal the reference."""
+    tail %= tpb
+    tokens = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=n_blocks * tpb + tail,
+                                max_size=n_blocks * tpb + tail))
+    expected = ref_chain(HashAlgo.V2_SHA256, tokens, tpb)
+    hasher = BlockHasher(HashAlgo.V2_SHA256, tpb)
+    assert hasher.extend(tokens) == expected[:n_blocks]
+    assert hasher.partial_key() == (expected[-1] if tail else None)
+    for algo in (HashAlgo.V2_SHA256, HashAlgo.V2_SHA256_64):
+        assert request_block_hashes([*tokens, 7], tpb, algo) == ref_request(
+            algo, [*tokens, 7], tpb
+        )
+
+
+@pytest.mark.parametrize("algo", list(HashAlgo))
+def test_long_inputs_are_checked_like_short_ones(algo: HashAlgo) -> None:
+    """Inputs of more than 4,096 tokens are range-checked by numpy instead of a byte scan."""
+    tokens = [(i * 40_503) % 2**31 for i in range(5_000)]
+    tokens[4_321] = 2**31 - 1
+    assert request_block_hashes(tokens, 16, algo) == ref_request(algo, tokens, 16)
+    for bad in (2**31, 2**32 - 1):
+        tokens[4_321] = bad
+        with pytest.raises(InvalidTokenError, match=rf"position 4321 is {bad}\b"):
+            request_block_hashes(tokens, 16, algo)
+        with pytest.raises(InvalidTokenError, match=rf"position 4321 is {bad}\b"):
+            BlockHasher(algo, 16).extend(tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # properties
 

@@ -27,6 +27,7 @@ numpy: the seed-independent part of the v1 mixing, and the CBOR encodings of vLL
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -67,6 +68,7 @@ _K: Final = 0x9E3779B9
 MAX_TOKEN_ID: Final = (1 << 31) - 1
 _DIGEST_SIZE: Final = 32
 _TOP_BYTE: Final = 3 if sys.byteorder == "little" else 0  # of a native u32
+_NUMPY_SCAN_MIN: Final = 4096  # tokens
 
 BlockKey = int | bytes
 """A tree key: an int for ``v1_block_key``, a 32-byte digest for the sha256 algorithms."""
@@ -119,12 +121,16 @@ def _bad_token_error(tokens: object) -> InvalidTokenError:
     return InvalidTokenError(f"invalid token ids {tokens!r:.80}")
 
 
-def _u32_array(seq: Sequence[int]) -> array[int]:
+def _u32_array(seq: list[int]) -> array[int]:
+    out = array("I")
     try:
-        # Rejects non-ints (floats, str, None) and ids outside [0, 2**32) in C.
-        return array("I", seq)
+        # Rejects non-ints (floats, str, None) and ids outside [0, 2**32) in C. fromlist
+        # converts each item directly; array("I", seq) goes through the sequence protocol per
+        # item and measured 30 % more instructions.
+        out.fromlist(seq)
     except (TypeError, OverflowError, ValueError):
         raise _bad_token_error(seq) from None
+    return out
 
 
 def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]:
@@ -134,7 +140,7 @@ def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]
     numpy array of an integer dtype. Raises :class:`InvalidTokenError` naming the first bad
     token. The result never aliases the argument.
     """
-    if type(tokens) is list or type(tokens) is tuple:  # the common case first
+    if type(tokens) is list:  # the common case first
         out = _u32_array(tokens)
     elif isinstance(tokens, array) and tokens.typecode == "I":
         out = tokens[:]  # a memcpy, not a per-item conversion
@@ -155,8 +161,12 @@ def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]
         raise _bad_token_error(tokens)
     else:
         out = _u32_array(list(tokens))  # a one-shot iterator must survive the error path
-    # An id >= 2**31 has the top bit of its u32 set: scan the most significant bytes in C.
-    if not out.tobytes()[_TOP_BYTE::4].isascii():
+    # An id >= 2**31 has the top bit of its u32 set: scan the most significant bytes in C, or
+    # for long inputs take numpy's max (its fixed cost is that of scanning ~3,000 ids).
+    if len(out) > _NUMPY_SCAN_MIN:
+        if np.frombuffer(out, dtype=np.uint32).max() > MAX_TOKEN_ID:
+            raise _bad_token_error(out)
+    elif not out.tobytes()[_TOP_BYTE::4].isascii():
         raise _bad_token_error(out)
     return out
 
@@ -250,7 +260,7 @@ def _v1_block(body: list[int], parent: int, salt: int | None, lora: int | None) 
     """The v1 key of one block whose premixed tokens (from :func:`_v1_premix4`) are ``body``."""
     m64 = M64
     seed = len(body) ^ (parent * _C64A & m64)
-    if parent == 0 and salt is not None:
+    if salt is not None and parent == 0:
         seed = _mix64(salt, seed)
     # A plain loop: on CPython 3.11 unrolling it (zip over one iterator) measured slower.
     for a in body:
@@ -272,7 +282,7 @@ def _v1_chain(
     # The full blocks run _v1_block's code inline: the call measured a few percent of the loop.
     for start in range(0, n_full, tpb):
         seed = tpb ^ (parent * c64a & m64)
-        if parent == 0 and salt is not None:
+        if salt is not None and parent == 0:
             seed = _mix64(salt, seed)
         for a in pre[start:start + tpb]:
             seed ^= (seed * 257 + a >> 2) & m64
@@ -351,6 +361,7 @@ def _le_bytes(tokens: array[int]) -> bytes:
 
 # A fresh sha256 object by copying an empty one skips OpenSSL's per-call algorithm lookup.
 _SHA256_NEW: Final = hashlib.sha256().copy
+_V2_CUT_MIN_BLOCKS: Final = 4
 
 
 def _v2_chain(raw: bytes, step: int, parent: bytes) -> list[bytes]:
@@ -358,7 +369,16 @@ def _v2_chain(raw: bytes, step: int, parent: bytes) -> list[bytes]:
     out: list[bytes] = []
     append = out.append
     new = _SHA256_NEW
-    for off in range(0, len(raw), step):
+    # The whole blocks of a long input are cut in C by iter_unpack, which measured 10 % faster
+    # than slicing them in the loop; below a few blocks its fixed cost outweighs that.
+    n_cut = len(raw) - len(raw) % step if len(raw) >= _V2_CUT_MIN_BLOCKS * step else 0
+    if n_cut:
+        for (chunk,) in struct.iter_unpack(f"{step}s", raw if n_cut == len(raw) else raw[:n_cut]):
+            h = new()
+            h.update(parent + chunk)
+            parent = h.digest()
+            append(parent)
+    for off in range(n_cut, len(raw), step):  # the blocks of a short input, a partial block
         h = new()
         h.update(parent + raw[off:off + step])
         parent = h.digest()
