@@ -450,13 +450,18 @@ class SegmentedPolicy:
         h = self._history
         laps = self.MAX_LAPS
         victims: list[tuple[int, int]] = []  # (slot, count), in victim order
+        ranked = self._ranked
         while len(out) < n:
-            prio, lvl = next((p, lv) for p, lv in self._ranked if lv.recent or lv.frequent)
+            i = 0
+            prio, lvl = ranked[0]
+            while not (lvl.recent or lvl.frequent):  # the lowest non-empty level
+                i += 1
+                prio, lvl = ranked[i]
             recent = lvl.recent
             run = _recent_run(len(recent), len(lvl.frequent), h.share, n - len(out))
-            popped = ([recent.popitem(last=False) for _ in range(run)] if run
+            popped = ([recent.popitem(False) for _ in range(run)] if run
                       else [self._pop_laps(lvl.frequent) if laps
-                            else lvl.frequent.popitem(last=False)])
+                            else lvl.frequent.popitem(False)])
             victims += popped
             out += [(s, prio) for s, _ in popped]
         if victims:
@@ -565,6 +570,7 @@ class SegmentedPolicy:
         recent = lvl.recent
         frequent = lvl.frequent
         laps = self.MAX_LAPS
+        credits = self._credits
         bump = 1 if self._tier0 else 0  # a release is a use; moving down a tier is not
         floor = 1  # the highest count listed so far: a descendant's (the chain runs tail first)
         for slot, key in zip(slots, keys, strict=True):
@@ -596,7 +602,7 @@ class SegmentedPolicy:
                 frequent[slot] = count
                 loc[slot] = frequent
                 if laps:
-                    self._credits[slot] = min(count - 2, laps)
+                    credits[slot] = count - 2 if count - 2 < laps else laps
             else:
                 recent[slot] = count
                 loc[slot] = recent
@@ -735,13 +741,10 @@ def _recent_run(nr: int, nf: int, share: float, left: int) -> int:
     ``nr - r > share * (nr - r + nf)`` holds for r = 0, 1, ... up to some point and then no
     more: the run is found from the closed form and settled exactly by the same test.
     """
-    if not nf:
+    if not nf or share <= 0.0:  # the test holds while any recent block is left
         return min(left, nr)
-    if not 0.0 < share < 1.0:
-        run = 0
-        while run < left and run < nr and nr - run > share * (nr - run + nf):
-            run += 1
-        return run
+    if share >= 1.0:  # the test never holds
+        return 0
     run = min(max(nr - int(share * nf / (1.0 - share)) - 1, 0), left)
     while run > 0 and not nr - run + 1 > share * (nr - run + 1 + nf):
         run -= 1
