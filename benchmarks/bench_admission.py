@@ -45,6 +45,7 @@ from kvpool.hashing import BlockHasher, HashAlgo
 from kvpool.manager import KVCacheManager
 
 TPB = 32
+DEFAULT_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
 VOCAB = 128_256  # Llama 3's vocabulary size: W1's token ids are in [0, VOCAB)
 WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
@@ -209,7 +210,8 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--algo", default="v2_sha256", choices=[a.value for a in HashAlgo])
     ap.add_argument("--skip-w2", action="store_true")
-    ap.add_argument("--policy", default="lru", help="CacheConfig.eviction_policy")
+    ap.add_argument("--policy", default=DEFAULT_POLICY,
+                    help=f"CacheConfig.eviction_policy (default: the library's, {DEFAULT_POLICY})")
     ap.add_argument("--with-gc", action="store_true",
                     help="leave Python's garbage collector on in the timed loops (default: off)")
     ap.add_argument("--compare-policies", metavar="NAMES",

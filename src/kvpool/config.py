@@ -180,7 +180,8 @@ class CacheConfig:
     disk_blocks: int | Mapping[int, int] | Sequence[int] = 0
     disk_path: str | None = None
     offload_min_priority: int = DEFAULT_PRIORITY
-    eviction_policy: str = "lru"
+    # "2q" (default), "lru", "s3fifo" or "arc" (kvpool.eviction; README: which to pick)
+    eviction_policy: str = "2q"
     # "reused": only victims the policy saw released more than once may go down a tier
     offload_gate: str = "all"
     # history-keeping eviction policies remember evicted keys up to this multiple of a layer

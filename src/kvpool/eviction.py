@@ -19,8 +19,9 @@ Rules every policy keeps:
 Policies (``POLICIES``, chosen by ``CacheConfig(eviction_policy=...)``):
 
 ``lru``
-    :class:`PrioritizedLRU`, the default: least recently released first, no history.
-``2q``, ``s3fifo``, ``arc``
+    :class:`PrioritizedLRU`: least recently released first, no history (every engine's
+    policy, and the cheapest).
+``2q`` (the default), ``s3fifo``, ``arc``
     Scan-resistant policies (:class:`TwoQueue`, :class:`S3FIFO`, :class:`ARC`) built on
     :class:`SegmentedPolicy`: each level has a *recent* segment (blocks released once) and a
     *frequent* segment (blocks released again: hit while cached, or recomputed while their
