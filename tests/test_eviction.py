@@ -110,6 +110,42 @@ def test_history_add_ghosts_is_add_one_by_one(
     assert (bulk.seq, bulk.ghosts) == (one.seq, one.ghosts)
 
 
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("push"), st.lists(st.integers(0, 11), unique=True, min_size=1, max_size=4),
+              st.integers(0, 15), st.sampled_from([10, 35])),
+    st.tuples(st.just("remove"), st.integers(0, 11), st.just(0), st.just(0)),
+    st.tuples(st.just("pop"), st.just(0), st.just(0), st.just(0)),
+), max_size=60)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(ops=_OPS)
+def test_pop_is_pop_many_of_one(name: str, ops: list[tuple[str, object, int, int]]) -> None:
+    # pop has its own single-victim path: same victims, same history, same later orders
+    factory = POLICIES[name]
+    one, many = (factory(Clock(), capacity=12) for _ in range(2))
+    for op, arg, k, prio in ops:
+        if op == "push":
+            assert isinstance(arg, list)
+            slots = [s for s in arg if s not in one]
+            keys = [key(k + i) for i in range(len(slots))]
+            one.push_many(slots, prio, keys)
+            many.push_many(slots, prio, keys)
+        elif op == "remove" and arg in one:
+            assert isinstance(arg, int)
+            one.remove(arg)
+            many.remove(arg)
+        elif op == "pop" and len(one):
+            victim = one.pop()
+            assert [victim] == many.pop_many(1)
+            assert one.should_offload(victim[0]) == many.should_offload(victim[0])
+        assert one.peek_order() == many.peek_order()
+        if isinstance(one, SegmentedPolicy) and isinstance(many, SegmentedPolicy):
+            h1, h2 = one.history, many.history
+            assert list(h1.entries.items()) == list(h2.entries.items())
+            assert (h1.seq, h1.ghosts, h1.share) == (h2.seq, h2.ghosts, h2.share)
+
+
 def test_lru_order_and_priority() -> None:
     p = PrioritizedLRU(Clock())
     p.push_many([1, 2, 3], 35)

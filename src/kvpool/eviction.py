@@ -451,13 +451,8 @@ class SegmentedPolicy:
         h = self._history
         laps = self.MAX_LAPS
         victims: list[tuple[int, int]] = []  # (slot, count), in victim order
-        ranked = self._ranked
         while len(out) < n:
-            i = 0
-            prio, lvl = ranked[0]
-            while not (lvl.recent or lvl.frequent):  # the lowest non-empty level
-                i += 1
-                prio, lvl = ranked[i]
+            prio, lvl = self._lowest_level()
             recent = lvl.recent
             run = _recent_run(len(recent), len(lvl.frequent), h.share, n - len(out))
             popped = ([recent.popitem(False) for _ in range(run)] if run
@@ -501,9 +496,28 @@ class SegmentedPolicy:
                 self._history.add(key, count, ghost=False)
 
     def pop(self) -> tuple[int, int]:
+        # pop_many(1) without its batching (the tiered path takes victims one at a time)
         if not self._loc:
             raise IndexError("pop from an empty eviction queue")
-        return self.pop_many(1)[0]
+        if self._expiry:
+            self._expire()
+        prio, lvl = self._lowest_level()
+        recent = lvl.recent
+        nr = len(recent)
+        nf = len(lvl.frequent)
+        if nr and (not nf or nr > self._history.share * (nr + nf)):  # _recent_run's test
+            slot, count = recent.popitem(False)
+        elif self.MAX_LAPS:
+            slot, count = self._pop_laps(lvl.frequent)
+        else:
+            slot, count = lvl.frequent.popitem(False)
+        del self._loc[slot]
+        key = self._keys[slot]
+        if key is not None:
+            self._keys[slot] = None
+            self._history.add(key, count, ghost=True)
+        self._last_slot, self._last_count = slot, count
+        return slot, prio
 
     def should_offload(self, slot: int) -> bool:
         return self._gate_all or (slot == self._last_slot and self._last_count > 1)
@@ -542,6 +556,13 @@ class SegmentedPolicy:
         return any(seg is lvl.frequent for lvl in self._levels.values())
 
     # ------------------------------------------------------------------ internals
+
+    def _lowest_level(self) -> tuple[int, _Level]:
+        """The lowest priority level holding a block (the queue is not empty)."""
+        for pl in self._ranked:
+            if pl[1].recent or pl[1].frequent:
+                return pl
+        raise IndexError("pop from an empty eviction queue")
 
     def _level(self, priority: int) -> _Level:
         lvl = self._levels.get(priority)
