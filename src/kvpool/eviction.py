@@ -503,9 +503,7 @@ class SegmentedPolicy:
             self._expire()
         prio, lvl = self._lowest_level()
         recent = lvl.recent
-        nr = len(recent)
-        nf = len(lvl.frequent)
-        if nr and (not nf or nr > self._history.share * (nr + nf)):  # _recent_run's test
+        if _recent_run(len(recent), len(lvl.frequent), self._history.share, 1):
             slot, count = recent.popitem(False)
         elif self.MAX_LAPS:
             slot, count = self._pop_laps(lvl.frequent)
