@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import struct
 from collections import Counter
+from unittest import mock
 
 import pytest
 import xxhash
@@ -34,6 +35,7 @@ from kvpool.hashing import (
     v2_block_key,
     v2_root_key,
 )
+from kvpool.router import index as index_module
 from kvpool.router.index import (
     HOLE_WINDOW,
     TIERS,
@@ -640,3 +642,68 @@ def test_stored_chains_with_bad_token_ids_are_malformed_whole() -> None:
     assert token_bytes([0, 2**32 - 1]) == b"\x00" * 4 + b"\xff" * 4
     with pytest.raises(ValueError):
         token_bytes([2**32])
+
+
+def _token_matched_stream(rng: random.Random, steps: int) -> list[KeyedEvent]:
+    """Stored chains (records and events, on any tier, engine hashes stored again) and removals
+    (on one tier, every tier, mixed tiers; records and events) of a token-matched worker."""
+    out: list[KeyedEvent] = []
+    stored_hashes: list[int] = []
+    for eid in range(steps):
+        if rng.random() < 0.55 or not stored_hashes:
+            engine = [rng.randrange(24) for _ in range(rng.randint(1, 5))]
+            toks = [tuple(rng.randrange(9) for _ in range(2)) for _ in engine]
+            tier = rng.choice([0, 0, 0, 1, 2])
+            if rng.random() < 0.5:
+                out.append(StoredTokens(eid, engine, token_bytes([t for b in toks for t in b]),
+                                        2, None, None, tier))
+            else:
+                out.append(ev(eid, Stored(None, tuple(
+                    StoredBlock(h, t, tier) for h, t in zip(engine, toks, strict=True)))))
+            stored_hashes += engine
+        else:
+            engine = rng.sample(stored_hashes, min(len(stored_hashes), rng.randint(1, 6)))
+            shape = rng.randrange(4)
+            if shape == 0:
+                out.append(RemovedKeys(eid, engine, rng.randrange(TIERS)))
+            elif shape == 1:
+                out.append(RemovedKeys(eid, engine, None))
+            else:
+                levels = tuple(rng.randrange(TIERS) for _ in engine)
+                out.append(ev(eid, Removed(tuple(engine), levels if shape == 2 else None)))
+    return out
+
+
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 60), keep=st.integers(1, 6))
+def test_removals_that_leave_nothing_held_forget_as_the_block_by_block_check_does(
+    seed: int, steps: int, keep: int
+) -> None:
+    """A token-matched worker's bulk removal skips looking up each block when none can stay
+    held (_none_left): the mappings it keeps, forgets and remembers as recently removed equal
+    those of the block-by-block check, event by event (few remembered, so generations turn)."""
+    events = _token_matched_stream(random.Random(seed), steps)
+    fast, slow = KvIndex(), KvIndex()
+    for index in (fast, slow):
+        index.add_worker("w", match_by_tokens=True, tokens_per_block=2)
+    wf, ws = fast._workers["w"], slow._workers["w"]
+    with mock.patch.object(index_module, "MAX_LEDGER", keep):
+        for event in events:
+            fast.apply("w", event)
+            with mock.patch.object(index_module, "_none_left", lambda *_: False):
+                slow.apply("w", event)
+            assert (wf.chain, wf.chain_recent, wf.chain_older) == (
+                ws.chain, ws.chain_recent, ws.chain_older)
+            assert fast.masks == slow.masks and fast.counters == slow.counters
+
+
+def test_recently_removed_mappings_are_remembered_for_at_least_max_ledger_removals() -> None:
+    index = KvIndex()
+    index.add_worker("w", match_by_tokens=True, tokens_per_block=1)
+    with mock.patch.object(index_module, "MAX_LEDGER", 4):
+        index.apply("w", StoredTokens(0, list(range(10)), token_bytes(range(10)), 1))
+        for eid, h in enumerate(range(10), start=1):
+            index.apply("w", RemovedKeys(eid, [h], 0))
+        # The last 4 (to 8) removed can still be named as parents; the first ones are gone.
+        for eid, parent in enumerate((9, 8, 7, 6, 0), start=11):
+            index.apply("w", StoredTokens(eid, [100 + eid], token_bytes([1]), 1, parent))
+    assert index.counters.anomalies == 1

@@ -54,13 +54,14 @@ The index is not thread-safe: one thread (the service's event loop) owns it.
 
 from __future__ import annotations
 
+import struct
 import sys
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from functools import lru_cache
+from itertools import compress, repeat, starmap
 from operator import and_
 from typing import Final, cast
 
@@ -188,11 +189,32 @@ def token_chain_keys(
 def _chain(raw: bytes, tokens_per_block: int, key: int) -> list[int]:
     """The chained keys of ``raw`` (u32 LE token ids) cut into blocks, after the key ``key``."""
     step = 4 * tokens_per_block
+    n, tail = divmod(len(raw), step)
+    return _chain_blocks(_cutter(step, n, tail)(raw), key)
+
+
+def _chain_blocks(blocks: Iterable[bytes], key: int) -> list[int]:
+    """The chained keys of ``blocks`` (each a block's u32 LE token ids), after the key ``key``."""
     out: list[int] = []
-    for off in range(0, len(raw), step):
-        key = _XXH3(raw[off:off + step], key)
-        out.append(key)
+    append = out.append
+    for block in blocks:
+        key = _XXH3(block, key)
+        append(key)
     return out
+
+
+@lru_cache(maxsize=1024)
+def _cutter(step: int, n: int, tail: int) -> Callable[[bytes], tuple[bytes, ...]]:
+    """Cuts ``n * step + tail`` bytes into ``n`` blocks of ``step`` bytes and a ``tail`` (when
+    not 0), in one C call: no Python-level slice per block."""
+    return struct.Struct(f"{step}s" * n + (f"{tail}s" if tail else "")).unpack
+
+
+@lru_cache(maxsize=256)
+def _packer(size: int) -> Callable[..., bytes]:
+    """Packs ``size`` token ids as u32 LE (:class:`struct.error` unless all are in
+    ``[0, 2**32)``)."""
+    return struct.Struct(f"<{size}I").pack
 
 
 @dataclass(slots=True)
@@ -293,11 +315,14 @@ class _Worker:
     # attention-DP rank -> which event ids have been seen
     streams: dict[int | None, _Stream] = field(default_factory=dict)
     arrived_late: bool = False  # the event being applied came after one with a larger id
-    # match_by_tokens: engine hash -> the index's chain key (held blocks, recently removed).
-    # The recent ones are dropped oldest first: an OrderedDict drops its first entry in O(1),
-    # a dict would scan the holes that earlier drops left at its front.
+    # match_by_tokens: engine hash -> the index's chain key, for held blocks (``chain``) and
+    # recently removed ones, in two generations: ``chain_recent`` takes removed mappings in
+    # bulk until it holds MAX_LEDGER, then becomes ``chain_older`` (the older one is dropped
+    # whole). The last MAX_LEDGER to 2 * MAX_LEDGER removed mappings are kept, with no
+    # per-entry bookkeeping of their order.
     chain: dict[int, int] = field(default_factory=dict)
-    chain_recent: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    chain_recent: dict[int, int] = field(default_factory=dict)
+    chain_older: dict[int, int] = field(default_factory=dict)
     present: list[int] = field(default_factory=lambda: [0] * TIERS)
     capacity: dict[int, tuple[int, ...]] = field(default_factory=dict)
     created_seen: set[tuple[int, int | None]] = field(default_factory=set)
@@ -740,19 +765,31 @@ class KvIndex:
     ) -> list[int]:
         key = self._chain_start(w, parent, blocks[0].lora_id)
         try:
-            # One conversion for the whole chain; blocks are slices of it.
             tokens = [b.tokens for b in blocks]
-            flat: list[int] = []
-            for t in tokens:
-                flat += t
-            raw = token_bytes(flat)
             sizes = list(map(len, tokens))
-        except (TypeError, ValueError) as exc:
-            raise _Malformed(f"bad token ids in a stored block: {exc}") from None
+        except (TypeError, AttributeError) as exc:
+            raise _Malformed(f"bad tokens in a stored block: {exc}") from None
         size, n = sizes[0], len(sizes)
         if 0 < sizes[-1] <= size and sizes.count(size) == n - (sizes[-1] != size):
-            out = _chain(raw, size, key)  # full blocks, the last one maybe partial: the usual
+            # Full blocks, the last one maybe partial (the usual): each block packed in one C
+            # call, and nothing is changed before every block has packed.
+            try:
+                if sizes[-1] == size:
+                    out = _chain_blocks(starmap(_packer(size), tokens), key)
+                else:
+                    out = _chain_blocks(starmap(_packer(size), tokens[:-1]), key)
+                    out.append(_XXH3(_packer(sizes[-1])(*tokens[-1]), out[-1]))
+            except struct.error as exc:
+                raise _Malformed(f"bad token ids in a stored block: {exc}") from None
         else:
+            try:
+                # One conversion for the whole chain; blocks are slices of it.
+                flat: list[int] = []
+                for t in tokens:
+                    flat += t
+                raw = token_bytes(flat)
+            except (TypeError, ValueError) as exc:
+                raise _Malformed(f"bad token ids in a stored block: {exc}") from None
             out = []
             off = 0
             for size, h in zip(sizes, engine, strict=True):
@@ -773,7 +810,7 @@ class KvIndex:
     @staticmethod
     def _chain_get(w: _Worker, h: int) -> int | None:
         key = w.chain.get(h)
-        return key if key is not None else w.chain_recent.get(h)
+        return key if key is not None else _recent_get(w, h)
 
     def _store(
         self,
@@ -1028,9 +1065,8 @@ class KvIndex:
         keys: list[int | None] = list(map(w.chain.get, engine))
         mapped_all = all(keys)  # in C; False for a key of 0 too: then check for None
         if not mapped_all:
-            recent = w.chain_recent
             keys = [
-                k if k is not None else recent.get(h) for h, k in zip(engine, keys, strict=True)
+                k if k is not None else _recent_get(w, h) for h, k in zip(engine, keys, strict=True)
             ]
             mapped_all = None not in keys
         if (mapped_all and len(set(keys)) == len(keys) and not w.ledger
@@ -1039,8 +1075,12 @@ class KvIndex:
             # own release does not depend on the other releases; and the ledger cannot
             # overflow (settling other entries) within this event.
             mapped = cast(list[int], keys)
+            none_left = _none_left(w, group, level, levels)
             self._remove(w, group, eid, rank, mapped, level, levels)
-            self._forget_chains(w, engine, mapped)
+            if none_left:  # no block to look up: every mapping goes
+                _forget(w, engine)
+            else:
+                self._forget_chains(w, engine, mapped)
             return
         removed = 0
         for i, key in enumerate(keys):
@@ -1144,13 +1184,7 @@ class KvIndex:
             groups = w.groups.values()
             gone = [h for h, k in zip(engine, keys, strict=True)
                     if not any(k in d for tiers in groups for d in tiers)]
-        chain, recent = w.chain, w.chain_recent
-        for h in gone:
-            k = chain.pop(h, None)
-            if k is not None:
-                recent[h] = k
-                if len(recent) > MAX_LEDGER:
-                    recent.popitem(last=False)
+        _forget(w, gone)
 
     def _apply_updated(
         self, w: _Worker, group: int, eid: int, rank: int | None, data: Updated
@@ -1224,6 +1258,7 @@ class KvIndex:
         w.ledger.clear()
         w.chain.clear()
         w.chain_recent.clear()
+        w.chain_older.clear()
         w.present = [0] * TIERS
 
     def _grow(self) -> None:
@@ -1236,6 +1271,38 @@ class KvIndex:
                 out |= ((m >> (t * old)) & full) << (t * new)
             masks[h] = out
         self._stride = new
+
+
+def _none_left(w: _Worker, group: int, level: int | None, levels: object) -> bool:
+    """True when, before a removal of distinct keys on ``level`` (every tier when both it and
+    ``levels`` are None), it is known that no removed block stays held anywhere: the worker is
+    compact in ``group``, holds one reference per block, and nothing on another tier."""
+    if not (w.compact and w.group == group) or any(w.extras):
+        return False
+    if level is None:
+        return levels is None
+    present = w.present
+    return sum(present) == present[level]
+
+
+def _recent_get(w: _Worker, h: int) -> int | None:
+    """The chain key of a recently removed engine hash (None when not remembered)."""
+    key = w.chain_recent.get(h)
+    return key if key is not None else w.chain_older.get(h)
+
+
+def _forget(w: _Worker, engine: Sequence[int]) -> None:
+    """Held mappings of ``engine`` hashes (blocks the worker no longer holds) become recently
+    removed ones, in bulk."""
+    popped: list[int | None] = list(map(w.chain.pop, engine, repeat(None)))
+    recent = w.chain_recent
+    if None in popped:  # not held (a mapping already among the recent ones)
+        recent.update([(h, k) for h, k in zip(engine, popped, strict=True) if k is not None])
+    else:
+        recent.update(zip(engine, cast(list[int], popped), strict=True))
+    if len(recent) >= MAX_LEDGER:
+        w.chain_older = recent
+        w.chain_recent = {}
 
 
 def _first(step: tuple[int, int | None, int]) -> int:
