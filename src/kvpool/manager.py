@@ -140,6 +140,11 @@ class KVCacheManager:
             g for g in range(groups) if g not in config.cross_attention_groups
         )
         self.sink_blocks: tuple[int, ...] = tuple(-(-s // self.tpb) for s in config.sinks)
+        # no sliding window: a sequence's self-attention tables all have the same length,
+        # and decode growth within its last block changes nothing but its tokens
+        self._full_attention_only = all(
+            config.window_sizes[g] is None for g in self.self_groups
+        )
         self._tiers = config.num_tiers
         self._free: list[list[list[int]]] = [
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
@@ -747,6 +752,11 @@ class KVCacheManager:
             if not toks:
                 return
             new_len = seq.num_tokens + len(toks)
+            if (self._full_attention_only
+                    and new_len <= len(seq.tables[self.self_groups[0]][0]) * self.tpb):
+                # the common decode step: the tokens fit the blocks held, no window moves
+                seq.tokens.extend(toks)
+                return
             need, freed = self._growth(seq, new_len)
             deficit = {
                 (0, g): need[g] - freed[g] - self.gpu_available(g)
