@@ -116,8 +116,9 @@ HOLE_WINDOW: Final = 256
 """Event ids missing for more than this many events are taken as lost, not late."""
 
 MAX_LEDGER: Final = 1 << 16
-"""Out-of-order ledger entries (and, for token-matched workers, recently removed hash
-mappings) kept per worker before the oldest are settled as they stand."""
+"""Out-of-order ledger entries kept per worker before the oldest are settled as they stand.
+Token-matched workers also remember their recently removed hash mappings: between
+MAX_LEDGER and 2 * MAX_LEDGER of them (two generations, the older dropped whole)."""
 
 _M64: Final = (1 << 64) - 1
 _LATE_RELEASE: Final = -2
