@@ -15,6 +15,8 @@ Each mode runs ``--repeat`` times with the garbage collector paused (as ``timeit
 table shows the best wall-clock rate (``Mtok/s``, which the targets judge) and the best rate by
 process CPU time (``Mtok/s cpu``, less disturbed by other load on a shared machine).
 ``--quick`` shrinks the workload for a smoke run; ``--algos`` and ``--modes`` pick a subset.
+``v1_block_key`` runs numba's kernel when the ``jit`` extra is installed (the ``backend``
+column says which ran); ``--no-jit`` measures the pure-Python chain instead.
 
     .venv/bin/python benchmarks/bench_hashing.py [--quick]
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
+from kvpool import jit
 from kvpool.hashing import BlockHasher, HashAlgo, request_block_hashes
 
 # Million tokens per second, extend(prompt) mode, on the 2-core development machine.
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             mtok = tokens / wall / 1e6
             rows.append({
                 "algorithm": algo.value,
+                "backend": jit.backend() if algo is HashAlgo.V1_BLOCK_KEY else "python",
                 "mode": mode,
                 "tokens": tokens,
                 "Mtok/s": round(mtok, 2),
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="10 sequences, 1 repeat")
+    parser.add_argument("--no-jit", action="store_true",
+                        help="v1_block_key on the pure-Python path even with numba installed")
     parser.add_argument(
         "--modes", type=lambda v: v.split(","), default=None,
         help="comma-separated subset of: " + ", ".join(MODES),
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     if args.quick:
         args.sequences, args.repeat = 10, 1
+    jit.set_enabled(not args.no_jit)
     rows = run(args)
     report(
         "hashing",

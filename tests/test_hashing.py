@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import struct
+import subprocess
+import sys
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cbor2
@@ -20,8 +23,15 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
+from kvpool import jit
 from kvpool.errors import (
     InvalidArgumentError,
     InvalidTokenError,
@@ -44,6 +54,20 @@ from kvpool.hashing import (
     vllm_none_hash,
     vllm_sha256_cbor_block_hash,
 )
+
+# Every test of this module runs on both v1 backends: numba's kernel (when the jit extra is
+# installed) and the pure-Python chain, each against the reference below.
+BACKENDS = ["jit", "python"] if jit.backend() != "python" else ["python"]
+
+
+@pytest.fixture(autouse=True, scope="module", params=BACKENDS)
+def v1_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    jit.set_enabled(request.param == "jit")
+    try:
+        yield request.param
+    finally:
+        jit.set_enabled(True)
+
 
 # ---------------------------------------------------------------------------------------------
 # the reference (COMPATIBILITY.md §1, transcribed)
@@ -642,9 +666,11 @@ class BlockHasherMachine(RuleBasedStateMachine):
         assert self.hasher.partial_key() == (expected[-1] if len(self.fed) % tpb else None)
 
 
-TestBlockHasherMachine = BlockHasherMachine.TestCase
-# Each step re-derives every key from scratch with the (slow) reference; 20 steps are plenty.
-TestBlockHasherMachine.settings = settings(stateful_step_count=20)
+def test_block_hasher_machine(v1_backend: str) -> None:
+    """Run as a function (not the machine's unittest TestCase) so that it takes the backend
+    fixture. Each step re-derives every key from scratch with the (slow) reference; 20 steps
+    are plenty."""
+    run_state_machine_as_test(BlockHasherMachine, settings=settings(stateful_step_count=20))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -797,3 +823,56 @@ def test_failed_calls_leave_the_hasher_unchanged() -> None:
     assert hasher.pending_tokens == 2
     assert hasher.partial_key() == ref_v1([5, 6], keys[-1])  # type: ignore[arg-type]
     assert hasher.extend([7, 8]) == [ref_v1([5, 6, 7, 8], keys[-1])]  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled v1 kernel
+
+
+def test_v1_backend_is_the_one_in_use(v1_backend: str) -> None:
+    """The fixture really switches: under "jit" the kernel computes the keys, and under
+    "python" it is never called."""
+    tokens = array("I", range(64))
+    if v1_backend == "jit":
+        assert jit.backend().startswith("numba")
+        assert jit.v1_chain(tokens, 32, 0, None, None) == v1_block_keys(tokens, 32)
+    else:
+        assert jit.v1_chain(tokens, 32, 0, None, None) is None
+        assert jit.backend() == "python"
+
+
+@given(tokens=st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=120),
+       tpb=st.integers(1, 40), parent=st.one_of(st.just(0), st.integers(0, M64)),
+       salt=st.one_of(st.none(), st.integers(0, M64)),
+       lora=st.one_of(st.none(), st.integers(0, M64)))
+def test_v1_chains_with_any_parent_and_scope_match_the_reference(
+    tokens: list[int], tpb: int, parent: int, salt: int | None, lora: int | None
+) -> None:
+    """Chains under a nonzero parent too (a salt then applies only where a parent is 0), on
+    both sides of jit.V1_MIN_TOKENS, with ids beyond the premix table."""
+    expected = []
+    p = parent
+    for i in range(0, len(tokens), tpb):
+        p = ref_v1(tokens[i:i + tpb], p, lora, salt)
+        expected.append(p)
+    assert v1_block_keys(tokens, tpb, parent_hash=parent, lora_id=lora, salt_id=salt) == expected
+    if tokens:
+        assert v1_block_key(tokens, parent, lora_id=lora, salt_id=salt) == ref_v1(
+            tokens, parent, lora, salt)
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_kvpool_jit_environment_variable(setting: str) -> None:
+    """KVPOOL_JIT=0 keeps numba out of the process; the default loads it when installed."""
+    code = ("import sys; from kvpool import jit, hashing; "
+            "hashing.v1_block_keys(list(range(64)), 32); "
+            "print(jit.backend(), 'numba' in sys.modules)")
+    env = {**os.environ, "KVPOOL_JIT": setting}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    if setting == "0":
+        assert out == ["python", "False"]
+    elif "jit" in BACKENDS:
+        assert out[0] == "numba" and out[-1] == "True"
+    else:
+        assert out[0] == "python"

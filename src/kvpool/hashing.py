@@ -21,7 +21,9 @@ Speed: hashing is on the admission path of the manager and on every request of t
 the chained loops are written for CPython: one bulk validation and conversion per call, then a
 tight per-block loop. What does not depend on the chain is computed for the whole call with
 numpy: the seed-independent part of the v1 mixing, and the CBOR encodings of vLLM's token ids.
-``benchmarks/bench_hashing.py`` measures them.
+The v1 chain itself (one 64-bit seed through every token) runs compiled by :mod:`kvpool.jit`
+when the ``jit`` extra (numba) is installed, with the same results; the Python loop here is the
+fallback. ``benchmarks/bench_hashing.py`` measures them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Final, cast
 import cbor2
 import numpy as np
 
+from kvpool import jit
 from kvpool.errors import InvalidArgumentError, InvalidTokenError, UnknownHashAlgorithmError
 
 __all__ = [
@@ -295,6 +298,17 @@ def _v1_chain(
     return out
 
 
+def _v1_keys(
+    tokens: array[int], tpb: int, parent: int, salt: int | None, lora: int | None
+) -> list[int]:
+    """Chained v1 keys of validated u32 ``tokens`` (the last block may be partial): compiled
+    when :mod:`kvpool.jit` can (the same keys), else premixed with numpy and chained here."""
+    keys = jit.v1_chain(tokens, tpb, parent, salt, lora)
+    if keys is None:
+        keys = _v1_chain(_v1_premix4(tokens), tpb, parent, salt, lora)
+    return keys
+
+
 def v1_block_key(
     tokens: Sequence[int],
     parent_hash: int = 0,
@@ -310,7 +324,9 @@ def v1_block_key(
     _check_u64("parent_hash", parent_hash)
     _check_u64("lora_id", lora_id)
     _check_u64("salt_id", salt_id)
-    return _v1_block(_v1_premix4(tokens_to_u32(tokens)), parent_hash, salt_id, lora_id)
+    toks = tokens_to_u32(tokens)
+    keys = jit.v1_chain(toks, len(toks), parent_hash, salt_id, lora_id) if toks else None
+    return keys[0] if keys else _v1_block(_v1_premix4(toks), parent_hash, salt_id, lora_id)
 
 
 def v1_block_keys(
@@ -326,8 +342,7 @@ def v1_block_keys(
     _check_u64("parent_hash", parent_hash)
     _check_u64("lora_id", lora_id)
     _check_u64("salt_id", salt_id)
-    pre = _v1_premix4(tokens_to_u32(tokens))
-    return _v1_chain(pre, tokens_per_block, parent_hash, salt_id, lora_id)
+    return _v1_keys(tokens_to_u32(tokens), tokens_per_block, parent_hash, salt_id, lora_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,8 +689,8 @@ class BlockHasher:
         keys: list[BlockKey]
         if algo is HashAlgo.V1_BLOCK_KEY:
             assert isinstance(parent, int)
-            pre = _v1_premix4(data[:stop] if stop < len(data) else data)
-            keys = cast(list[BlockKey], _v1_chain(pre, self.tpb, parent, self._salt, self._lora))
+            toks = data[:stop] if stop < len(data) else data
+            keys = cast(list[BlockKey], _v1_keys(toks, self.tpb, parent, self._salt, self._lora))
         elif algo is HashAlgo.VLLM_SHA256_CBOR:
             assert isinstance(parent, bytes)
             toks = data[:stop] if stop < len(data) else data
@@ -715,7 +730,7 @@ def request_block_hashes(
         del body[-1]
     salt_id = cache_salt_id(cache_salt) if cache_salt is not None else None
     if a is HashAlgo.V1_BLOCK_KEY:
-        return cast(list[int | str], _v1_chain(_v1_premix4(body), tpb, 0, salt_id, lora_id))
+        return cast(list[int | str], _v1_keys(body, tpb, 0, salt_id, lora_id))
     if a is HashAlgo.VLLM_SHA256_CBOR:
         first, rest = _vllm_tails(lora_id, cache_salt)
         digests = _vllm_chain(body, tpb, _VLLM_NONE_HASH, first, rest)
