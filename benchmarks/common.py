@@ -41,20 +41,28 @@ def report(
     extra: Mapping[str, Any] | None = None,
     out: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Print ``rows`` as a table and write them (with machine facts) to ``results/<name>.json``."""
-    table = Table(title=title or name)
-    columns: list[str] = []
+    """Print ``rows`` as a table and write them (with machine facts) to ``results/<name>.json``.
+
+    Consecutive rows with the same keys share a table; rows of another shape (a benchmark's
+    second part) start a new one, so that no table carries columns empty for most of its rows.
+    """
+    console = Console(width=max(120, Console().width))
+    groups: list[list[Mapping[str, Any]]] = []
     for row in rows:
-        for key in row:
-            if key not in columns:
-                columns.append(key)
-    for col in columns:
-        table.add_column(
-            col, justify="right" if rows and isinstance(rows[0].get(col), int | float) else "left"
-        )
-    for row in rows:
-        table.add_row(*(_fmt(row.get(c)) for c in columns))
-    Console(width=max(120, Console().width)).print(table)
+        if groups and list(groups[-1][0]) == list(row):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    for i, group in enumerate(groups):
+        label = title or name
+        table = Table(title=label if len(groups) == 1 else f"{label} ({i + 1}/{len(groups)})")
+        columns = list(group[0])
+        for col in columns:
+            numeric = isinstance(group[0].get(col), int | float)
+            table.add_column(col, justify="right" if numeric else "left")
+        for row in group:
+            table.add_row(*(_fmt(row.get(c)) for c in columns))
+        console.print(table)
     path = Path(out) if out else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine(), "rows": list(rows), **(extra or {})}
