@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
 from kvpool.errors import OutOfBlocksError, StorageError  # noqa: E402
 from kvpool.manager import KVCacheManager  # noqa: E402
-from kvpool.radix import NO_SLOT, Node  # noqa: E402
+from kvpool.radix import NO_SLOT  # noqa: E402
 from kvpool.storage import GroupGeometry  # noqa: E402
 
 GEOM = GroupGeometry(num_layers=1, kv_heads=1, head_dim=2, dtype="float32")
@@ -43,18 +43,6 @@ def write_row(m: KVCacheManager, g: int, slot: int, row: int, value: list[int]) 
     pool[slot].view(torch.int32)[0, :, row] = torch.tensor(value, dtype=torch.int32).reshape(
         2, 1, 2
     )
-
-
-def node_prefix(node: Node) -> list[int]:
-    chain: list[Node] = []
-    n: Node | None = node
-    while n is not None and n.parent is not None:
-        chain.append(n)
-        n = n.parent
-    out: list[int] = []
-    for x in reversed(chain):
-        out.extend(x.tokens)
-    return out
 
 
 class DataPlaneMachine(RuleBasedStateMachine):
@@ -167,18 +155,16 @@ class DataPlaneMachine(RuleBasedStateMachine):
                         continue
                     for p in range(i * tpb, min((i + 1) * tpb, len(toks))):
                         assert read_row(m, g, 0, slot, p % tpb) == row_value(toks[: p + 1])
-        for root in m.roots.values():
-            for node in root.descendants():
-                prefix = node_prefix(node)
-                start = len(prefix) - len(node.tokens)
-                for g, slot in enumerate(node.slot):
-                    if slot == NO_SLOT:
-                        continue
-                    for j in range(len(node.tokens)):
-                        got = read_row(m, g, node.tier[g], slot, j)
-                        assert got == row_value(tuple(prefix[: start + j + 1])), (
-                            f"block of tier {node.tier[g]} slot {slot} row {j} corrupted"
-                        )
+        for prefix, slots, tiers in m.tree_blocks():
+            start = (len(prefix) - 1) // tpb * tpb  # the block's first token
+            for g, slot in enumerate(slots):
+                if slot == NO_SLOT:
+                    continue
+                for j in range(len(prefix) - start):
+                    got = read_row(m, g, tiers[g], slot, j)
+                    assert got == row_value(tuple(prefix[: start + j + 1])), (
+                        f"block of tier {tiers[g]} slot {slot} row {j} corrupted"
+                    )
 
     def teardown(self) -> None:
         if self.m is not None:

@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING
 from kvpool.config import SequenceRequest
 from kvpool.errors import InvalidArgumentError
 from kvpool.hashing import BlockKey
-from kvpool.radix import NO_SLOT, Node, best_partial_child
+from kvpool.radix import NO_SLOT, Run, Segment, common_prefix, first_token, match_full
 
 if TYPE_CHECKING:
     from kvpool.manager import KVCacheManager
+
+Block = tuple[Run, int]
+"""Block i of a run."""
 
 
 class PartialMode(Enum):
@@ -53,15 +56,29 @@ class RequestPlan:
     root_key: BlockKey
     num_blocks: int  # context blocks (ceil(n / tpb))
     last_shared: bool  # the last context block is shared by all beams
-    matched: list[Node]  # full matches, block order
+    matched: list[Segment]  # full matches, block order
+    num_matched: int  # blocks in ``matched``
     claimed: dict[int, Sequence[int]]  # layer group -> indices of matched blocks it claims
-    partial: Node | None = None
+    partial: Block | None = None
     partial_tokens: int = 0
     partial_mode: PartialMode | None = None
     onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
     claim_tiers: dict[int, list[int]] = field(default_factory=dict)  # tier of each claim
     claim_slots: dict[int, list[int]] = field(default_factory=dict)  # slot of each claim
     partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
+    _blocks: list[Block] | None = None
+
+    def blocks(self) -> list[Block]:
+        """The matched blocks one by one (built on first use: only slow paths need them)."""
+        if self._blocks is None:
+            self._blocks = flat_blocks(self.matched)
+        return self._blocks
+
+    def matched_keys(self) -> list[BlockKey]:
+        keys: list[BlockKey] = []
+        for run, a, b in self.matched:
+            keys += run.keys[a:b]
+        return keys
 
 
 @dataclass(slots=True)
@@ -90,6 +107,31 @@ class BatchPlan:
         return {r.seq_id: r.reused_tokens for r in self.requests}
 
 
+def flat_blocks(segments: list[Segment]) -> list[Block]:
+    return [(run, i) for run, a, b in segments for i in range(a, b)]
+
+
+def flat(segments: list[Segment], g: int, tiers: bool = False) -> list[int]:
+    """Slots (or tiers) of layer group g along ``segments``, block by block."""
+    out: list[int] = []
+    for run, a, b in segments:
+        out += (run.tier if tiers else run.slot)[g][a:b]
+    return out
+
+
+def cut(segments: list[Segment], d: int) -> list[Segment]:
+    """The first ``d`` blocks of a path."""
+    out: list[Segment] = []
+    for run, a, b in segments:
+        if d <= 0:
+            break
+        if b - a > d:
+            b = a + d
+        out.append((run, a, b))
+        d -= b - a
+    return out
+
+
 class PartialClaimTracker:
     """Who may take a partially matched source over, and who must copy from it.
 
@@ -103,21 +145,23 @@ class PartialClaimTracker:
     __slots__ = ("_full", "_taker")
 
     def __init__(self) -> None:
-        self._full: set[int] = set()  # id(node) fully matched by some request of the batch
-        self._taker: dict[int, int | str] = {}  # id(node) -> seq_id taking it over
+        self._full: set[tuple[int, int]] = set()  # (id(run), i) fully matched in the batch
+        self._taker: dict[tuple[int, int], int | str] = {}  # (id(run), i) -> seq_id taking it
 
-    def note_full_match(self, node: Node) -> None:
-        self._full.add(id(node))
+    def note_full_match(self, run: Run, i: int) -> None:
+        self._full.add((id(run), i))
 
-    def decide(self, mgr: KVCacheManager, node: Node, seq_id: int | str,
+    def decide(self, mgr: KVCacheManager, block: Block, seq_id: int | str,
                shared_block: bool) -> PartialMode:
-        key = id(node)
+        run, i = block
+        key = (id(run), i)
         if (
             key in self._taker
             or key in self._full
             or not shared_block
-            or not node.is_leaf
-            or not mgr.is_unreferenced_gpu_block(node)
+            or i != len(run.keys) - 1
+            or not run.is_leaf
+            or not mgr.is_unreferenced_gpu_block(run, i)
         ):
             return PartialMode.COPY
         self._taker[key] = seq_id
@@ -133,26 +177,51 @@ def _window_required(i: int, length: int, window: int, sink_blocks: int, tpb: in
     return i < sink_blocks or (i + 1) * tpb > length - window - 1
 
 
-def _group_valid(mgr: KVCacheManager, g: int, nodes: list[Node], length: int) -> bool:
-    """Can layer group g reuse ``length`` tokens whose blocks are ``nodes``?"""
+def _group_valid(mgr: KVCacheManager, g: int, slots: list[int], length: int) -> bool:
+    """Can layer group g reuse ``length`` tokens whose blocks hold ``slots``?"""
     w = mgr.config.window_sizes[g]
     if w is None:
-        return NO_SLOT not in [n.slot[g] for n in nodes]
+        return NO_SLOT not in slots
     tpb = mgr.tpb
     sb = mgr.sink_blocks[g]
     return all(
-        n.slot[g] != NO_SLOT for i, n in enumerate(nodes) if _window_required(i, length, w, sb, tpb)
+        s != NO_SLOT for i, s in enumerate(slots) if _window_required(i, length, w, sb, tpb)
     )
 
 
+def _partial_candidate(mgr: KVCacheManager, segments: list[Segment], root: Run,
+                       target: bytes) -> tuple[Block | None, int]:
+    """The block after the matched path sharing the longest token prefix with ``target``
+    that holds a slot in every self-attention group; (block, shared tokens) or (None, 0)."""
+    step = 4 * mgr.tpb
+    if segments:
+        run, _, b = segments[-1]
+        if b < len(run.keys):  # inside a run: its next block is the only candidate
+            cands: list[Block] = [(run, b)]
+        else:
+            cands = [(c, 0) for c in run.children_starting_with(first_token(target))]
+    else:
+        cands = [(c, 0) for c in root.children_starting_with(first_token(target))]
+    best: Block | None = None
+    best_k = 0
+    groups = mgr.self_groups
+    for run, i in cands:
+        if any(run.slot[g][i] == NO_SLOT for g in groups):
+            continue
+        k = common_prefix(run.tkey[i * step:(i + 1) * step], target)
+        if k > best_k:
+            best, best_k = (run, i), k
+    return best, best_k
+
+
 def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
-    BlockKey, list[Node], Node | None, int
+    BlockKey, list[Segment], Block | None, int
 ]:
     """Find a request's reuse: the longest prefix valid in every self-attention layer group.
 
-    Blocks cover the prompt minus its last token. The tree is walked by token bytes, so a
-    matched block is never hashed again. Returns (root key, matched nodes, partial node,
-    partial tokens).
+    Blocks cover the prompt minus its last token. The tree is walked by token bytes, a run at
+    a time, so a matched block is never hashed again. Returns (root key, matched segments,
+    partial block, partial tokens).
     """
     cfg = mgr.config
     tpb = mgr.tpb
@@ -166,35 +235,26 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
     body = len(tokens) - 1
     raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
     step = 4 * tpb
-    matched: list[Node] = []
-    node = root
-    for off in range(0, body // tpb * step, step):
-        child = node.children.get(raw[off:off + step])
-        if child is None:
-            break
-        matched.append(child)
-        node = child
+    matched = match_full(root, raw, body // tpb, step)
     groups = mgr.self_groups
-    d = len(matched)
+    d = sum(b - a for _, a, b in matched)
+    slots = {g: flat(matched, g) for g in groups}
     if cfg.enable_partial_reuse and d * tpb < body:
-        target = hasher_tokens(tokens, d * tpb, min((d + 1) * tpb, body))
-        cand, k = best_partial_child(node, target, groups)
+        target = raw[d * step:min((d + 1) * tpb, body) * 4]
+        cand, k = _partial_candidate(mgr, matched, root, target)
         if cand is not None:
             length = d * tpb + k
-            nodes = [*matched, cand]
-            if all(_group_valid(mgr, g, nodes, length) for g in groups):
+            run, i = cand
+            if all(_group_valid(mgr, g, [*slots[g], run.slot[g][i]], length) for g in groups):
                 return root_key, matched, cand, k
+    for g in groups:  # full attention needs every block: nothing past its first hole
+        if cfg.window_sizes[g] is None and NO_SLOT in slots[g]:
+            d = min(d, slots[g].index(NO_SLOT))
     while d > 0:
-        if all(_group_valid(mgr, g, matched[:d], d * tpb) for g in groups):
+        if all(_group_valid(mgr, g, slots[g][:d], d * tpb) for g in groups):
             break
         d -= 1
-    return root_key, matched[:d], None, 0
-
-
-def hasher_tokens(tokens: Sequence[int], start: int, stop: int) -> array[int]:
-    if isinstance(tokens, array):
-        return tokens[start:stop]
-    return array("I", tokens[start:stop])
+    return root_key, cut(matched, d), None, 0
 
 
 def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
@@ -222,10 +282,10 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
     tracker = PartialClaimTracker()
     out: list[RequestPlan] = []
     for r in requests:
-        root_key, matched, pnode, pk = walk(mgr, r)
+        root_key, matched, pblock, pk = walk(mgr, r)
         n = len(r.tokens)
-        reused = len(matched) * tpb + pk
-        d = len(matched)
+        d = sum(b - a for _, a, b in matched)
+        reused = d * tpb + pk
         claimed: dict[int, Sequence[int]] = {}
         for g in mgr.self_groups:
             w = cfg.window_sizes[g]
@@ -238,20 +298,21 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
         out.append(RequestPlan(
             seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
             request=r, root_key=root_key, num_blocks=num_blocks,
-            last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, claimed=claimed,
-            partial=pnode, partial_tokens=pk,
+            last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, num_matched=d,
+            claimed=claimed, partial=pblock, partial_tokens=pk,
         ))
     if any(p.partial is not None for p in out):
         # partial sources are decided once every full match of the batch is known
         for p in out:
+            blocks = p.blocks()
             for idxs in p.claimed.values():
                 for i in idxs:
-                    tracker.note_full_match(p.matched[i])
-    onboarded: set[tuple[int, int]] = set()
+                    tracker.note_full_match(*blocks[i])
+    onboarded: set[tuple[int, int, int]] = set()
     claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
     for p in out:
         beams = p.request.beam_width
-        d = len(p.matched)
+        d = p.num_matched
         if p.partial is not None:
             shared = p.last_shared or d < p.num_blocks - 1
             p.partial_mode = tracker.decide(mgr, p.partial, p.seq_id, shared)
@@ -268,22 +329,29 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             if p.partial is not None:
                 copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
                 copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-                if mgr.gpu_evictable(p.partial, g):
-                    claimed_evictable[g].add(p.partial.slot[g])
+                prun, pi = p.partial
+                if mgr.gpu_evictable(prun, pi, g):
+                    claimed_evictable[g].add(prun.slot[g][pi])
             onboard = 0
             ref = mgr.gpu_refs(g)
             ce = claimed_evictable[g]
             idxs = p.claimed[g]
-            nodes = p.matched if len(idxs) == d else [p.matched[i] for i in idxs]
-            tiers = p.claim_tiers[g] = [n.tier[g] for n in nodes]
-            slots = p.claim_slots[g] = [n.slot[g] for n in nodes]
+            tiers = flat(p.matched, g, tiers=True)
+            slots = flat(p.matched, g)
+            if len(idxs) != d:
+                tiers = [tiers[i] for i in idxs]
+                slots = [slots[i] for i in idxs]
+            p.claim_tiers[g] = tiers
+            p.claim_slots[g] = slots
             if not any(tiers):
                 ce.update([s for s in slots if not ref[s]])
             else:
-                for node, t, s in zip(nodes, tiers, slots, strict=True):
+                blocks = p.blocks()
+                for i, t, s in zip(idxs, tiers, slots, strict=True):
                     if t:
-                        if (id(node), g) not in onboarded:
-                            onboarded.add((id(node), g))
+                        run, j = blocks[i]
+                        if (id(run), j, g) not in onboarded:
+                            onboarded.add((id(run), j, g))
                             onboard += 1
                     elif not ref[s]:
                         ce.add(s)

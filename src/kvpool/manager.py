@@ -4,7 +4,8 @@ State per layer group g and tier t:
 
 - ``_free[t][g]``: slots holding nothing (a stack);
 - ``_queue[t][g]``: cached, unreferenced slots in eviction order (the policy);
-- ``_node_at[t][g][slot]``: the tree node whose block the slot holds (cached blocks);
+- ``_run_at[t][g][slot]`` / ``_idx_at[t][g][slot]``: the tree run and the index in it of the
+  block the slot holds (cached blocks);
 - ``_ref[g][slot]``: references on GPU slots (one per block-table entry of a sequence).
 
 A GPU slot is in exactly one of: free, queued (cached, ref 0), referenced (ref > 0, cached or
@@ -44,7 +45,7 @@ from kvpool.hashing import (
     hash_algo,
     tokens_to_u32,
 )
-from kvpool.radix import NO_SLOT, Node, prune
+from kvpool.radix import NO_SLOT, Run, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
@@ -150,15 +151,19 @@ class KVCacheManager:
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
         ]
         self._queue: list[list[EvictionPolicy]] = make_policies(config, self._clock)
-        self._node_at: list[list[list[Node | None]]] = [
+        self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
+        self._run_at: list[list[list[Run | None]]] = [
             [[None] * n for n in config.slots[t]] for t in range(self._tiers)
+        ]
+        self._idx_at: list[list[list[int]]] = [
+            [[0] * n for n in config.slots[t]] for t in range(self._tiers)
         ]
         self._ref: list[list[int]] = [[0] * n for n in config.slots[0]]
         # colder-tier slots holding blocks of suspended sequences (never evicted)
         self._held: list[list[set[int]]] = [
             [set() for _ in range(groups)] for _ in range(self._tiers)
         ]
-        self.roots: dict[BlockKey, Node] = {}
+        self.roots: dict[BlockKey, Run] = {}
         self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self.sequences: dict[int | str, Seq] = {}
         if storage is None and config.layer_geometry is not None:
@@ -207,14 +212,14 @@ class KVCacheManager:
         """Free plus evictable GPU slots of group g."""
         return len(self._free[0][g]) + len(self._queue[0][g])
 
-    def gpu_evictable(self, node: Node, g: int) -> bool:
-        """Does ``node`` hold a queued (cached, unreferenced) GPU slot in group g?"""
-        s = node.slot[g]
-        return s != NO_SLOT and node.tier[g] == 0 and self._ref[g][s] == 0
+    def gpu_evictable(self, run: Run, i: int, g: int) -> bool:
+        """Does block i of ``run`` hold a queued (cached, unreferenced) GPU slot in group g?"""
+        s = run.slot[g][i]
+        return s != NO_SLOT and run.tier[g][i] == 0 and self._ref[g][s] == 0
 
-    def is_unreferenced_gpu_block(self, node: Node) -> bool:
-        """Does ``node`` hold an unreferenced GPU slot in every self-attention group?"""
-        return all(self.gpu_evictable(node, g) for g in self.self_groups)
+    def is_unreferenced_gpu_block(self, run: Run, i: int) -> bool:
+        """Does block i of ``run`` hold an unreferenced GPU slot in every self-attention group?"""
+        return all(self.gpu_evictable(run, i, g) for g in self.self_groups)
 
     # ------------------------------------------------------------------ admission
 
@@ -247,13 +252,15 @@ class KVCacheManager:
             self._new_count = [0] * self.config.num_groups
             takeovers = self._claim(plan)
             results = [self._allocate(p, takeovers) for p in plan.requests]
-            self._finish_call(release=[p.partial for p in plan.requests
-                                       if p.partial is not None and id(p.partial) not in takeovers])
+            self._finish_call(release=[
+                p.partial for p in plan.requests
+                if p.partial is not None and (id(p.partial[0]), p.partial[1]) not in takeovers
+            ])
             return results
 
-    def _claim(self, plan: BatchPlan) -> set[int]:
+    def _claim(self, plan: BatchPlan) -> set[tuple[int, int]]:
         """Phase 1: reference every full match; take partial sources out of the queues."""
-        takeovers: set[int] = set()
+        takeovers: set[tuple[int, int]] = set()
         for p in plan.requests:
             beams = p.request.beam_width
             for g, slots in p.claim_slots.items():
@@ -273,26 +280,25 @@ class KVCacheManager:
                         self._queue[t][g].remove(s)  # claimed for onboarding
         # partial sources after every full match: a full match of the same block holds it
         for p in plan.requests:
-            src = p.partial
-            if src is None:
+            if p.partial is None:
                 continue
+            run, i = p.partial
             for g in self.self_groups:
-                t, s = src.tier[g], src.slot[g]
+                t, s = run.tier[g][i], run.slot[g][i]
                 p.partial_loc[g] = (t, s)
                 if s in self._queue[t][g]:
                     self._queue[t][g].remove(s)
             if p.partial_mode is PartialMode.TAKEOVER:
-                takeovers.add(id(src))
+                takeovers.add((id(run), i))
         return takeovers
 
-    def _allocate(self, p: RequestPlan, takeovers: set[int]) -> AdmitResult:
+    def _allocate(self, p: RequestPlan, takeovers: set[tuple[int, int]]) -> AdmitResult:
         """Phase 2 for one request: onboard claims, copy/take over partials, allocate misses."""
         cfg = self.config
         r = p.request
         beams = r.beam_width
         tpb = self.tpb
-        d = len(p.matched)
-        matched = p.matched
+        d = p.num_matched
         st = RequestStats()
         before = list(self._new_count)
         tables: list[list[list[int]]] = []
@@ -311,11 +317,12 @@ class KVCacheManager:
             claimed = p.claimed[g]
             claim_tiers = p.claim_tiers[g]
             if any(claim_tiers):
+                blocks = p.blocks()
                 for i, claim_tier in zip(claimed, claim_tiers, strict=True):
-                    node = matched[i]
+                    run, j = blocks[i]
                     if claim_tier:  # GPU claims took their reference in phase 1
-                        st.onboarded += self._onboard(node, g, beams)
-                    shared[i] = node.slot[g]
+                        st.onboarded += self._onboard(run, j, g, beams)
+                    shared[i] = run.slot[g][j]
                 for t in range(1, self._tiers):
                     tier_hits[t] += claim_tiers.count(t)
             elif len(claimed) == d:
@@ -329,12 +336,11 @@ class KVCacheManager:
             per_beam_last = not p.last_shared
             per_beam: list[list[int]] = [[] for _ in range(beams)]
             if p.partial is not None:
-                src = p.partial
                 on_last = per_beam_last and d == last
                 copies = beams if on_last else 1
                 targets: list[int] = []
                 if p.partial_mode is PartialMode.TAKEOVER:
-                    targets.append(self._take_over(src, g, beams))
+                    targets.append(self._take_over(*p.partial, g, beams))
                     copies -= 1
                 src_tier, src_slot = p.partial_loc[g]
                 for s in self._alloc_n(g, copies):
@@ -365,15 +371,16 @@ class KVCacheManager:
         st.reused = st.full_reused + st.partial_reused
         new = {g: self._new_count[g] - before[g] for g in range(cfg.num_groups)}
         st.alloc_new = sum(new[g] for g in self.self_groups)
+        root = self._root(p.root_key)
         seq = Seq(
-            r.seq_id, array("I", r.tokens), beams, [n.key for n in matched],
-            self._root(p.root_key), tables,
+            r.seq_id, array("I", r.tokens), beams, p.matched_keys(), root, p.root_key, tables,
             lora_id=r.lora_id, cache_salt=r.cache_salt, retention=r.retention,
             encoder_tokens=(
                 array("I", r.encoder_tokens) if r.encoder_tokens is not None else None
             ),
         )
-        seq.commit_nodes = list(matched)
+        if p.matched:
+            seq.at_run, _, seq.at_len = p.matched[-1]
         seq.committed_blocks = d
         self.sequences[r.seq_id] = seq
         stats = self._stats
@@ -411,42 +418,63 @@ class KVCacheManager:
                 out.append(s)
             return out
         # GPU only, no copy in flight: the victims are taken in one pop, and a victim that is
-        # a leaf just leaves the tree. (A victim with queued descendants drops them too; their
-        # slots go to the free list, so the call may evict a few more blocks than it needs.)
-        node_at = self._node_at[0][g]
+        # a leaf's tail just leaves its run. (A victim with queued descendants drops them too;
+        # their slots go to the free list, so the call may evict a few more blocks than it
+        # needs.) Runs that lost tail blocks get their token bytes cut once, at the end.
+        run_at = self._run_at[0][g]
+        idx_at = self._idx_at[0][g]
         single = self.config.num_groups == 1
-        removed: list[Node] = []
+        removed: list[BlockKey] = []
+        cut: dict[int, Run] = {}
         dropped = 0
         for s, prio in self._queue[0][g].pop_many(n - len(out)):
-            node = node_at[s]
-            assert node is not None
-            if node.children:
+            run = run_at[s]
+            assert run is not None
+            i = idx_at[s]
+            keys = run.keys
+            if i != len(keys) - 1 or run.children:
                 self._emit_removed(g, removed)  # keep the removed hashes in eviction order
                 removed = []
+                for r in cut.values():
+                    if r.alive:
+                        r.tkey = r.tkey[:len(r.keys) * self.step]
+                cut.clear()
                 self._evict(0, g, s, prio)
-            else:
-                node_at[s] = None
-                node.slot[g] = NO_SLOT
-                dropped += 1
-                removed.append(node)
-                if single or max(node.slot) == NO_SLOT:
-                    parent = node.parent
-                    assert parent is not None
-                    parent.remove_child(node)
-                    node.alive = False
-                    if not parent.children and parent.parent is not None \
-                            and max(parent.slot) == NO_SLOT:
-                        prune(parent)
+                out.append(s)
+                continue
+            run_at[s] = None
+            run.slot[g][i] = NO_SLOT
+            dropped += 1
+            removed.append(keys[i])
+            if single or not run.has_slot(i):
+                keys.pop()
+                for sl in run.slot:
+                    sl.pop()
+                for tl in run.tier:
+                    tl.pop()
+                if run.prio is not None:
+                    assert run.dur is not None
+                    run.prio.pop()
+                    run.dur.pop()
+                if keys and run.has_slot(i - 1):
+                    cut[id(run)] = run
+                else:  # an empty run, or a slotless path block became the tail
+                    run.tkey = run.tkey[:i * self.step]
+                    cut.pop(id(run), None)
+                    prune(run, self.step)
             out.append(s)
+        for r in cut.values():
+            if r.alive:
+                r.tkey = r.tkey[:len(r.keys) * self.step]
         self._stats.evicted_blocks += dropped
         self._stats.dropped_blocks += dropped
         self._emit_removed(g, removed)
         return out
 
-    def _root(self, key: BlockKey) -> Node:
+    def _root(self, key: BlockKey) -> Run:
         root = self.roots.get(key)
         if root is None:
-            root = self.roots[key] = Node(key, None, b"", self.config.num_groups)
+            root = self.roots[key] = Run.root(self.config.num_groups)
         return root
 
     # ------------------------------------------------------------------ slots and eviction
@@ -474,57 +502,68 @@ class KVCacheManager:
 
     def _evict(self, t: int, g: int, slot: int, priority: int, *, offload: bool = True) -> None:
         """The block at (t, g, slot) leaves that slot: offloaded one tier down, or dropped."""
-        node = self._node_at[t][g][slot]
-        assert node is not None and node.slot[g] == slot and node.tier[g] == t
-        self._node_at[t][g][slot] = None
+        run = self._run_at[t][g][slot]
+        i = self._idx_at[t][g][slot]
+        assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
+        self._run_at[t][g][slot] = None
         self._stats.evicted_blocks += 1
         if (offload and t + 1 < self._tiers and priority >= self.config.offload_min_priority
                 and self._queue[t][g].should_offload(slot)):
             s2 = self._lower_slot(t + 1, g)
             if s2 is not None:
-                node.tier[g] = t + 1
-                node.slot[g] = s2
-                self._node_at[t + 1][g][s2] = node
-                self._queue[t + 1][g].push(s2, node.priority, key=node.key)
+                run.tier[g][i] = t + 1
+                run.slot[g][i] = s2
+                self._run_at[t + 1][g][s2] = run
+                self._idx_at[t + 1][g][s2] = i
+                self._queue[t + 1][g].push(s2, run.priority(i), key=run.keys[i])
                 self._add_copy(BlockCopy(t, slot, t + 1, s2, g))
                 self._stats.offload_blocks += 1
                 self._stats.offload_bytes += self.storage.block_bytes(g)
-                self._emit_updated(g, node, t, t + 1)
+                self._emit_updated(g, run.keys[i], t, t + 1)
                 return
         if self._pending_dst:
             self._cancel_copy_into(t, g, slot)
-        node.slot[g] = NO_SLOT
-        node.tier[g] = 0
+        run.slot[g][i] = NO_SLOT
+        run.tier[g][i] = 0
         self._stats.dropped_blocks += 1
-        if not node.children:  # the common case: victims are leaves (tails go first)
+        if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
             if self._events is not None:
-                self._emit_removed(g, [node])
-            if max(node.slot) == NO_SLOT:
-                prune(node)
+                self._emit_removed(g, [run.keys[i]])
+            if not run.has_slot(i):
+                prune(run, self.step)
             return
-        removed = [node]
+        removed = [run.keys[i]]
         if self.config.window_sizes[g] is None:
             # A full-attention block without its prefix cannot be matched: drop the subtree's
             # queued blocks. Held or claimed ones stay (a sequence that computed a duplicate of
             # an ancestor holds its own copy) and are queued, unreachable, once released.
-            for desc in node.descendants():
-                ds = desc.slot[g]
+            for r, j in self._blocks_below(run, i):
+                ds = r.slot[g][j]
                 if ds == NO_SLOT:
                     continue
-                dt = desc.tier[g]
+                dt = r.tier[g][j]
                 q = self._queue[dt][g]
                 if ds not in q:
                     continue
                 q.remove(ds)
                 self._cancel_copy_into(dt, g, ds)
-                self._node_at[dt][g][ds] = None
+                self._run_at[dt][g][ds] = None
                 self._free[dt][g].append(ds)
-                desc.slot[g] = NO_SLOT
-                desc.tier[g] = 0
+                r.slot[g][j] = NO_SLOT
+                r.tier[g][j] = 0
                 self._stats.dropped_blocks += 1
-                removed.append(desc)
+                removed.append(r.keys[j])
         self._emit_removed(g, removed)
-        self._prune_subtree(node)
+        self._prune_subtree(run)
+
+    @staticmethod
+    def _blocks_below(run: Run, i: int) -> list[tuple[Run, int]]:
+        """Every block below block i of ``run``: the rest of the run, then the runs under it
+        (depth first, parents before children)."""
+        out = [(run, j) for j in range(i + 1, len(run.keys))]
+        for r in run.descendants():
+            out += [(r, j) for j in range(len(r.keys))]
+        return out
 
     def _add_copy(self, c: BlockCopy) -> None:
         """Record a copy; if its source was itself filled by a copy of this call, forward it.
@@ -548,65 +587,60 @@ class KVCacheManager:
         if idx is not None:
             self._copies[idx] = None
 
-    def _prune_subtree(self, node: Node) -> None:
-        """Remove slotless leaves below and at ``node``, then slotless ancestors."""
-        stack = [node]
-        order: list[Node] = []
-        while stack:
-            n = stack.pop()
-            order.append(n)
-            stack.extend(n.children.values())
-        for n in reversed(order):  # children before parents
-            if n.alive and n.parent is not None and not n.children and not n.has_any_slot():
-                n.parent.remove_child(n)
-                n.alive = False
-        prune(node.parent if not node.alive else node)
+    def _prune_subtree(self, run: Run) -> None:
+        """Drop slotless blocks without children below and in ``run``, then upwards."""
+        order = [run, *run.descendants()]
+        for r in reversed(order):  # children before parents
+            if r.alive and not r.children:
+                prune(r, self.step)
+        prune(run if run.alive else run.parent, self.step)
 
-    def _onboard(self, node: Node, g: int, refs: int) -> int:
+    def _onboard(self, run: Run, i: int, g: int, refs: int) -> int:
         """Bring a claimed block up to the GPU with ``refs`` references; returns 1 if it moved
         now, 0 if an earlier request of the batch already brought it up."""
-        t, s = node.tier[g], node.slot[g]
+        t, s = run.tier[g][i], run.slot[g][i]
         if t == 0:
             self._ref[g][s] += refs
             return 0
         new = self._alloc(g)
         self._add_copy(BlockCopy(t, s, 0, new, g))
-        self._node_at[t][g][s] = None
+        self._run_at[t][g][s] = None
         if s not in self._held[t][g]:
             self._pending_free.append((t, g, s))
         # else: a suspended sequence holds that copy; it stays held, no longer cached
-        node.tier[g] = 0
-        node.slot[g] = new
-        self._node_at[0][g][new] = node
+        run.tier[g][i] = 0
+        run.slot[g][i] = new
+        self._run_at[0][g][new] = run
+        self._idx_at[0][g][new] = i
         self._ref[g][new] = refs
         self._stats.onboard_bytes += self.storage.block_bytes(g)
-        self._emit_updated(g, node, t, 0)
+        self._emit_updated(g, run.keys[i], t, 0)
         return 1
 
-    def _take_over(self, node: Node, g: int, refs: int) -> int:
-        """The request adopts an unreferenced leaf's slot in place; the node leaves the tree."""
-        s = node.slot[g]
-        assert node.tier[g] == 0 and self._ref[g][s] == 0
-        self._node_at[0][g][s] = None
-        node.slot[g] = NO_SLOT
+    def _take_over(self, run: Run, i: int, g: int, refs: int) -> int:
+        """The request adopts an unreferenced leaf's slot in place; the block leaves the tree."""
+        s = run.slot[g][i]
+        assert run.tier[g][i] == 0 and self._ref[g][s] == 0
+        self._run_at[0][g][s] = None
+        run.slot[g][i] = NO_SLOT
         self._ref[g][s] = refs
-        self._emit_removed(g, [node])
-        if not node.has_any_slot():
-            prune(node)
+        self._emit_removed(g, [run.keys[i]])
+        if not run.has_slot(i):
+            prune(run, self.step)
         return s
 
-    def _finish_call(self, release: Iterable[Node] = ()) -> None:
+    def _finish_call(self, release: Iterable[tuple[Run, int]] = ()) -> None:
         """End of a mutating call: release claimed partial sources, free onboarded colder
         slots, and move the data of every copy the call made, batched per tier pair."""
-        for src in release:
+        for run, i in release:
             for g in self.self_groups:
-                t, s = src.tier[g], src.slot[g]
+                t, s = run.tier[g][i], run.slot[g][i]
                 if s == NO_SLOT or s in self._queue[t][g] or s in self._held[t][g]:
                     continue
                 if t == 0 and self._ref[g][s] > 0:
                     continue  # a full match holds it: the release is cancelled
-                if self._node_at[t][g][s] is src:
-                    self._queue[t][g].push(s, src.priority, key=src.key)
+                if self._run_at[t][g][s] is run and self._idx_at[t][g][s] == i:
+                    self._queue[t][g].push(s, run.priority(i), key=run.keys[i])
         for t, g, s in self._pending_free:
             self._free[t][g].append(s)
         self._pending_free.clear()
@@ -641,20 +675,23 @@ class KVCacheManager:
         with self._lock:
             out: set[tuple[int | str, int, int]] = set()
             for root in self.roots.values():
-                for n in root.descendants():
-                    for g, s in enumerate(n.slot):
-                        if s != NO_SLOT:
-                            out.add((self._ev_hashes([n.key])[0], g, n.tier[g]))
+                for r in root.descendants():
+                    hashes = self._ev_hashes(r.keys)
+                    for g, slots in enumerate(r.slot):
+                        tiers = r.tier[g]
+                        for j, s in enumerate(slots):
+                            if s != NO_SLOT:
+                                out.add((hashes[j], g, tiers[j]))
             return out
 
-    def _emit_removed(self, g: int, nodes: list[Node]) -> None:
+    def _emit_removed(self, g: int, keys: list[BlockKey]) -> None:
         # Removals of one call are handed over together (one hook call per layer group),
         # flushed before any other event so the stream's order is exactly the call's.
-        if self._events is not None and nodes:
+        if self._events is not None and keys:
             pending = self._removed_pending.get(g)
             if pending is None:
                 pending = self._removed_pending[g] = []
-            pending.extend(self._ev_hashes([n.key for n in nodes]))
+            pending.extend(self._ev_hashes(keys))
 
     def _flush_removed(self) -> None:
         if self._removed_pending and self._events is not None:
@@ -662,21 +699,32 @@ class KVCacheManager:
                 self._events.on_removed(g, self.config.window_size(g), hashes)
             self._removed_pending = {}
 
-    def _emit_updated(self, g: int, node: Node, old: int, new: int) -> None:
+    def _emit_updated(self, g: int, key: BlockKey, old: int, new: int) -> None:
         if self._events is not None:
             self._flush_removed()
-            self._events.on_updated(g, self.config.window_size(g), self._ev_hashes([node.key])[0],
+            self._events.on_updated(g, self.config.window_size(g), self._ev_hashes([key])[0],
                                     cache_level=EventDiff(old, new))
 
-    def _emit_stored(self, g: int, parent: Node, chain: list[Node], lora_id: int | None) -> None:
+    def _parent_key(self, run: Run, i: int) -> BlockKey | None:
+        """The key of the block before block i of ``run`` (None at a scope's root)."""
+        if i:
+            return run.keys[i - 1]
+        parent = run.parent
+        return None if parent is None or parent.parent is None else parent.keys[-1]
+
+    def _emit_stored(self, g: int, chain: list[tuple[Run, int]], lora_id: int | None) -> None:
+        """A stored event for a chain of blocks (each the child of the one before)."""
         if self._events is None or not chain:
             return
         self._flush_removed()
-        parent_hash = None if parent.parent is None else self._ev_hashes([parent.key])[0]
-        hashes = self._ev_hashes([n.key for n in chain])
+        parent = self._parent_key(*chain[0])
+        parent_hash = None if parent is None else self._ev_hashes([parent])[0]
+        hashes = self._ev_hashes([r.keys[j] for r, j in chain])
+        step = self.step
         blocks = [
-            StoredBlock(h, _token_tuple(n.tkey), n.tier[g], n.priority, lora_id)
-            for h, n in zip(hashes, chain, strict=True)
+            StoredBlock(h, _token_tuple(r.tkey[j * step:(j + 1) * step]), r.tier[g][j],
+                        r.priority(j), lora_id)
+            for h, (r, j) in zip(hashes, chain, strict=True)
         ]
         self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
 
@@ -804,14 +852,14 @@ class KVCacheManager:
         ref[s] -= 1
         assert ref[s] >= 0
         if ref[s] == 0:
-            node = self._node_at[0][g][s]
-            if node is None:
+            run = self._run_at[0][g][s]
+            if run is None:
                 self._free[0][g].append(s)
             else:
-                expires = (
-                    self._clock() + node.duration if node.duration is not None else None
-                )
-                self._queue[0][g].push(s, node.priority, expires, node.key)
+                i = self._idx_at[0][g][s]
+                dur = run.duration(i)
+                expires = self._clock() + dur if dur is not None else None
+                self._queue[0][g].push(s, run.priority(i), expires, run.keys[i])
 
     def _unref_many(self, g: int, slots: list[int]) -> None:
         """Drop one reference on each slot of a block table (NO_SLOT entries skipped).
@@ -822,7 +870,8 @@ class KVCacheManager:
         cannot be matched). Uncached blocks become free.
         """
         ref = self._ref[g]
-        node_at = self._node_at[0][g]
+        run_at = self._run_at[0][g]
+        idx_at = self._idx_at[0][g]
         free = self._free[0][g]
         queue = self._queue[0][g]
         batch: list[int] = []
@@ -835,24 +884,32 @@ class KVCacheManager:
             ref[s] = r
             if r:
                 continue
-            node = node_at[s]
-            if node is None:
+            run = run_at[s]
+            if run is None:
                 free.append(s)
-            elif node.duration is None:
-                if node.priority != batch_prio and batch:
-                    queue.push_many(batch, batch_prio, keys)
-                    batch = []
-                    keys = [] if keys is not None else None
-                batch_prio = node.priority
-                batch.append(s)
-                if keys is not None:
-                    keys.append(node.key)
+                continue
+            i = idx_at[s]
+            if run.prio is None:
+                prio = 35
             else:
-                if batch:
-                    queue.push_many(batch, batch_prio, keys)
-                    batch = []
-                    keys = [] if keys is not None else None
-                queue.push(s, node.priority, self._clock() + node.duration, node.key)
+                assert run.dur is not None
+                prio = run.prio[i]
+                dur = run.dur[i]
+                if dur is not None:
+                    if batch:
+                        queue.push_many(batch, batch_prio, keys)
+                        batch = []
+                        keys = [] if keys is not None else None
+                    queue.push(s, prio, self._clock() + dur, run.keys[i])
+                    continue
+            if prio != batch_prio and batch:
+                queue.push_many(batch, batch_prio, keys)
+                batch = []
+                keys = [] if keys is not None else None
+            batch_prio = prio
+            batch.append(s)
+            if keys is not None:
+                keys.append(run.keys[i])
         if batch:
             queue.push_many(batch, batch_prio, keys)
 
@@ -915,133 +972,196 @@ class KVCacheManager:
     def _hasher_after(self, seq: Seq, blocks: int) -> BlockHasher:
         """A hasher positioned after the sequence's first ``blocks`` full blocks."""
         h = BlockHasher(self.config.hash_algo, self.tpb, lora_id=seq.lora_id,
-                        cache_salt=seq.cache_salt, root=seq.root.key)
+                        cache_salt=seq.cache_salt, root=seq.root_key)
         h.resume(seq.keys[:blocks])
         return h
+
+    def _position(self, seq: Seq, blocks: int, *, rebuild: bool = True) -> tuple[Run, int] | None:
+        """Where the sequence's first ``blocks`` committed blocks end in the tree: (run, n),
+        after block n - 1 of run (n = 0 only at the root).
+
+        ``seq.at_run``/``at_len`` remember where the committed blocks end; a split or an
+        eviction may have moved or dropped them since, which the block's key tells. Then the
+        path is walked again by tokens, and with ``rebuild`` blocks a prune removed are
+        recreated as path blocks (their keys are still valid; only slots were lost);
+        without it, None.
+        """
+        run, n = seq.at_run, seq.at_len
+        c = seq.committed_blocks
+        if not (run.alive and len(run.keys) >= n
+                and (run is seq.root if n == 0 else run.keys[n - 1] == seq.keys[c - 1])):
+            found = self._walk_path(seq, c, rebuild)
+            if found is None:
+                return None
+            run, n = seq.at_run, seq.at_len = found
+        back = c - blocks
+        while back > n:  # walk up to an earlier block of the path
+            back -= n
+            parent = run.parent
+            assert parent is not None
+            run, n = parent, len(parent.keys)
+        return run, n - back
+
+    def _walk_path(self, seq: Seq, blocks: int, rebuild: bool) -> tuple[Run, int] | None:
+        step = self.step
+        raw = seq.tokens.tobytes()
+        run = seq.root = self._root(seq.root_key)
+        n = 0
+        i = 0
+        while i < blocks:
+            blk = raw[i * step:(i + 1) * step]
+            if n < len(run.keys):
+                if run.tkey[n * step:(n + 1) * step] == blk:
+                    n += 1
+                    i += 1
+                    continue
+            else:
+                child = run.children.get(blk)
+                if child is not None:
+                    run, n = child, 1
+                    i += 1
+                    continue
+            if not rebuild:
+                return None
+            run = self._new_run(seq, run, n, i, blocks, [[NO_SLOT] * (blocks - i)
+                                                         for _ in range(self.config.num_groups)])
+            return run, blocks - i
+        return run, n
+
+    def _new_run(self, seq: Seq, run: Run, n: int, first: int, upto: int,
+                 slots: list[list[int]], keys: list[BlockKey] | None = None) -> Run:
+        """Blocks [first, upto) of ``seq`` (keys known, or given) as a new run after block
+        n - 1 of ``run`` (split there if needed), holding ``slots`` per group (GPU)."""
+        step = self.step
+        if n < len(run.keys):
+            self._reindex(run.split(n, step))
+        tk = seq.tokens[first * self.tpb:upto * self.tpb].tobytes()
+        new = Run(run, tk, tk[:step], seq.keys[first:upto] if keys is None else keys, slots,
+                  [[0] * (upto - first) for _ in slots])
+        run.add_child(new)
+        if seq.retention is not None:
+            for j in range(upto - first):
+                self._set_priority(seq, new, j, (first + j) * self.tpb)
+        return new
+
+    def _reindex(self, run: Run) -> None:
+        """Point the slots of ``run``'s blocks at it (after a split renumbered them)."""
+        for g, slots in enumerate(run.slot):
+            tiers = run.tier[g]
+            for j, s in enumerate(slots):
+                if s != NO_SLOT:
+                    t = tiers[j]
+                    self._run_at[t][g][s] = run
+                    self._idx_at[t][g][s] = j
 
     def _commit(self, seq: Seq, upto: int) -> None:
         """Insert the sequence's full blocks [committed, upto) into the tree (beam 0).
 
         Blocks already in the tree (another sequence committed them) are found by their
         tokens; after the first block that is not, every later one is new too (its parent
-        is), so those are created in one pass, their keys computed in one chained batch.
+        is): they are added at once, their keys computed in one chained batch, as one new
+        run (or appended to the run this sequence's previous commit made, when nothing
+        branched from it since).
         """
         start = seq.committed_blocks
         if not self.config.enable_block_reuse or upto <= start:
             return
-        tpb = self.tpb
-        nodes = seq.commit_nodes
-        if nodes and not nodes[-1].alive:
-            nodes = seq.commit_nodes = self._path(seq, len(nodes))
-        parent = nodes[-1] if nodes else seq.root
-        groups = self.config.num_groups
-        node_at = self._node_at[0]
-        chains: dict[int, tuple[Node, list[Node]]] = {}
+        pos = self._position(seq, start)
+        assert pos is not None
+        run, n = pos
+        step = self.step
+        run_at = self._run_at[0]
+        idx_at = self._idx_at[0]
         events = self._events is not None
-        tokens = seq.tokens
-        raw = tokens.tobytes()
-        step = 4 * tpb
+        chains: dict[int, list[tuple[Run, int]]] = {}
+        raw = seq.tokens.tobytes()
         keys = seq.keys
         group_tables = [(g, seq.tables[g][0]) for g in self.self_groups]
         i = start
         while i < upto:  # blocks another sequence committed already
-            node = parent.children.get(raw[i * step:(i + 1) * step])
-            if node is None:
-                break
-            keys.append(node.key)
-            slots = node.slot
+            blk = raw[i * step:(i + 1) * step]
+            if n < len(run.keys):
+                if run.tkey[n * step:(n + 1) * step] != blk:
+                    break
+            else:
+                child = run.children.get(blk)
+                if child is None:
+                    break
+                run, n = child, 0
+            keys.append(run.keys[n])
             for g, tb in group_tables:
                 s = tb[i] if i < len(tb) else NO_SLOT
-                if s != NO_SLOT and slots[g] == NO_SLOT and node_at[g][s] is None:
-                    slots[g] = s
-                    node.tier[g] = 0
-                    node_at[g][s] = node
+                if s != NO_SLOT and run.slot[g][n] == NO_SLOT and run_at[g][s] is None:
+                    run.slot[g][n] = s
+                    run.tier[g][n] = 0
+                    run_at[g][s] = run
+                    idx_at[g][s] = n
                     if events:
-                        chain = chains.get(g)
-                        if chain is None:
-                            chains[g] = (parent, [node])
-                        else:
-                            chain[1].append(node)
+                        chains.setdefault(g, []).append((run, n))
                 elif events and g in chains:
-                    chain_parent, chain_nodes = chains.pop(g)
-                    self._emit_stored(g, chain_parent, chain_nodes, seq.lora_id)
-            nodes.append(node)
-            parent = node
+                    self._emit_stored(g, chains.pop(g), seq.lora_id)
+            n += 1
             i += 1
-        if i < upto:  # new blocks: a chain under ``parent``
+        if i < upto:  # new blocks: a chain after block n - 1 of ``run``
             first = i
-            new_keys = self._hasher_after(seq, first).extend(tokens[first * tpb:upto * tpb])
-            fresh = [
-                Node(key, None, raw[j * step:(j + 1) * step], groups)
-                for j, key in enumerate(new_keys, first)
-            ]
-            head = parent
-            for node in fresh:
-                node.parent = parent
-                if parent is head:
-                    parent.add_child(node)
-                else:  # a new node: no first-token index yet, no children
-                    parent.children = {node.tkey: node}
-                parent = node
-            if seq.retention is not None:
-                for j, node in enumerate(fresh, first):
-                    self._set_priority(seq, node, j * tpb)
+            k = upto - first
+            new_keys = self._hasher_after(seq, first).extend(seq.tokens[first * self.tpb:
+                                                                         upto * self.tpb])
             keys.extend(new_keys)
-            nodes.extend(fresh)
-            for g, tb in group_tables:
-                na = node_at[g]
-                chain = chains.pop(g, None)
-                run: list[Node] = chain[1] if chain is not None else []
-                run_parent = chain[0] if chain is not None else head
-                prev = head
-                for j, node in enumerate(fresh, first):
-                    s = tb[j] if j < len(tb) else NO_SLOT
-                    if s != NO_SLOT and na[s] is None:
-                        node.slot[g] = s
-                        na[s] = node
+            slots: list[list[int]] = []
+            for g in range(self.config.num_groups):
+                if g in self.config.cross_attention_groups:
+                    slots.append([NO_SLOT] * k)
+                    continue
+                tb = seq.tables[g][0]
+                sl = tb[first:upto]
+                if len(sl) < k:
+                    sl += [NO_SLOT] * (k - len(sl))
+                na = run_at[g]
+                slots.append([s if s != NO_SLOT and na[s] is None else NO_SLOT for s in sl])
+            if (run is seq.own_run and run.alive and n == len(run.keys) and not run.children
+                    and len(run.tkey) == n * step):
+                base = n
+                run.extend(raw[first * step:upto * step], new_keys, slots,
+                           [[0] * k for _ in slots])
+                if seq.retention is not None:
+                    for j in range(k):
+                        self._set_priority(seq, run, base + j, (first + j) * self.tpb)
+            else:
+                base = 0
+                run = self._new_run(seq, run, n, first, upto, slots, new_keys)
+            seq.own_run = run
+            for g in self.self_groups:
+                na, ia = run_at[g], idx_at[g]
+                # a chain still open ends at the block just before the new ones
+                piece = chains.pop(g, [])
+                for j, s in enumerate(slots[g], base):
+                    if s != NO_SLOT:
+                        na[s] = run
+                        ia[s] = j
                         if events:
-                            if not run:
-                                run_parent = prev
-                            run.append(node)
-                    elif run:
-                        self._emit_stored(g, run_parent, run, seq.lora_id)
-                        run = []
-                    prev = node
-                if run:
-                    chains[g] = (run_parent, run)
-        for g, (chain_parent, chain_nodes) in chains.items():
-            self._emit_stored(g, chain_parent, chain_nodes, seq.lora_id)
+                            piece.append((run, j))
+                    elif piece:
+                        self._emit_stored(g, piece, seq.lora_id)
+                        piece = []
+                if piece:
+                    chains[g] = piece
+            n = base + k
+        for g, chain in chains.items():
+            self._emit_stored(g, chain, seq.lora_id)
         seq.committed_blocks = upto
-        last = nodes[-1]
-        if not last.has_any_slot() and not last.children:
-            prune(last)
+        seq.at_run, seq.at_len = run, n
+        if n == len(run.keys) and not run.children and not run.has_slot(n - 1):
+            prune(run, step)
 
-    def _path(self, seq: Seq, blocks: int) -> list[Node]:
-        """Nodes of the sequence's first ``blocks`` committed blocks, recreating path nodes a
-        prune removed (keys are still valid; only slots were lost)."""
-        out: list[Node] = []
-        parent = self._root(self.root_key(seq.lora_id, seq.cache_salt))
-        seq.root = parent
-        tpb = self.tpb
-        for i in range(blocks):
-            tokens = seq.tokens[i * tpb:(i + 1) * tpb]
-            node = parent.children.get(tokens.tobytes())
-            if node is None:
-                node = Node(seq.keys[i], parent, tokens.tobytes(), self.config.num_groups)
-                self._set_priority(seq, node, i * tpb)
-                parent.add_child(node)
-            out.append(node)
-            parent = node
-        return out
-
-    def _set_priority(self, seq: Seq, node: Node, first_token: int) -> None:
+    def _set_priority(self, seq: Seq, run: Run, i: int, first_token: int) -> None:
         ret = seq.retention
         if ret is None:
             return
         if first_token >= seq.prompt_len:
-            node.priority, node.duration = ret.decode_priority, ret.decode_duration_s
+            run.set_retention(i, ret.decode_priority, ret.decode_duration_s)
         else:
-            node.priority, node.duration = ret.block_priority(first_token)
+            run.set_retention(i, *ret.block_priority(first_token))
 
     def remove_sequence(self, seq_id: int | str, *, store_for_reuse: bool = True) -> None:
         """Release a finished sequence; with ``store_for_reuse`` commit what it computed first
@@ -1068,29 +1188,39 @@ class KVCacheManager:
         full = computed // self.tpb
         if seq.committed_blocks < full:
             return
-        nodes = seq.commit_nodes
-        parent = nodes[full - 1] if full else seq.root
-        if not parent.alive:
+        pos = self._position(seq, full, rebuild=False)
+        if pos is None:
             return
+        run, n = pos
         tokens = seq.tokens[full * self.tpb:computed]
-        if tokens.tobytes() in parent.children:
+        tk = tokens.tobytes()
+        if n == len(run.keys) and tk in run.children:
             return
-        key = self._hasher_after(seq, full).key_of_prefix_block(tokens)
-        node = Node(key, parent, tokens.tobytes(), self.config.num_groups)
-        self._set_priority(seq, node, full * self.tpb)
-        stored: list[int] = []
-        for g in self.self_groups:
-            tb = seq.tables[g][0]
-            s = tb[full] if full < len(tb) else NO_SLOT
-            if s != NO_SLOT and self._node_at[0][g][s] is None:
-                node.slot[g] = s
-                self._node_at[0][g][s] = node
+        stored = []
+        slots: list[list[int]] = []
+        for g in range(self.config.num_groups):
+            s = NO_SLOT
+            if g in self.self_groups:
+                tb = seq.tables[g][0]
+                s = tb[full] if full < len(tb) else NO_SLOT
+                if s != NO_SLOT and self._run_at[0][g][s] is not None:
+                    s = NO_SLOT
+            if s != NO_SLOT:
                 stored.append(g)
+            slots.append([s])
         if not stored:
             return
-        parent.add_child(node)
+        if n < len(run.keys):
+            self._reindex(run.split(n, self.step))
+        key = self._hasher_after(seq, full).key_of_prefix_block(tokens)
+        leaf = Run(run, tk, tk, [key], slots, [[0] for _ in slots])
+        run.add_child(leaf)
+        self._set_priority(seq, leaf, 0, full * self.tpb)
         for g in stored:
-            self._emit_stored(g, parent, [node], seq.lora_id)
+            s = slots[g][0]
+            self._run_at[0][g][s] = leaf
+            self._idx_at[0][g][s] = 0
+            self._emit_stored(g, [(leaf, 0)], seq.lora_id)
 
     # ------------------------------------------------------------------ preemption
 
@@ -1120,12 +1250,14 @@ class KVCacheManager:
                         if h is None:
                             continue  # no room below: stays on the GPU, still held
                         self._add_copy(BlockCopy(0, s, 1, h, g))
-                        node = self._node_at[0][g][s]
-                        if node is not None:
-                            self._node_at[0][g][s] = None
-                            node.tier[g], node.slot[g] = 1, h
-                            self._node_at[1][g][h] = node
-                            self._emit_updated(g, node, 0, 1)
+                        run = self._run_at[0][g][s]
+                        if run is not None:
+                            i = self._idx_at[0][g][s]
+                            self._run_at[0][g][s] = None
+                            run.tier[g][i], run.slot[g][i] = 1, h
+                            self._run_at[1][g][h] = run
+                            self._idx_at[1][g][h] = i
+                            self._emit_updated(g, run.keys[i], 0, 1)
                         self._held[1][g].add(h)
                         self._ref[g][s] = 0
                         self._free[0][g].append(s)
@@ -1163,12 +1295,14 @@ class KVCacheManager:
             for (g, _), (t, h, pos) in seq.moved.items():
                 new = self._alloc(g)
                 self._add_copy(BlockCopy(t, h, 0, new, g))
-                node = self._node_at[t][g][h]
-                if node is not None:
-                    self._node_at[t][g][h] = None
-                    node.tier[g], node.slot[g] = 0, new
-                    self._node_at[0][g][new] = node
-                    self._emit_updated(g, node, t, 0)
+                run = self._run_at[t][g][h]
+                if run is not None:
+                    i = self._idx_at[t][g][h]
+                    self._run_at[t][g][h] = None
+                    run.tier[g][i], run.slot[g][i] = 0, new
+                    self._run_at[0][g][new] = run
+                    self._idx_at[0][g][new] = i
+                    self._emit_updated(g, run.keys[i], t, 0)
                 self._held[t][g].discard(h)
                 self._pending_free.append((t, g, h))
                 self._ref[g][new] = len(pos)
@@ -1183,11 +1317,12 @@ class KVCacheManager:
     def _release_moved(self, seq: Seq) -> None:
         for (g, _), (t, h, _pos) in seq.moved.items():
             self._held[t][g].discard(h)
-            node = self._node_at[t][g][h]
-            if node is None:
+            run = self._run_at[t][g][h]
+            if run is None:
                 self._free[t][g].append(h)
             else:
-                self._queue[t][g].push(h, node.priority, key=node.key)
+                i = self._idx_at[t][g][h]
+                self._queue[t][g].push(h, run.priority(i), key=run.keys[i])
         seq.moved.clear()
         seq.suspended = False
 
@@ -1247,7 +1382,7 @@ class KVCacheManager:
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
             _, matched, _, k = admission.walk(self, req)
-            return len(matched) * self.tpb + k
+            return sum(b - a for _, a, b in matched) * self.tpb + k
 
     def num_free_blocks(self, layer_group: int = 0) -> int:
         """Free plus evictable GPU slots of a layer group."""
@@ -1280,20 +1415,44 @@ class KVCacheManager:
             self._iter_base = now
             return out
 
+    def _blocks(self) -> list[tuple[BlockKey, Run, int]]:
+        """(scope root key, run, index) of every block in the tree."""
+        out: list[tuple[BlockKey, Run, int]] = []
+        for rk, root in self.roots.items():
+            for r in root.descendants():
+                out += [(rk, r, j) for j in range(len(r.keys))]
+        return out
+
+    def tree_blocks(self) -> list[tuple[array[int], list[int], list[int]]]:
+        """(tokens up to and including the block, slot per group, tier per group) of every
+        block in the tree; for tests and introspection (O(tree))."""
+        with self._lock:
+            out: list[tuple[array[int], list[int], list[int]]] = []
+            step = self.step
+            for _, r, j in self._blocks():
+                chain = [r.tkey[:(j + 1) * step]]
+                p = r.parent
+                while p is not None:
+                    chain.append(p.tkey)
+                    p = p.parent
+                toks = array("I")
+                toks.frombytes(b"".join(reversed(chain)))
+                out.append((toks, [sl[j] for sl in r.slot], [tl[j] for tl in r.tier]))
+            return out
+
     def _debug_state(self) -> dict[str, Any]:
         """A comparable snapshot of everything a call may change (tests use it)."""
         with self._lock:
-            def tree() -> list[tuple[Any, ...]]:
-                out: list[tuple[Any, ...]] = []
-                for rk, root in self.roots.items():
-                    for n in root.descendants():
-                        out.append((rk, n.key, tuple(n.slot), tuple(n.tier), n.priority))
-                return sorted(out, key=repr)
+            tree = sorted(
+                ((rk, r.keys[j], tuple(sl[j] for sl in r.slot), tuple(tl[j] for tl in r.tier),
+                  r.priority(j)) for rk, r, j in self._blocks()),
+                key=repr,
+            )
             return {
                 "free": [[sorted(f) for f in t] for t in self._free],
                 "queue": [[q.peek_order() for q in t] for t in self._queue],
                 "ref": [list(r) for r in self._ref],
-                "tree": tree(),
+                "tree": tree,
                 "seqs": {
                     k: (list(s.tokens), [[list(b) for b in t] for t in s.tables],
                         s.committed_blocks, s.suspended)
@@ -1320,29 +1479,44 @@ class KVCacheManager:
                     queued = set(self._queue[t][g].peek_order())
                     assert not free & queued, "a slot is both free and queued"
                     for s in range(cfg.slots[t][g]):
-                        node = self._node_at[t][g][s]
+                        run = self._run_at[t][g][s]
                         if s in free:
-                            assert node is None and (t > 0 or self._ref[g][s] == 0)
+                            assert run is None and (t > 0 or self._ref[g][s] == 0)
                         if s in queued:
-                            assert node is not None and (t > 0 or self._ref[g][s] == 0)
+                            assert run is not None and (t > 0 or self._ref[g][s] == 0)
                         if t == 0 and self._ref[g][s] == 0:
                             assert s in free or s in queued, f"slot {s} of group {g} leaked"
                         if t > 0:
                             held = s in self._held[t][g]
                             assert (s in free) + (s in queued) + held == 1, \
                                 f"tier {t} slot {s} leaked or double-booked"
-                        if node is not None:
-                            assert node.alive and node.slot[g] == s and node.tier[g] == t
-            seen: set[tuple[BlockKey, BlockKey]] = set()
+                        if run is not None:
+                            i = self._idx_at[t][g][s]
+                            assert run.alive and run.slot[g][i] == s and run.tier[g][i] == t
+            step = self.step
+            seen: set[tuple[BlockKey | None, BlockKey]] = set()
             for rk, root in self.roots.items():
-                for n in root.descendants():
-                    assert n.alive
-                    assert n.children or n.has_any_slot() or True
-                    if n.children:
-                        assert len(n.tkey) == 4 * self.tpb, "a non-leaf node is a partial block"
-                    pk = n.parent.key if n.parent is not None else rk
-                    assert (pk, n.key) not in seen
-                    seen.add((pk, n.key))
-                    for g in range(cfg.num_groups):
-                        if n.slot[g] != NO_SLOT:
-                            assert self._node_at[n.tier[g]][g][n.slot[g]] is n
+                assert not root.keys and root.parent is None
+                for r in root.descendants():
+                    n = len(r.keys)
+                    assert r.alive and n > 0, "an empty run in the tree"
+                    parent = r.parent
+                    assert parent is not None and parent.children.get(r.ckey) is r
+                    assert all(len(sl) == n for sl in r.slot) and all(len(tl) == n for tl in r.tier)
+                    assert r.prio is None or len(r.prio) == n == len(r.dur or ())
+                    if len(r.tkey) != n * step:  # a partial block: a leaf run of its own
+                        assert n == 1 and len(r.tkey) < step and not r.children, \
+                            "a non-leaf block is a partial block"
+                    assert r.ckey == r.tkey[:step]
+                    pk = parent.keys[-1] if parent.keys else rk
+                    for j, key in enumerate(r.keys):
+                        assert (pk, key) not in seen, "two blocks with the same key"
+                        seen.add((pk, key))
+                        pk = key
+                        for g in range(cfg.num_groups):
+                            s = r.slot[g][j]
+                            if s != NO_SLOT:
+                                t = r.tier[g][j]
+                                assert self._run_at[t][g][s] is r and self._idx_at[t][g][s] == j
+                    if not r.children:
+                        assert r.has_slot(n - 1), "a slotless leaf block was not pruned"

@@ -6,7 +6,7 @@ from array import array
 
 from kvpool.config import RetentionConfig
 from kvpool.hashing import BlockKey
-from kvpool.radix import Node
+from kvpool.radix import Run
 
 
 class Sequence:
@@ -18,9 +18,9 @@ class Sequence:
     """
 
     __slots__ = (
-        "beam_width", "cache_salt", "commit_nodes", "committed_blocks", "committed_floor",
-        "encoder_tokens", "keys", "lora_id", "moved", "prompt_len", "retention", "root",
-        "seq_id", "suspended", "tables", "tokens",
+        "at_len", "at_run", "beam_width", "cache_salt", "committed_blocks", "committed_floor",
+        "encoder_tokens", "keys", "lora_id", "moved", "own_run", "prompt_len", "retention",
+        "root", "root_key", "seq_id", "suspended", "tables", "tokens",
     )
 
     def __init__(
@@ -29,7 +29,8 @@ class Sequence:
         tokens: array[int],
         beam_width: int,
         keys: list[BlockKey],
-        root: Node,
+        root: Run,
+        root_key: BlockKey,
         tables: list[list[list[int]]],
         *,
         lora_id: int | None,
@@ -43,13 +44,19 @@ class Sequence:
         self.beam_width = beam_width
         self.keys = keys  # keys of the first full blocks (matched, then committed)
         self.root = root
+        self.root_key = root_key
         self.tables = tables
         self.lora_id = lora_id
         self.cache_salt = cache_salt
         self.retention = retention
         self.encoder_tokens = encoder_tokens
-        self.commit_nodes: list[Node] = []  # node of each committed full block, in order
         self.committed_blocks = 0
+        # where the committed blocks end in the tree: after block ``at_len`` - 1 of ``at_run``
+        # (a hint: checked against ``keys`` before use, since a split or an eviction may move
+        # or drop those blocks)
+        self.at_run = root
+        self.at_len = 0
+        self.own_run: Run | None = None  # the run this sequence's last commit created/extended
         self.committed_floor = len(tokens)  # rewind_tokens never goes below this
         self.suspended = False
         # while suspended: (group, old GPU slot) -> (tier, slot, table positions (beam, index))

@@ -628,10 +628,12 @@ class SimWorker:
         """Reused tokens per tier the matched blocks are on (reference layer group)."""
         g = self._ref_group
         out = [0, 0, 0]
-        for node in plan.matched:
-            out[node.tier[g]] += self.tpb
+        for run, a, b in plan.matched:
+            for t in run.tier[g][a:b]:
+                out[t] += self.tpb
         if plan.partial is not None:
-            out[plan.partial.tier[g]] += plan.partial_tokens
+            prun, i = plan.partial
+            out[prun.tier[g][i]] += plan.partial_tokens
         return out
 
     def _is_sync(self, length: int) -> bool:
