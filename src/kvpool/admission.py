@@ -215,28 +215,28 @@ def _partial_candidate(mgr: KVCacheManager, segments: list[Segment], root: Run,
 
 
 def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
-    BlockKey, list[Segment], Block | None, int
+    BlockKey, list[Segment], Block | None, int, dict[int, list[int]]
 ]:
     """Find a request's reuse: the longest prefix valid in every self-attention layer group.
 
     Blocks cover the prompt minus its last token. The tree is walked by token bytes, a run at
     a time, so a matched block is never hashed again. Returns (root key, matched segments,
-    partial block, partial tokens).
+    partial block, partial tokens, the matched blocks' slots per self-attention group).
     """
     cfg = mgr.config
     tpb = mgr.tpb
     tokens = request.tokens
     root_key = mgr.root_key(request.lora_id, request.cache_salt)
+    groups = mgr.self_groups
     if not cfg.enable_block_reuse:
-        return root_key, [], None, 0
+        return root_key, [], None, 0, {g: [] for g in groups}
     root = mgr.roots.get(root_key)
     if root is None:
-        return root_key, [], None, 0
+        return root_key, [], None, 0, {g: [] for g in groups}
     body = len(tokens) - 1
     raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
     step = 4 * tpb
     matched = match_full(root, raw, body // tpb, step)
-    groups = mgr.self_groups
     d = sum(b - a for _, a, b in matched)
     slots = {g: flat(matched, g) for g in groups}
     if cfg.enable_partial_reuse and d * tpb < body:
@@ -246,15 +246,19 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
             length = d * tpb + k
             run, i = cand
             if all(_group_valid(mgr, g, [*slots[g], run.slot[g][i]], length) for g in groups):
-                return root_key, matched, cand, k
+                return root_key, matched, cand, k, slots
     for g in groups:  # full attention needs every block: nothing past its first hole
         if cfg.window_sizes[g] is None and NO_SLOT in slots[g]:
             d = min(d, slots[g].index(NO_SLOT))
+    full = len(slots[groups[0]]) if groups else 0
     while d > 0:
-        if all(_group_valid(mgr, g, slots[g][:d], d * tpb) for g in groups):
+        if all(_group_valid(mgr, g, slots[g] if d == full else slots[g][:d], d * tpb)
+               for g in groups):
             break
         d -= 1
-    return root_key, cut(matched, d), None, 0
+    if d == full:
+        return root_key, matched, None, 0, slots
+    return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
 
 
 def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
@@ -282,7 +286,7 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
     tracker = PartialClaimTracker()
     out: list[RequestPlan] = []
     for r in requests:
-        root_key, matched, pblock, pk = walk(mgr, r)
+        root_key, matched, pblock, pk, matched_slots = walk(mgr, r)
         n = len(r.tokens)
         d = sum(b - a for _, a, b in matched)
         reused = d * tpb + pk
@@ -299,7 +303,7 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
             request=r, root_key=root_key, num_blocks=num_blocks,
             last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, num_matched=d,
-            claimed=claimed, partial=pblock, partial_tokens=pk,
+            claimed=claimed, partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
         ))
     if any(p.partial is not None for p in out):
         # partial sources are decided once every full match of the batch is known
@@ -308,6 +312,7 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             for idxs in p.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
+    one_tier = mgr.config.num_tiers == 1
     onboarded: set[tuple[int, int, int]] = set()
     claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
     for p in out:
@@ -336,8 +341,8 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             ref = mgr.gpu_refs(g)
             ce = claimed_evictable[g]
             idxs = p.claimed[g]
-            tiers = flat(p.matched, g, tiers=True)
-            slots = flat(p.matched, g)
+            slots = p.claim_slots[g]  # every matched block's, from the walk
+            tiers = [0] * d if one_tier else flat(p.matched, g, tiers=True)
             if len(idxs) != d:
                 tiers = [tiers[i] for i in idxs]
                 slots = [slots[i] for i in idxs]

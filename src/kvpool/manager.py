@@ -22,7 +22,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvpool import admission
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
@@ -45,7 +45,7 @@ from kvpool.hashing import (
     hash_algo,
     tokens_to_u32,
 )
-from kvpool.radix import NO_SLOT, Run, prune
+from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
@@ -185,6 +185,7 @@ class KVCacheManager:
         self._pending_dst: dict[tuple[int, int, int], int] = {}
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
+        self._retention_seen = False  # has any block had a retention priority set?
         self._stats = CacheStats()
         self._iter_base = CacheStats()
         if events is not None:
@@ -420,56 +421,66 @@ class KVCacheManager:
         # GPU only, no copy in flight: the victims are taken in one pop, and a victim that is
         # a leaf's tail just leaves its run. (A victim with queued descendants drops them too;
         # their slots go to the free list, so the call may evict a few more blocks than it
-        # needs.) Runs that lost tail blocks get their token bytes cut once, at the end.
+        # needs.) Victims come tail first, so a run losing its tail is cut once, at the end:
+        # until then ``cut`` holds its length (the blocks past it have no slot left), and a
+        # run losing every block leaves its parent at once.
         run_at = self._run_at[0][g]
         idx_at = self._idx_at[0][g]
         single = self.config.num_groups == 1
+        events = self._events is not None
         removed: list[BlockKey] = []
-        cut: dict[int, Run] = {}
-        dropped = 0
-        for s, prio in self._queue[0][g].pop_many(n - len(out)):
+        cut: dict[Run, int] = {}
+        prev: Run | None = None  # the run the last victim left, and its length now
+        prev_n = 0
+        slow = 0
+        victims = self._queue[0][g].pop_many(n - len(out))
+        for s, prio in victims:
             run = run_at[s]
             assert run is not None
             i = idx_at[s]
-            keys = run.keys
-            if i != len(keys) - 1 or run.children:
+            if (run is not prev or i != prev_n - 1) and (
+                    i != cut.get(run, len(run.keys)) - 1 or run.children):
                 self._emit_removed(g, removed)  # keep the removed hashes in eviction order
                 removed = []
-                for r in cut.values():
-                    if r.alive:
-                        r.tkey = r.tkey[:len(r.keys) * self.step]
-                cut.clear()
-                self._evict(0, g, s, prio)
-                out.append(s)
+                self._cut_runs(cut)
+                cut = {}
+                prev = None
+                slow += 1
+                self._evict(0, g, s, prio)  # counts its own evictions and drops
                 continue
             run_at[s] = None
             run.slot[g][i] = NO_SLOT
-            dropped += 1
-            removed.append(keys[i])
+            if events:
+                removed.append(run.keys[i])
             if single or not run.has_slot(i):
-                keys.pop()
-                for sl in run.slot:
-                    sl.pop()
-                for tl in run.tier:
-                    tl.pop()
-                if run.prio is not None:
-                    assert run.dur is not None
-                    run.prio.pop()
-                    run.dur.pop()
-                if keys and run.has_slot(i - 1):
-                    cut[id(run)] = run
-                else:  # an empty run, or a slotless path block became the tail
-                    run.tkey = run.tkey[:i * self.step]
-                    cut.pop(id(run), None)
-                    prune(run, self.step)
-            out.append(s)
-        for r in cut.values():
-            if r.alive:
-                r.tkey = r.tkey[:len(r.keys) * self.step]
-        self._stats.evicted_blocks += dropped
-        self._stats.dropped_blocks += dropped
+                if i:
+                    cut[run] = prev_n = i
+                    prev = run
+                else:  # the whole run left
+                    cut.pop(run, None)
+                    prev = None
+                    parent = run.parent
+                    assert parent is not None
+                    parent.remove_child(run)
+                    run.alive = False
+                    if not parent.children and parent.parent is not None:
+                        prune(parent, self.step)
+            else:
+                prev = None
+        self._cut_runs(cut)
+        out += [s for s, _ in victims]
+        self._stats.evicted_blocks += len(victims) - slow
+        self._stats.dropped_blocks += len(victims) - slow
         self._emit_removed(g, removed)
         return out
+
+    def _cut_runs(self, cut: dict[Run, int]) -> None:
+        """Truncate runs to the lengths ``cut`` gives (their tails lost every slot)."""
+        for run, n in cut.items():
+            if run.alive and n < len(run.keys):
+                run.truncate(n, self.step)
+                if not run.children and not run.has_slot(n - 1):
+                    prune(run, self.step)
 
     def _root(self, key: BlockKey) -> Run:
         root = self.roots.get(key)
@@ -872,46 +883,47 @@ class KVCacheManager:
         ref = self._ref[g]
         run_at = self._run_at[0][g]
         idx_at = self._idx_at[0][g]
-        free = self._free[0][g]
         queue = self._queue[0][g]
+        if NO_SLOT in slots:
+            slots = [s for s in slots if s != NO_SLOT]
+        for s in slots:
+            ref[s] -= 1
+        gone = [s for s in reversed(slots) if not ref[s]]
+        if not gone:
+            return
+        runs = [run_at[s] for s in gone]
+        if None not in runs:
+            cached = cast("list[Run]", runs)
+            if not self._retention_seen or all(r.prio is None for r in cached):
+                # the common case: every block cached, default priority, no duration
+                if queue.uses_keys:
+                    keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
+                    queue.push_many(gone, DEFAULT_PRIORITY, keys)
+                else:
+                    queue.push_many(gone, DEFAULT_PRIORITY)
+                return
+        free = self._free[0][g]
         batch: list[int] = []
-        keys: list[BlockKey] | None = [] if queue.uses_keys else None
+        batch_keys: list[BlockKey] = []
         batch_prio = -1
-        for s in reversed(slots):
-            if s == NO_SLOT:
-                continue
-            r = ref[s] - 1
-            ref[s] = r
-            if r:
-                continue
-            run = run_at[s]
+        for s, run in zip(gone, runs, strict=True):
             if run is None:
                 free.append(s)
                 continue
             i = idx_at[s]
-            if run.prio is None:
-                prio = 35
-            else:
-                assert run.dur is not None
-                prio = run.prio[i]
-                dur = run.dur[i]
-                if dur is not None:
-                    if batch:
-                        queue.push_many(batch, batch_prio, keys)
-                        batch = []
-                        keys = [] if keys is not None else None
-                    queue.push(s, prio, self._clock() + dur, run.keys[i])
-                    continue
-            if prio != batch_prio and batch:
-                queue.push_many(batch, batch_prio, keys)
-                batch = []
-                keys = [] if keys is not None else None
+            prio = run.priority(i)
+            dur = run.duration(i)
+            if batch and (dur is not None or prio != batch_prio):
+                queue.push_many(batch, batch_prio, batch_keys)
+                batch, batch_keys = [], []
+            if dur is not None:
+                queue.push(s, prio, self._clock() + dur, run.keys[i])
+                continue
             batch_prio = prio
             batch.append(s)
-            if keys is not None:
-                keys.append(run.keys[i])
+            batch_keys.append(run.keys[i])
         if batch:
-            queue.push_many(batch, batch_prio, keys)
+            queue.push_many(batch, batch_prio, batch_keys)
 
     def rewind_tokens(self, seq_id: int | str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens (rejected speculative tokens).
@@ -1133,9 +1145,16 @@ class KVCacheManager:
             seq.own_run = run
             for g in self.self_groups:
                 na, ia = run_at[g], idx_at[g]
+                sl = slots[g]
+                if not events and NO_SLOT not in sl:  # the common case, in two C-speed loops
+                    for s in sl:
+                        na[s] = run
+                    for j, s in enumerate(sl, base):
+                        ia[s] = j
+                    continue
                 # a chain still open ends at the block just before the new ones
                 piece = chains.pop(g, [])
-                for j, s in enumerate(slots[g], base):
+                for j, s in enumerate(sl, base):
                     if s != NO_SLOT:
                         na[s] = run
                         ia[s] = j
@@ -1158,6 +1177,7 @@ class KVCacheManager:
         ret = seq.retention
         if ret is None:
             return
+        self._retention_seen = True
         if first_token >= seq.prompt_len:
             run.set_retention(i, ret.decode_priority, ret.decode_duration_s)
         else:
@@ -1381,7 +1401,7 @@ class KVCacheManager:
             enc = [0] if self.config.cross_attention_groups else None
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
-            _, matched, _, k = admission.walk(self, req)
+            _, matched, _, k, _ = admission.walk(self, req)
             return sum(b - a for _, a, b in matched) * self.tpb + k
 
     def num_free_blocks(self, layer_group: int = 0) -> int:
