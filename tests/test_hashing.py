@@ -606,6 +606,25 @@ def test_incremental_equals_one_shot(
     assert inc.pending_tokens == len(tokens) % tpb
 
 
+@given(algo=algo_st, tokens=tokens_st, tpb=tpb_st, salt=salt_st, lora=lora_st, data=st.data())
+def test_resumed_continues_like_resume(
+    algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None,
+    data: st.DataObject,
+) -> None:
+    # a forked hasher (the manager's per-commit hasher) chains exactly like a fresh hasher
+    # resumed after the same keys, from a prototype whatever was fed to it before
+    full = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
+    full.extend(tokens)
+    k = data.draw(st.integers(0, len(full.keys)))
+    proto = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
+    if data.draw(st.booleans()):
+        proto.extend(tokens[: data.draw(st.integers(0, len(tokens)))])
+    forked = proto.resumed(full.keys[:k])
+    assert forked.extend(tokens[k * tpb:]) == full.keys[k:]
+    assert forked.keys == full.keys
+    assert forked.partial_key() == full.partial_key()
+
+
 @given(algo=algo_st, n=st.integers(0, 70), tpb=tpb_st)
 def test_request_block_hashes_structure(algo: HashAlgo, n: int, tpb: int) -> None:
     tokens = [(i * 31 + 7) % 50_000 for i in range(n)]

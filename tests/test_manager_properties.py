@@ -19,6 +19,7 @@ from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import KVPoolError, OutOfBlocksError
 from kvpool.events.index import EventIndex
 from kvpool.eviction import POLICIES
+from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
 
 PREFIXES = [
@@ -50,6 +51,7 @@ def configs(draw: st.DrawFn, tiers: bool) -> CacheConfig:
         offload_min_priority=draw(st.sampled_from([0, 35, 50])),
         eviction_policy=draw(st.sampled_from(sorted(POLICIES))),
         offload_gate=draw(st.sampled_from(["all", "reused"])),
+        hash_algo=draw(st.sampled_from(list(HashAlgo))),
     )
 
 
@@ -114,7 +116,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for _ in range(n):
             beams = data.draw(st.integers(1, self.mgr.config.max_beam_width))
             reqs.append(SequenceRequest(self.next_id, data.draw(prompts()), beam_width=beams,
-                                        cache_salt=data.draw(st.sampled_from([None, None, "s"]))))
+                                        cache_salt=data.draw(st.sampled_from([None, None, "s"])),
+                                        lora_id=data.draw(st.sampled_from([None, None, 1]))))
             self.next_id += 1
         plan = self.mgr.plan_batch(reqs)
         state = self.mgr._debug_state()
@@ -196,6 +199,15 @@ class ManagerMachine(RuleBasedStateMachine):
         n = self.mgr.count_reusable_tokens(toks)
         plan = self.mgr.plan_batch([SequenceRequest(-1, toks)])
         assert n == plan.requests[0].reused_tokens
+
+    @rule(data=st.data())
+    def scopes_are_isolated(self, data: st.DataObject) -> None:
+        # requests only ever use the scopes (None, None), (None, "s") and (1, None): a scope
+        # no request used must match nothing, whatever the hash algorithm
+        toks = data.draw(prompts())
+        assert self.mgr.count_reusable_tokens(toks, cache_salt="never") == 0
+        assert self.mgr.count_reusable_tokens(toks, lora_id=7) == 0
+        assert self.mgr.count_reusable_tokens(toks, lora_id=1, cache_salt="s") == 0
 
     @invariant()
     def internal_invariants(self) -> None:

@@ -13,6 +13,7 @@ from kvpool.errors import (
     RewindError,
     UnknownSequenceError,
 )
+from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
 from kvpool.radix import NO_SLOT
 
@@ -259,3 +260,17 @@ def test_typed_errors_for_bad_calls() -> None:
         cross.add_sequence(SequenceRequest(2, [1, 2, 3]))
     r = cross.add_sequence(SequenceRequest(2, [1, 2, 3], encoder_tokens=list(range(9))))
     assert len(r.block_ids[1][0]) == 3
+
+
+@pytest.mark.parametrize("algo", [a.value for a in HashAlgo])
+def test_reuse_scopes_never_share_blocks_whatever_the_hash_algorithm(algo: str) -> None:
+    # v1 and vLLM keys mix the scope into the first block, so their root keys are equal
+    # across scopes: the tree must still keep one root per (LoRA id, cache salt)
+    m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=64, hash_algo=algo))
+    toks = list(range(1, 18))
+    m.add_sequence(SequenceRequest(1, toks, cache_salt="a", lora_id=2))
+    m.remove_sequence(1)
+    assert m.count_reusable_tokens(toks, cache_salt="a", lora_id=2) == 16
+    for salt, lora in [(None, None), ("b", 2), ("a", None), ("a", 3), (None, 2)]:
+        assert m.count_reusable_tokens(toks, cache_salt=salt, lora_id=lora) == 0, (salt, lora)
+    m.check_invariants()

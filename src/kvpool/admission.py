@@ -224,21 +224,25 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
     partial block, partial tokens, the matched blocks' slots per self-attention group).
     """
     cfg = mgr.config
-    tpb = mgr.tpb
-    tokens = request.tokens
     root_key = mgr.root_key(request.lora_id, request.cache_salt)
     groups = mgr.self_groups
-    if not cfg.enable_block_reuse:
-        return root_key, [], None, 0, {g: [] for g in groups}
-    root = mgr.roots.get(root_key)
+    root = mgr.roots.get((request.lora_id, request.cache_salt)) if cfg.enable_block_reuse \
+        else None
     if root is None:
         return root_key, [], None, 0, {g: [] for g in groups}
+    tpb = mgr.tpb
+    tokens = request.tokens
     body = len(tokens) - 1
     raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
-    step = 4 * tpb
+    step = mgr.step
     matched = match_full(root, raw, body // tpb, step)
-    d = sum(b - a for _, a, b in matched)
-    slots = {g: flat(matched, g) for g in groups}
+    if len(matched) == 1:
+        run, a, b = matched[0]
+        d = b - a
+        slots = {g: run.slot[g][a:b] for g in groups}
+    else:
+        d = sum(b - a for _, a, b in matched)
+        slots = {g: flat(matched, g) for g in groups}
     if cfg.enable_partial_reuse and d * tpb < body:
         target = raw[d * step:min((d + 1) * tpb, body) * 4]
         cand, k = _partial_candidate(mgr, matched, root, target)
@@ -247,15 +251,17 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
             run, i = cand
             if all(_group_valid(mgr, g, [*slots[g], run.slot[g][i]], length) for g in groups):
                 return root_key, matched, cand, k, slots
+    full = d
+    windows = cfg.window_sizes
     for g in groups:  # full attention needs every block: nothing past its first hole
-        if cfg.window_sizes[g] is None and NO_SLOT in slots[g]:
+        if windows[g] is None and NO_SLOT in slots[g]:
             d = min(d, slots[g].index(NO_SLOT))
-    full = len(slots[groups[0]]) if groups else 0
-    while d > 0:
-        if all(_group_valid(mgr, g, slots[g] if d == full else slots[g][:d], d * tpb)
-               for g in groups):
-            break
-        d -= 1
+    if not mgr.full_attention_only:
+        while d > 0:
+            if all(_group_valid(mgr, g, slots[g] if d == full else slots[g][:d], d * tpb)
+                   for g in groups):
+                break
+            d -= 1
     if d == full:
         return root_key, matched, None, 0, slots
     return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
@@ -283,12 +289,12 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
     groups = range(cfg.num_groups)
-    tracker = PartialClaimTracker()
     out: list[RequestPlan] = []
     for r in requests:
         root_key, matched, pblock, pk, matched_slots = walk(mgr, r)
         n = len(r.tokens)
-        d = sum(b - a for _, a, b in matched)
+        d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
+            b - a for _, a, b in matched)
         reused = d * tpb + pk
         claimed: dict[int, Sequence[int]] = {}
         for g in mgr.self_groups:
@@ -305,6 +311,7 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, num_matched=d,
             claimed=claimed, partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
         ))
+    tracker = PartialClaimTracker()
     if any(p.partial is not None for p in out):
         # partial sources are decided once every full match of the batch is known
         for p in out:

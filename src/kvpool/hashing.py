@@ -616,6 +616,25 @@ class BlockHasher:
             else self.root_key(self.algo, lora_id=lora_id, salt_id=self._salt)
         )
 
+    def resumed(self, keys: Sequence[BlockKey]) -> BlockHasher:
+        """A new hasher of the same algorithm and scope whose chain continues after ``keys``
+        (as a fresh one would after :meth:`resume`), without re-validating the settings: a
+        manager keeps one hasher per scope and forks it for each commit."""
+        h = object.__new__(BlockHasher)
+        h.algo, h.tpb, h._lora, h._salt = self.algo, self.tpb, self._lora, self._salt
+        h._tail_first, h._tail_rest = self._tail_first, self._tail_rest
+        h._pending = array("I")
+        if keys:
+            h.keys = list(keys)
+            h._parent = h.keys[-1]
+        else:
+            h.keys = []
+            h._parent = self._parent if not self.keys else self._root_of_scope()
+        return h
+
+    def _root_of_scope(self) -> BlockKey:
+        return self.root_key(self.algo, lora_id=self._lora, salt_id=self._salt)
+
     @staticmethod
     def root_key(
         algo: HashAlgo | str, *, lora_id: int | None = None, salt_id: int | None = None

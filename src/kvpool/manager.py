@@ -50,6 +50,9 @@ from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
 
+Scope = tuple[int | None, str | None]
+"""A reuse scope: (LoRA id, cache salt)."""
+
 
 class EventSink(Protocol):
     """The hooks the manager reports cache changes through (kvpool.events.EventManager)."""
@@ -143,7 +146,7 @@ class KVCacheManager:
         self.sink_blocks: tuple[int, ...] = tuple(-(-s // self.tpb) for s in config.sinks)
         # no sliding window: a sequence's self-attention tables all have the same length,
         # and decode growth within its last block changes nothing but its tokens
-        self._full_attention_only = all(
+        self.full_attention_only = all(
             config.window_sizes[g] is None for g in self.self_groups
         )
         self._tiers = config.num_tiers
@@ -163,8 +166,12 @@ class KVCacheManager:
         self._held: list[list[set[int]]] = [
             [set() for _ in range(groups)] for _ in range(self._tiers)
         ]
-        self.roots: dict[BlockKey, Run] = {}
+        # one tree per reuse scope (LoRA id, cache salt): scopes never share a root, whatever
+        # the hash algorithm (v1 and vLLM mix the scope into the first block's key, so their
+        # root keys are equal across scopes)
+        self.roots: dict[Scope, Run] = {}
         self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
+        self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[int | str, Seq] = {}
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
@@ -372,7 +379,7 @@ class KVCacheManager:
         st.reused = st.full_reused + st.partial_reused
         new = {g: self._new_count[g] - before[g] for g in range(cfg.num_groups)}
         st.alloc_new = sum(new[g] for g in self.self_groups)
-        root = self._root(p.root_key)
+        root = self._root((r.lora_id, r.cache_salt))
         seq = Seq(
             r.seq_id, array("I", r.tokens), beams, p.matched_keys(), root, p.root_key, tables,
             lora_id=r.lora_id, cache_salt=r.cache_salt, retention=r.retention,
@@ -482,10 +489,10 @@ class KVCacheManager:
                 if not run.children and not run.has_slot(n - 1):
                     prune(run, self.step)
 
-    def _root(self, key: BlockKey) -> Run:
-        root = self.roots.get(key)
+    def _root(self, scope: Scope) -> Run:
+        root = self.roots.get(scope)
         if root is None:
-            root = self.roots[key] = Run.root(self.config.num_groups)
+            root = self.roots[scope] = Run.root(self.config.num_groups)
         return root
 
     # ------------------------------------------------------------------ slots and eviction
@@ -811,7 +818,7 @@ class KVCacheManager:
             if not toks:
                 return
             new_len = seq.num_tokens + len(toks)
-            if (self._full_attention_only
+            if (self.full_attention_only
                     and new_len <= len(seq.tables[self.self_groups[0]][0]) * self.tpb):
                 # the common decode step: the tokens fit the blocks held, no window moves
                 seq.tokens.extend(toks)
@@ -983,10 +990,13 @@ class KVCacheManager:
 
     def _hasher_after(self, seq: Seq, blocks: int) -> BlockHasher:
         """A hasher positioned after the sequence's first ``blocks`` full blocks."""
-        h = BlockHasher(self.config.hash_algo, self.tpb, lora_id=seq.lora_id,
-                        cache_salt=seq.cache_salt, root=seq.root_key)
-        h.resume(seq.keys[:blocks])
-        return h
+        scope = (seq.lora_id, seq.cache_salt)
+        proto = self._hashers.get(scope)
+        if proto is None:
+            proto = self._hashers[scope] = BlockHasher(
+                self.config.hash_algo, self.tpb, lora_id=seq.lora_id, cache_salt=seq.cache_salt,
+                root=seq.root_key)
+        return proto.resumed(seq.keys[:blocks] if blocks < len(seq.keys) else seq.keys)
 
     def _position(self, seq: Seq, blocks: int, *, rebuild: bool = True) -> tuple[Run, int] | None:
         """Where the sequence's first ``blocks`` committed blocks end in the tree: (run, n),
@@ -1017,7 +1027,7 @@ class KVCacheManager:
     def _walk_path(self, seq: Seq, blocks: int, rebuild: bool) -> tuple[Run, int] | None:
         step = self.step
         raw = seq.tokens.tobytes()
-        run = seq.root = self._root(seq.root_key)
+        run = seq.root = self._root((seq.lora_id, seq.cache_salt))
         n = 0
         i = 0
         while i < blocks:
@@ -1435,9 +1445,9 @@ class KVCacheManager:
             self._iter_base = now
             return out
 
-    def _blocks(self) -> list[tuple[BlockKey, Run, int]]:
-        """(scope root key, run, index) of every block in the tree."""
-        out: list[tuple[BlockKey, Run, int]] = []
+    def _blocks(self) -> list[tuple[Scope, Run, int]]:
+        """(scope, run, index) of every block in the tree."""
+        out: list[tuple[Scope, Run, int]] = []
         for rk, root in self.roots.items():
             for r in root.descendants():
                 out += [(rk, r, j) for j in range(len(r.keys))]
@@ -1514,8 +1524,9 @@ class KVCacheManager:
                             i = self._idx_at[t][g][s]
                             assert run.alive and run.slot[g][i] == s and run.tier[g][i] == t
             step = self.step
-            seen: set[tuple[BlockKey | None, BlockKey]] = set()
-            for rk, root in self.roots.items():
+            seen: set[tuple[Scope, BlockKey | None, BlockKey]] = set()
+            for scope, root in self.roots.items():
+                rk = self.root_key(*scope)
                 assert not root.keys and root.parent is None
                 for r in root.descendants():
                     n = len(r.keys)
@@ -1530,8 +1541,8 @@ class KVCacheManager:
                     assert r.ckey == r.tkey[:step]
                     pk = parent.keys[-1] if parent.keys else rk
                     for j, key in enumerate(r.keys):
-                        assert (pk, key) not in seen, "two blocks with the same key"
-                        seen.add((pk, key))
+                        assert (scope, pk, key) not in seen, "two blocks with the same key"
+                        seen.add((scope, pk, key))
                         pk = key
                         for g in range(cfg.num_groups):
                             s = r.slot[g][j]
