@@ -45,7 +45,7 @@ from kvpool.hashing import (
     hash_algo,
     tokens_to_u32,
 )
-from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, prune
+from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
@@ -149,6 +149,9 @@ class KVCacheManager:
         self.full_attention_only = all(
             config.window_sizes[g] is None for g in self.self_groups
         )
+        # admissions may take the path without batch machinery (``_add_simple``)
+        self._simple = (self.full_attention_only and not config.cross_attention_groups
+                        and config.num_tiers == 1)
         self._tiers = config.num_tiers
         self._free: list[list[list[int]]] = [
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
@@ -238,6 +241,11 @@ class KVCacheManager:
 
     def add_sequence(self, request: SequenceRequest) -> AdmitResult:
         """Admit one request (a batch of one)."""
+        if self._simple:
+            with self._lock:
+                res = self._add_simple(request)
+            if res is not None:
+                return res
         return self.add_sequence_batch([request])[0]
 
     def add_sequence_batch(self, requests: Sequence[SequenceRequest]) -> list[AdmitResult]:
@@ -379,28 +387,84 @@ class KVCacheManager:
         st.reused = st.full_reused + st.partial_reused
         new = {g: self._new_count[g] - before[g] for g in range(cfg.num_groups)}
         st.alloc_new = sum(new[g] for g in self.self_groups)
-        root = self._root((r.lora_id, r.cache_salt))
+        return self._admitted(r, p.root_key, p.matched, p.reused_tokens, tables, new, st)
+
+    def _admitted(self, r: SequenceRequest, root_key: BlockKey, matched: list[Segment],
+                  reused_tokens: int, tables: list[list[list[int]]], new: dict[int, int],
+                  st: RequestStats) -> AdmitResult:
+        """Register an admitted request's sequence and count it in the stats."""
+        keys: list[BlockKey] = []
+        for run, a, b in matched:
+            keys += run.keys[a:b]
         seq = Seq(
-            r.seq_id, array("I", r.tokens), beams, p.matched_keys(), root, p.root_key, tables,
+            r.seq_id, array("I", r.tokens), r.beam_width, keys,
+            self._root((r.lora_id, r.cache_salt)), root_key, tables,
             lora_id=r.lora_id, cache_salt=r.cache_salt, retention=r.retention,
             encoder_tokens=(
                 array("I", r.encoder_tokens) if r.encoder_tokens is not None else None
             ),
         )
-        if p.matched:
-            seq.at_run, _, seq.at_len = p.matched[-1]
-        seq.committed_blocks = d
+        if matched:
+            seq.at_run, _, seq.at_len = matched[-1]
+        seq.committed_blocks = len(keys)
         self.sequences[r.seq_id] = seq
         stats = self._stats
         stats.add_request(st)
-        stats.reused_tokens += p.reused_tokens
+        stats.reused_tokens += reused_tokens
         stats.prompt_tokens += len(r.tokens)
         stats.admitted_requests += 1
         stats.onboard_blocks += st.onboarded
         return AdmitResult(
-            seq_id=r.seq_id, reused_tokens=p.reused_tokens,
+            seq_id=r.seq_id, reused_tokens=reused_tokens,
             block_ids=[[list(b) for b in t] for t in tables], new_blocks=new, stats=st,
         )
+
+    def _add_simple(self, r: SequenceRequest) -> AdmitResult | None:
+        """``add_sequence`` for the common case, without the batch machinery: a manager of
+        full-attention groups on one tier and a request of one beam with no partial match.
+
+        Plans, claims and allocates exactly as ``add_sequence_batch([r])`` (a differential
+        property test runs both side by side); returns None when the request needs the
+        general path (a partial match, a beam search, or a batch that does not fit: the
+        general path raises the error).
+        """
+        if (type(r) is not SequenceRequest or r.beam_width != 1 or r.seq_id in self.sequences):
+            return None
+        root_key, matched, partial, _, slots = admission.walk(self, r)
+        if partial is not None:
+            return None
+        d = len(slots[0]) if slots else 0
+        num_blocks = -(-len(r.tokens) // self.tpb)
+        fresh = num_blocks - d
+        free, queue = self._free[0], self._queue[0]
+        queued: list[list[int]] = []  # per group: the matched blocks claimed out of the queue
+        for g in self.self_groups:
+            ref = self._ref[g]
+            q = [s for s in slots[g] if not ref[s]]
+            if fresh > len(free[g]) + len(queue[g]) - len(q):
+                return None
+            queued.append(q)
+        self._new_count = [0] * self.config.num_groups
+        for g in self.self_groups:
+            ref = self._ref[g]
+            queue[g].remove_many(queued[g])
+            for s in slots[g]:
+                ref[s] += 1
+        tables: list[list[list[int]]] = []
+        for g in self.self_groups:
+            ref = self._ref[g]
+            row = self._alloc_n(g, fresh)
+            for s in row:
+                ref[s] = 1
+            tables.append([slots[g] + row])
+        groups = len(self.self_groups)
+        self._stats.tier_hits[0] += d * groups
+        st = RequestStats(alloc_total=num_blocks * groups, alloc_new=fresh * groups,
+                          reused=d * groups, full_reused=d * groups, missed=fresh * groups)
+        res = self._admitted(r, root_key, matched, d * self.tpb, tables,
+                             dict.fromkeys(self.self_groups, fresh), st)
+        self._finish_call()
+        return res
 
     def _alloc_n(self, g: int, n: int) -> list[int]:
         """``n`` GPU slots of group g (free ones first, then evicted victims)."""
