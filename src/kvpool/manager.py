@@ -114,10 +114,12 @@ _TOKEN_STRUCTS: dict[int, struct.Struct] = {}
 
 
 def _token_tuple(tkey: bytes) -> tuple[int, ...]:
-    """A node's tokens (native uint32 bytes) as a tuple of ints."""
+    """Tokens stored as native uint32 bytes, as a tuple of ints."""
     st = _TOKEN_STRUCTS.get(len(tkey))
     if st is None:
-        st = _TOKEN_STRUCTS[len(tkey)] = struct.Struct(f"={len(tkey) // 4}I")
+        st = struct.Struct(f"={len(tkey) // 4}I")
+        if len(_TOKEN_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
+            _TOKEN_STRUCTS[len(tkey)] = st
     return st.unpack(tkey)
 
 
@@ -794,20 +796,26 @@ class KVCacheManager:
         parent = run.parent
         return None if parent is None or parent.parent is None else parent.keys[-1]
 
-    def _emit_stored(self, g: int, chain: list[tuple[Run, int]], lora_id: int | None) -> None:
-        """A stored event for a chain of blocks (each the child of the one before)."""
+    def _emit_stored(self, g: int, chain: list[Segment], lora_id: int | None) -> None:
+        """A stored event for a chain of blocks (each the child of the one before), given
+        as run segments."""
         if self._events is None or not chain:
             return
         self._flush_removed()
-        parent = self._parent_key(*chain[0])
+        parent = self._parent_key(chain[0][0], chain[0][1])
         parent_hash = None if parent is None else self._ev_hashes([parent])[0]
-        hashes = self._ev_hashes([r.keys[j] for r, j in chain])
-        step = self.step
-        blocks = [
-            StoredBlock(h, _token_tuple(r.tkey[j * step:(j + 1) * step]), r.tier[g][j],
-                        r.priority(j), lora_id)
-            for h, (r, j) in zip(hashes, chain, strict=True)
-        ]
+        step, tpb = self.step, self.tpb
+        blocks: list[StoredBlock] = []
+        for r, a, b in chain:
+            hashes = self._ev_hashes(r.keys[a:b])
+            tiers = r.tier[g]
+            toks = _token_tuple(r.tkey[a * step:b * step])
+            prio = r.prio
+            blocks += [
+                StoredBlock(h, toks[(j - a) * tpb:(j - a + 1) * tpb], tiers[j],
+                            DEFAULT_PRIORITY if prio is None else prio[j], lora_id)
+                for j, h in enumerate(hashes, a)
+            ]
         self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
 
     # ------------------------------------------------------------------ growth and release
@@ -1159,7 +1167,7 @@ class KVCacheManager:
         run_at = self._run_at[0]
         idx_at = self._idx_at[0]
         events = self._events is not None
-        chains: dict[int, list[tuple[Run, int]]] = {}
+        chains: dict[int, list[Segment]] = {}  # per group: the stored chain still open
         raw = seq.tokens.tobytes()
         keys = seq.keys
         group_tables = [(g, seq.tables[g][0]) for g in self.self_groups]
@@ -1183,7 +1191,11 @@ class KVCacheManager:
                     run_at[g][s] = run
                     idx_at[g][s] = n
                     if events:
-                        chains.setdefault(g, []).append((run, n))
+                        chain = chains.setdefault(g, [])
+                        if chain and chain[-1][0] is run and chain[-1][2] == n:
+                            chain[-1] = (run, chain[-1][1], n + 1)
+                        else:
+                            chain.append((run, n, n + 1))
                 elif events and g in chains:
                     self._emit_stored(g, chains.pop(g), seq.lora_id)
             n += 1
@@ -1228,16 +1240,23 @@ class KVCacheManager:
                     continue
                 # a chain still open ends at the block just before the new ones
                 piece = chains.pop(g, [])
+                start = -1  # first block of the stretch being stored
                 for j, s in enumerate(sl, base):
                     if s != NO_SLOT:
                         na[s] = run
                         ia[s] = j
-                        if events:
-                            piece.append((run, j))
-                    elif piece:
+                        if start < 0:
+                            start = j
+                        continue
+                    if start >= 0:
+                        piece.append((run, start, j))
+                        start = -1
+                    if piece and events:
                         self._emit_stored(g, piece, seq.lora_id)
-                        piece = []
-                if piece:
+                    piece = []
+                if start >= 0:
+                    piece.append((run, start, base + k))
+                if piece and events:
                     chains[g] = piece
             n = base + k
         for g, chain in chains.items():
@@ -1314,7 +1333,7 @@ class KVCacheManager:
             s = slots[g][0]
             self._run_at[0][g][s] = leaf
             self._idx_at[0][g][s] = 0
-            self._emit_stored(g, [(leaf, 0)], seq.lora_id)
+            self._emit_stored(g, [(leaf, 0, 1)], seq.lora_id)
 
     # ------------------------------------------------------------------ preemption
 
