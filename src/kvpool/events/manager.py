@@ -38,6 +38,8 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import attrgetter
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.events.model import (
@@ -57,6 +59,8 @@ from kvpool.hashing import hash_algo as parse_hash_algo
 __all__ = ["AttentionDpGather", "EventManager"]
 
 logger = logging.getLogger(__name__)
+
+_CACHE_LEVEL = attrgetter("cache_level")
 
 AttentionDpGather = Callable[[list[KVCacheEvent]], list[list[KVCacheEvent]] | None]
 """Collective over attention-DP ranks: every rank's list on rank 0, None on the others."""
@@ -243,19 +247,24 @@ class EventManager:
         """
         if not blocks:
             return
-        _check_group(layer_group, window_size)
+        if layer_group < 0 or window_size < 0:
+            _check_group(layer_group, window_size)
         with self._lock:
             self._windows[layer_group] = window_size
             registry = self._announced.get(layer_group)
             if registry is None:
                 registry = self._announced[layer_group] = {}
             hashes = [b.block_hash for b in blocks]
-            distinct = set(hashes)
-            if len(distinct) == len(hashes) and registry.keys().isdisjoint(distinct):
-                # the common case: every block is new
-                registry.update(zip(hashes, [b.cache_level for b in blocks], strict=True))
-                self._emit_stored(layer_group, window_size, parent_hash, list(blocks))
-                return
+            if registry.keys().isdisjoint(hashes):
+                # The common case, checked in C: no block announced yet. The registry grows by
+                # one entry per block unless the chain repeats a hash (then undone, below).
+                before = len(registry)
+                registry.update(zip(hashes, map(_CACHE_LEVEL, blocks), strict=True))
+                if len(registry) - before == len(hashes):
+                    self._emit_stored(layer_group, window_size, parent_hash, list(blocks))
+                    return
+                for h in hashes:
+                    registry.pop(h, None)
             run: list[StoredBlock] = []
             run_parent = parent_hash
             for block in blocks:
@@ -281,14 +290,15 @@ class EventManager:
         self, layer_group: int, window_size: int, block_hashes: Sequence[BlockHash]
     ) -> None:
         """Blocks left the cache (every tier). Unannounced hashes are ignored."""
-        _check_group(layer_group, window_size)
+        if layer_group < 0 or window_size < 0:
+            _check_group(layer_group, window_size)
         with self._lock:
             registry = self._announced.get(layer_group)
             if not registry:
                 return
-            pop = registry.pop
-            tiers = [pop(h, None) for h in block_hashes]
-            if None in tiers:  # skip the unannounced ones
+            before = len(registry)
+            tiers = list(map(registry.pop, block_hashes, repeat(None)))
+            if before - len(registry) != len(tiers):  # skip the unannounced (or repeated) ones
                 kept = [(h, t) for h, t in zip(block_hashes, tiers, strict=True) if t is not None]
                 if not kept:
                     return

@@ -41,8 +41,9 @@ router's index): stored and removed events as :mod:`kvpool.events.keyed` records
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Annotated, Any, Final, cast
 
 import msgspec
@@ -100,7 +101,7 @@ WireHash = int | bytes
 class _BlockStored(
     msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False
 ):
-    block_hashes: list[WireHash]
+    block_hashes: Sequence[WireHash]
     parent_block_hash: WireHash | None
     token_ids: list[int]
     block_size: int
@@ -116,7 +117,7 @@ class _BlockStored(
 class _BlockRemoved(
     msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False
 ):
-    block_hashes: list[WireHash]
+    block_hashes: Sequence[WireHash]
     medium: str | None
     group_idx: int | None = None
 
@@ -162,29 +163,37 @@ def encode_vllm_batch(
         InvalidArgumentError: a tier with no vLLM medium, or a hash that is neither an
             unsigned 64-bit int nor a hex string.
     """
+    # One wire struct per wire event and one msgspec call for the batch. Hash sequences go out
+    # as they are when they are u64 ints (msgspec writes a tuple as an array); a stored event's
+    # tokens are gathered into one list per run, the only per-token work in Python.
     wire: list[_WireEvent] = []
+    append = wire.append
     for event in events:
         data = event.data
-        group = event.layer_group_id or None
-        if type(data) is Stored:
-            _encode_stored(data, group, event, block_size, sliding_window_groups, wire)
-        elif type(data) is Removed:
-            _encode_removed(data.block_hashes, data.cache_levels, group, wire)
-        elif type(data) is Updated:
-            diff = data.cache_level
+        kind = type(data)
+        if kind is Stored:
+            _encode_stored(data, event, block_size, sliding_window_groups, wire)  # type: ignore[arg-type]
+        elif kind is Removed:
+            _encode_removed(data, event.layer_group_id or None, wire)  # type: ignore[arg-type]
+        elif kind is Updated:
+            diff = data.cache_level  # type: ignore[union-attr]
             if diff is not None and diff.old_value != diff.new_value:
-                h = _wire_hash(data.block_hash)
-                wire.append(_BlockRemoved([h], _medium(diff.old_value), group))
-                wire.append(
+                group = event.layer_group_id or None
+                h = _wire_hash(data.block_hash)  # type: ignore[union-attr]
+                append(_BlockRemoved([h], _medium(diff.old_value), group))
+                append(
                     _BlockStored([h], None, [], 0, None, _medium(diff.new_value), None, None, group)
                 )
-        elif type(data) is AllCleared:
-            wire.append(_AllBlocksCleared())
+        elif kind is AllCleared:
+            append(_ALL_CLEARED)
     batch = _Batch(time.time() if ts is None else float(ts), wire, data_parallel_rank)
     try:
         return _ENCODER.encode(batch)
     except (OverflowError, TypeError) as exc:  # an int hash outside msgpack's range
         raise InvalidArgumentError(f"KV event batch cannot be encoded: {exc}") from None
+
+
+_ALL_CLEARED: Final = _AllBlocksCleared()
 
 
 def _medium(tier: int) -> str:
@@ -206,10 +215,11 @@ def _wire_hash(h: BlockHash) -> WireHash:
         ) from None
 
 
-def _wire_hashes(hashes: list[BlockHash]) -> list[WireHash]:
-    # Fast path in C: a list of ints within u64 passes through as it is.
+def _wire_hashes(hashes: Sequence[BlockHash]) -> Sequence[WireHash]:
+    # Checked in C: a sequence of non-negative ints passes through as it is (msgspec refuses
+    # one above u64 when it encodes the batch).
     try:
-        if min(hashes) >= 0 and max(hashes) <= _M64:  # type: ignore[operator]
+        if min(hashes) >= 0:  # type: ignore[operator]
             return hashes  # type: ignore[return-value]
     except TypeError:  # strings (v2_sha256) or a mix
         pass
@@ -218,7 +228,6 @@ def _wire_hashes(hashes: list[BlockHash]) -> list[WireHash]:
 
 def _encode_stored(
     data: Stored,
-    group: int | None,
     event: KVCacheEvent,
     block_size: int | None,
     sliding: Collection[int],
@@ -227,45 +236,52 @@ def _encode_stored(
     blocks = data.blocks
     if not blocks:
         return
-    size = block_size if block_size is not None else max([len(b.tokens) for b in blocks])
+    # One BlockStored per run of blocks of equal (tier, LoRA): usually the whole chain, built
+    # in one pass; the runs stay chained through their parents.
+    first = blocks[0]
+    level, lora = first.cache_level, first.lora_id
+    hashes: list[BlockHash] = []
+    add = hashes.append
+    tokens: list[int] = []
+    extend = tokens.extend
+    longest = 0
+    runs: list[tuple[list[BlockHash], list[int], int, int | None]] = []
+    for block in blocks:
+        if block.cache_level != level or (block.lora_id is not lora and block.lora_id != lora):
+            runs.append((hashes, tokens, level, lora))
+            level, lora = block.cache_level, block.lora_id
+            hashes, tokens = [], []
+            add, extend = hashes.append, tokens.extend
+        add(block.block_hash)
+        block_tokens = block.tokens
+        extend(block_tokens)
+        if block_size is None and len(block_tokens) > longest:
+            longest = len(block_tokens)
+    runs.append((hashes, tokens, level, lora))
+    size = longest if block_size is None else block_size
+    group = event.layer_group_id or None
     kind: str | None = None
     window: int | None = None
-    if event.layer_group_id in sliding:
+    if sliding and event.layer_group_id in sliding:
         kind, window = "sliding_window", event.window_size
     parent = None if data.parent_hash is None else _wire_hash(data.parent_hash)
-    # Usually one run; otherwise one BlockStored per run of equal (tier, LoRA), still chained.
-    # Plain loops: measured faster here than map/attrgetter/chain (extend copies a tuple in C).
-    start, n = 0, len(blocks)
-    while start < n:
-        first = blocks[start]
-        level, lora = first.cache_level, first.lora_id
-        stop = start + 1
-        while stop < n and blocks[stop].cache_level == level and blocks[stop].lora_id == lora:
-            stop += 1
-        run = blocks[start:stop] if start or stop < n else blocks
-        tokens: list[int] = []
-        for b in run:
-            tokens.extend(b.tokens)
-        hashes = _wire_hashes([b.block_hash for b in run])
+    for hashes, tokens, level, lora in runs:
+        wire_hashes = _wire_hashes(hashes)
         wire.append(
             _BlockStored(
-                hashes, parent, tokens, size, lora, _medium(level), None, None, group, kind, window
+                wire_hashes, parent, tokens, size, lora, _medium(level), None, None, group,
+                kind, window,
             )
         )
-        parent = hashes[-1]
-        start = stop
+        parent = wire_hashes[-1]
 
 
-def _encode_removed(
-    hashes: tuple[BlockHash, ...],
-    levels: tuple[int, ...] | None,
-    group: int | None,
-    wire: list[_WireEvent],
-) -> None:
+def _encode_removed(data: Removed, group: int | None, wire: list[_WireEvent]) -> None:
+    hashes, levels = data.block_hashes, data.cache_levels
     if not hashes:
         return
     if levels is None:
-        wire.append(_BlockRemoved(_wire_hashes(list(hashes)), None, group))
+        wire.append(_BlockRemoved(_wire_hashes(hashes), None, group))
         return
     if len(levels) != len(hashes):
         raise InvalidArgumentError(
@@ -273,8 +289,9 @@ def _encode_removed(
         )
     first = levels[0]
     if levels.count(first) == len(levels):
-        wire.append(_BlockRemoved(_wire_hashes(list(hashes)), _medium(first), group))
+        wire.append(_BlockRemoved(_wire_hashes(hashes), _medium(first), group))
         return
+    # One BlockRemoved per tier, in order of first appearance.
     by_level: dict[int, list[WireHash]] = {}
     for h, level in zip(hashes, levels, strict=True):
         by_level.setdefault(level, []).append(_wire_hash(h))
@@ -745,21 +762,21 @@ class _Decoder:
         level = self.tier(medium, index) or 0
         if n == 0:
             return
+        chunks: Iterable[tuple[int, ...]]
         if size and tokens:
             n_tokens = len(tokens)
             if n == 1 and n_tokens <= size:
-                chunks: list[tuple[int, ...]] = [tokens]
+                chunks = (tokens,)
             else:
                 # Align to the last block: token_ids may span more blocks than hashes name.
                 base = max(0, -(-n_tokens // size) - n) * size
-                chunks = [tokens[base + i * size : base + (i + 1) * size] for i in range(n)]
+                chunks = map(tokens.__getitem__, _block_slices(base, size, n))
         else:
-            chunks = [()] * n
+            chunks = repeat((), n)
+        # Built in C (map over the columns): no bytecode runs per block.
         blocks = tuple(
-            [
-                StoredBlock(h, chunk, level, DEFAULT_PRIORITY, lora)
-                for h, chunk in zip(hashes, chunks, strict=True)
-            ]
+            list(map(StoredBlock, hashes, chunks, repeat(level), repeat(DEFAULT_PRIORITY),
+                     repeat(lora)))
         )
         self.emit(Stored(parent, blocks), group or 0, window or 0)
 
@@ -770,6 +787,23 @@ class _Decoder:
             return
         levels = None if tier is None else (tier,) * len(hashes)
         self.emit(Removed(tuple(hashes), levels), group or 0, 0)
+
+
+_SLICES: dict[tuple[int, int, int], tuple[slice, ...]] = {}
+
+
+def _block_slices(base: int, size: int, n: int) -> tuple[slice, ...]:
+    """The slices that cut ``n`` blocks of ``size`` tokens from ``base`` (cached: a stream
+    repeats a few chain lengths)."""
+    key = (base, size, n)
+    slices = _SLICES.get(key)
+    if slices is None:
+        if len(_SLICES) >= 4096:
+            _SLICES.clear()
+        slices = _SLICES[key] = tuple(
+            [slice(base + i * size, base + (i + 1) * size) for i in range(n)]
+        )
+    return slices
 
 
 def _array_length(raw: msgspec.Raw) -> int:
