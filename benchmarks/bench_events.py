@@ -5,27 +5,48 @@ blocks), then the step is flushed, read, encoded as one vLLM msgpack batch and p
 subscriber in another process (as a router would be) receives, repairs gaps and decodes. A
 "block event" is one stored block or one removed hash.
 
-Rows: each stage alone in this process (hooks+flush, encode, decode) and the full path
-(hooks -> encode -> PUB -> SUB -> decode) across two processes on loopback, timed from the first
-hook call until the subscriber decoded the last block event.
+Two hook sources, both run by default (``--sources`` picks):
 
-The hook source is one function (``HookSource``): ``--source manager`` (the default) drives a
-real ``KVCacheManager`` wired to the EventManager — each step admits, commits and releases new
-requests, and evictions from its bounded pool emit the removed events — while
-``--source synthetic`` calls the hooks directly (the EventManager alone).
+* ``manager``: a real ``KVCacheManager`` wired to the EventManager. Each step admits, commits
+  and releases new requests; evictions from its bounded pool emit the removed events. This is
+  issue 5's end-to-end path.
+* ``synthetic``: the hooks called directly with prebuilt blocks (the EventManager alone): the
+  event machinery's own ceiling. Each step's blocks are built just before the step (untimed
+  in the stage rows), their token tuples taken from a pool of two steps' worth unpacked from
+  bytes as the manager unpacks them.
 
-    .venv/bin/python benchmarks/bench_events.py            # ~1M block events
+Rows, per source:
+
+* ``hooks+flush`` (``manager+hooks+flush`` for the manager source): CPU time of the step's hook
+  calls (for the manager source, all of the manager's work too), ``flush_iteration_events`` and
+  ``get_latest_events``;
+* ``encode_vllm_batch``: CPU time of encoding each step's events, right after the step (so
+  they are as warm in the cache as in an engine), ``block_size`` given as an engine gives it;
+* ``decode_vllm_batch``: CPU time of decoding each step's payload;
+* ``full path (2 processes)``: wall time from the first hook call until the subscriber process
+  decoded the last block event, through ZMQ on loopback.
+
+The three stage rows run one step at a time in this process, and no step's events or payloads
+are kept: keeping a million events alive (as an earlier version of this benchmark did, to
+encode them all afterwards) made the cyclic garbage collector's full passes and cold memory
+part of the figures, neither of which an engine pays. The collector stays on, as in an engine.
+
+    .venv/bin/python benchmarks/bench_events.py            # ~1M block events per source
     .venv/bin/python benchmarks/bench_events.py --quick    # a few seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
-import random
+import queue
+import struct
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,10 +66,19 @@ from kvpool.events import (
 )
 from kvpool.manager import KVCacheManager
 
-HookSource = Callable[[EventManager], int]
-"""One scheduler step of hook calls into the EventManager; returns the block events it caused."""
-
 M64 = (1 << 64) - 1
+
+
+@dataclass
+class HookSource:
+    """One scheduler step of hook calls into the EventManager at a time."""
+
+    step: Callable[[EventManager], int]
+    """Calls the hooks for one step; returns the block events it caused."""
+    prepare: Callable[[], None]
+    """Untimed work before each step (building the blocks the step will announce)."""
+    algo: str
+    """The hash algorithm of the hashes the hooks pass."""
 
 
 def synthetic_source(
@@ -61,39 +91,43 @@ def synthetic_source(
     seed: int = 0,
 ) -> HookSource:
     """Each step stores ``chains_per_step`` new chains and removes the oldest beyond
-    ``live_chains`` (so in steady state as many blocks leave as enter). Blocks are built up
-    front, so the timed work is the hook calls themselves."""
-    rng = random.Random(seed)
-    token_pool = [tuple(rng.randrange(1 << 17) for _ in range(tpb)) for _ in range(64)]
-    chains: list[list[StoredBlock]] = []
-    counter = 0
-    for _ in range(steps * chains_per_step):
-        chain = []
-        for _ in range(blocks_per_chain):
-            counter += 1
-            # Spread like real 64-bit hashes (most encode in 9 bytes).
-            h = (counter * 0x9E3779B97F4A7C15) & M64
-            chain.append(StoredBlock(h, token_pool[counter % len(token_pool)]))
-        chains.append(chain)
-    hashes = [[b.block_hash for b in chain] for chain in chains]
-    state = {"next": 0}
+    ``live_chains`` (so in steady state as many blocks leave as enter). ``prepare`` builds the
+    next step's blocks (hashes and token tuples taken from a pool), so the timed work is the
+    hook calls themselves."""
+    # Token tuples as the manager builds them (unpacked from bytes: one int object per token),
+    # two steps' worth, so that a step's tokens are about as warm in the cache as fresh ones.
+    pool_size = 2 * chains_per_step * blocks_per_chain
+    ids = np.random.default_rng(seed).integers(0, 1 << 17, pool_size * tpb, dtype=np.uint32)
+    token_pool = list(struct.iter_unpack(f"={tpb}I", ids.tobytes()))
+    live: deque[list[int]] = deque()  # the hashes of the chains still cached, oldest first
+    state: dict[str, Any] = {"counter": 0, "calls": []}
+
+    def prepare() -> None:
+        calls: list[tuple[list[StoredBlock], list[int] | None]] = []
+        counter = state["counter"]
+        for _ in range(chains_per_step):
+            chain = []
+            for _ in range(blocks_per_chain):
+                counter += 1
+                # Spread like real 64-bit hashes (most encode in 9 bytes).
+                h = (counter * 0x9E3779B97F4A7C15) & M64
+                chain.append(StoredBlock(h, token_pool[counter % pool_size]))
+            live.append([b.block_hash for b in chain])
+            calls.append((chain, live.popleft() if len(live) > live_chains else None))
+        state["counter"] = counter
+        state["calls"] = calls
 
     def step(em: EventManager) -> int:
-        start = state["next"]
-        stop = start + chains_per_step
-        state["next"] = stop
         events = 0
-        for c in range(start, stop):
-            chain = chains[c]
+        for chain, removed in state["calls"]:
             em.on_stored(0, 4096, None, chain)
             events += len(chain)
-            old = c - live_chains
-            if old >= 0:
-                em.on_removed(0, 4096, hashes[old])
-                events += len(hashes[old])
+            if removed is not None:
+                em.on_removed(0, 4096, removed)
+                events += len(removed)
         return events
 
-    return step
+    return HookSource(step, prepare, "v1_block_key")
 
 
 def manager_source(
@@ -131,7 +165,11 @@ def manager_source(
             m.remove_sequence(i)
         return chains_per_step * blocks_per_chain + m.stats().dropped_blocks - dropped
 
-    return step
+    # the manager keys its tree with this algorithm; events carry int hashes
+    return HookSource(step, lambda: None, "v2_sha256_64")
+
+
+SOURCES = {"manager": manager_source, "synthetic": synthetic_source}
 
 
 def block_events(events: list[KVCacheEvent]) -> int:
@@ -149,22 +187,22 @@ def block_events(events: list[KVCacheEvent]) -> int:
 
 
 def _subscriber(
-    endpoint: str, replay: str, expected: int, ready: Any, result: Any, timeout_s: float
+    endpoint: str, replay: str, algo: str, total: Any, ready: Any, result: Any, timeout_s: float
 ) -> None:
     sub = ZmqEventSubscriber(endpoint, replay, start_seq=0)
     ready.set()
-    seen = 0
-    batches = 0
-    next_id = 0
+    expected: int | None = None  # the producer sends its count when it is done
+    seen = batches = next_id = 0
     deadline = time.monotonic() + timeout_s
-    while seen < expected and time.monotonic() < deadline:
+    while (expected is None or seen < expected) and time.monotonic() < deadline:
         for batch in sub.recv(0.5):
-            decoded = decode_vllm_batch(
-                batch.payload, hash_algo="v1_block_key", first_event_id=next_id
-            )
+            decoded = decode_vllm_batch(batch.payload, hash_algo=algo, first_event_id=next_id)
             next_id += len(decoded.events)
             seen += block_events(decoded.events)
             batches += 1
+        if expected is None:
+            with contextlib.suppress(queue.Empty):
+                expected = total.get_nowait()
     result.put(
         {
             "end": time.monotonic(),
@@ -180,9 +218,8 @@ def _subscriber(
 # ------------------------------------------------------------------------------------ runs
 
 
-def make_source(args: argparse.Namespace) -> HookSource:
-    factory = manager_source if args.source == "manager" else synthetic_source
-    return factory(
+def make_source(name: str, args: argparse.Namespace) -> HookSource:
+    return SOURCES[name](
         steps=args.steps,
         tpb=args.tpb,
         blocks_per_chain=args.blocks_per_chain,
@@ -191,85 +228,82 @@ def make_source(args: argparse.Namespace) -> HookSource:
     )
 
 
-def run_stages(args: argparse.Namespace) -> list[dict[str, Any]]:
-    source = make_source(args)
-    em = EventManager(1 << 22, hash_algo=args.algo)
-    steps: list[list[KVCacheEvent]] = []
-    total = 0
-    t0 = time.perf_counter()
+def run_stages(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    source = make_source(name, args)
+    em = EventManager(1 << 22, hash_algo=source.algo)
+    clock = time.process_time
+    t_hooks = t_encode = t_decode = 0.0
+    total = decoded = payload_bytes = next_id = 0
     for _ in range(args.steps):
-        total += source(em)
+        source.prepare()
+        c0 = clock()
+        total += source.step(em)
         em.flush_iteration_events()
-        steps.append(em.get_latest_events(0))
-    t_hooks = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    payloads = [encode_vllm_batch(events) for events in steps]
-    t_encode = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    decoded = sum(
-        block_events(decode_vllm_batch(p, hash_algo=args.algo).events) for p in payloads
-    )
-    t_decode = time.perf_counter() - t0
+        events = em.get_latest_events(0)
+        c1 = clock()
+        payload = encode_vllm_batch(events, block_size=args.tpb)
+        c2 = clock()
+        batch = decode_vllm_batch(payload, hash_algo=source.algo, first_event_id=next_id)
+        c3 = clock()
+        t_hooks += c1 - c0
+        t_encode += c2 - c1
+        t_decode += c3 - c2
+        next_id += len(batch.events)
+        decoded += block_events(batch.events)
+        payload_bytes += len(payload)
     assert decoded == total, (decoded, total)
-    mb = sum(len(p) for p in payloads) / 1e6
 
     def row(stage: str, seconds: float) -> dict[str, Any]:
         return {
+            "source": name,
             "stage": stage,
             "block_events": total,
-            "seconds": seconds,
+            "cpu_seconds": seconds,
             "block_events_per_s": total / seconds,
             "ns_per_block_event": seconds / total * 1e9,
-            "payload_MB": mb,
+            "payload_MB": payload_bytes / 1e6,
         }
 
     return [
-        row("EventManager hooks+flush", t_hooks),
+        row("manager+hooks+flush" if name == "manager" else "hooks+flush", t_hooks),
         row("encode_vllm_batch", t_encode),
         row("decode_vllm_batch", t_decode),
     ]
 
 
-def run_full_path(args: argparse.Namespace) -> dict[str, Any]:
-    # a dry run counts the block events the subscriber must see (the sources are deterministic)
-    dry = make_source(args)
-    dry_em = EventManager(1 << 22, hash_algo=args.algo)
-    expected = 0
-    for _ in range(args.steps):
-        expected += dry(dry_em)
-        dry_em.flush_iteration_events()
-        dry_em.get_latest_events(0)
-    del dry, dry_em
-    source = make_source(args)
+def run_full_path(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    source = make_source(name, args)
     pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     assert pub.replay_endpoint is not None
     ctx = mp.get_context("spawn")
-    ready, result = ctx.Event(), ctx.Queue()
+    ready, total, result = ctx.Event(), ctx.Queue(), ctx.Queue()
     proc = ctx.Process(
         target=_subscriber,
-        args=(pub.endpoint, pub.replay_endpoint, expected, ready, result, args.timeout),
+        args=(pub.endpoint, pub.replay_endpoint, source.algo, total, ready, result,
+              args.timeout),
     )
     proc.start()
     try:
         ready.wait(60)
         time.sleep(0.5)  # let the SUB socket join; anything it misses comes back by replay
-        em = EventManager(1 << 22, hash_algo=args.algo)
+        em = EventManager(1 << 22, hash_algo=source.algo)
         produced = 0
         t0 = time.monotonic()
         for _ in range(args.steps):
-            produced += source(em)
+            source.prepare()  # a few percent of the synthetic source's time, left in
+            produced += source.step(em)
             em.flush_iteration_events()
-            pub.publish(encode_vllm_batch(em.get_latest_events(0)))
+            pub.publish(encode_vllm_batch(em.get_latest_events(0), block_size=args.tpb))
         t_produced = time.monotonic() - t0
+        total.put(produced)
         out = result.get(timeout=args.timeout + 30)
     finally:
         proc.join(30)
         pub.close()
-    assert produced == expected, (produced, expected)
+    assert out["block_events"] == produced, (out["block_events"], produced)
     seconds = out["end"] - t0
     return {
+        "source": name,
         "stage": "full path (2 processes)",
         "block_events": out["block_events"],
         "seconds": seconds,
@@ -290,18 +324,22 @@ def main() -> None:
     parser.add_argument("--chains-per-step", type=int, default=32)
     parser.add_argument("--live-chains", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--source", choices=["manager", "synthetic"], default="manager",
-                        help="what calls the EventManager's hooks")
+    parser.add_argument("--sources", default="manager,synthetic",
+                        help="comma-separated hook sources: manager, synthetic")
     args = parser.parse_args()
-    # the manager keys its tree with this algorithm; events carry int hashes
-    args.algo = "v2_sha256_64" if args.source == "manager" else "v1_block_key"
+    sources = [s for s in args.sources.split(",") if s]
+    unknown = set(sources) - set(SOURCES)
+    if unknown:
+        parser.error(f"unknown sources {sorted(unknown)}; choose from {sorted(SOURCES)}")
     if args.quick:
         args.steps = 100
-    rows = run_stages(args)
-    rows.append(run_full_path(args))
+    rows: list[dict[str, Any]] = []
+    for name in sources:
+        rows += run_stages(name, args)
+    full = [run_full_path(name, args) for name in sources]
     report(
         "bench_events",
-        rows,
+        rows + full,
         title="KV events: block events per second (stored + removed)",
         extra={"params": {k: v for k, v in vars(args).items() if k != "timeout"}},
     )
