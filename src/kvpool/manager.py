@@ -494,9 +494,9 @@ class KVCacheManager:
         # GPU only, no copy in flight: the victims are taken in one pop, and a victim that is
         # a leaf's tail just leaves its run. (A victim with queued descendants drops them too;
         # their slots go to the free list, so the call may evict a few more blocks than it
-        # needs.) Victims come tail first, so a run losing its tail is cut once, at the end:
-        # until then ``cut`` holds its length (the blocks past it have no slot left), and a
-        # run losing every block leaves its parent at once.
+        # needs.) Victims come tail first, so a run losing its tail is truncated once, at the
+        # end: until then ``cut`` holds its length (the blocks past it have no slot left), and
+        # a run losing every block leaves its parent at once.
         run_at = self._run_at[0][g]
         idx_at = self._idx_at[0][g]
         single = self.config.num_groups == 1
@@ -537,7 +537,7 @@ class KVCacheManager:
                     parent.remove_child(run)
                     run.alive = False
                     if not parent.children and parent.parent is not None:
-                        prune(parent, self.step)
+                        prune(parent)
             else:
                 prev = None
         self._cut_runs(cut)
@@ -551,9 +551,9 @@ class KVCacheManager:
         """Truncate runs to the lengths ``cut`` gives (their tails lost every slot)."""
         for run, n in cut.items():
             if run.alive and n < len(run.keys):
-                run.truncate(n, self.step)
+                run.truncate(n)
                 if not run.children and not run.has_slot(n - 1):
-                    prune(run, self.step)
+                    prune(run)
 
     def _root(self, scope: Scope) -> Run:
         root = self.roots.get(scope)
@@ -614,7 +614,7 @@ class KVCacheManager:
             if self._events is not None:
                 self._emit_removed(g, [run.keys[i]])
             if not run.has_slot(i):
-                prune(run, self.step)
+                prune(run)
             return
         removed = [run.keys[i]]
         if self.config.window_sizes[g] is None:
@@ -676,8 +676,8 @@ class KVCacheManager:
         order = [run, *run.descendants()]
         for r in reversed(order):  # children before parents
             if r.alive and not r.children:
-                prune(r, self.step)
-        prune(run if run.alive else run.parent, self.step)
+                prune(r)
+        prune(run if run.alive else run.parent)
 
     def _onboard(self, run: Run, i: int, g: int, refs: int) -> int:
         """Bring a claimed block up to the GPU with ``refs`` references; returns 1 if it moved
@@ -710,7 +710,7 @@ class KVCacheManager:
         self._ref[g][s] = refs
         self._emit_removed(g, [run.keys[i]])
         if not run.has_slot(i):
-            prune(run, self.step)
+            prune(run)
         return s
 
     def _finish_call(self, release: Iterable[tuple[Run, int]] = ()) -> None:
@@ -1218,10 +1218,10 @@ class KVCacheManager:
                 na = run_at[g]
                 slots.append([s if s != NO_SLOT and na[s] is None else NO_SLOT for s in sl])
             if (run is seq.own_run and run.alive and n == len(run.keys) and not run.children
-                    and len(run.tkey) == n * step):
+                    and len(run.ckey) == step):
                 base = n
                 run.extend(raw[first * step:upto * step], new_keys, slots,
-                           [[0] * k for _ in slots])
+                           [[0] * k for _ in slots], step)
                 if seq.retention is not None:
                     for j in range(k):
                         self._set_priority(seq, run, base + j, (first + j) * self.tpb)
@@ -1264,7 +1264,7 @@ class KVCacheManager:
         seq.committed_blocks = upto
         seq.at_run, seq.at_len = run, n
         if n == len(run.keys) and not run.children and not run.has_slot(n - 1):
-            prune(run, step)
+            prune(run)
 
     def _set_priority(self, seq: Seq, run: Run, i: int, first_token: int) -> None:
         ret = seq.retention
@@ -1546,7 +1546,7 @@ class KVCacheManager:
                 chain = [r.tkey[:(j + 1) * step]]
                 p = r.parent
                 while p is not None:
-                    chain.append(p.tkey)
+                    chain.append(p.tkey[:len(p.keys) * step])
                     p = p.parent
                 toks = array("I")
                 toks.frombytes(b"".join(reversed(chain)))
@@ -1618,9 +1618,11 @@ class KVCacheManager:
                     assert parent is not None and parent.children.get(r.ckey) is r
                     assert all(len(sl) == n for sl in r.slot) and all(len(tl) == n for tl in r.tier)
                     assert r.prio is None or len(r.prio) == n == len(r.dur or ())
-                    if len(r.tkey) != n * step:  # a partial block: a leaf run of its own
-                        assert n == 1 and len(r.tkey) < step and not r.children, \
-                            "a non-leaf block is a partial block"
+                    if len(r.ckey) != step:  # a partial block: a leaf run of its own
+                        assert n == 1 and len(r.tkey) == len(r.ckey) < step \
+                            and not r.children, "a non-leaf block is a partial block"
+                    else:
+                        assert len(r.tkey) >= n * step, "a run lost its blocks' tokens"
                     assert r.ckey == r.tkey[:step]
                     pk = parent.keys[-1] if parent.keys else rk
                     for j, key in enumerate(r.keys):

@@ -15,7 +15,8 @@ Per block a run keeps its key, its slot and tier per layer group (parallel lists
 where a group holds nothing: a sliding window released it, or an ancestor's eviction dropped
 it) and, when a retention policy set one, its priority and duration. Its tokens are one bytes
 string (native uint32s), so matching a request compares a whole run at once and a run costs
-one Python object however many blocks it holds.
+one Python object however many blocks it holds. (After a truncation that string may still
+hold the dropped blocks' bytes past the live ones, until ``live_tkey`` cuts them.)
 
 Children are indexed by their first block's bytes (``ckey``): under one parent (one chain, one
 scope) equal tokens mean an equal key, so looking a block up by its bytes costs a dict probe
@@ -116,9 +117,9 @@ class Run:
         self.dur[i] = duration
 
     def extend(self, tkey: bytes, keys: list[BlockKey], slot: list[list[int]],
-               tier: list[list[int]]) -> None:
+               tier: list[list[int]], step: int) -> None:
         """Append blocks (the run must be a leaf of full blocks)."""
-        self.tkey += tkey
+        self.tkey = self.live_tkey(step) + tkey
         self.keys += keys
         for g, sl in enumerate(slot):
             self.slot[g] += sl
@@ -128,8 +129,10 @@ class Run:
             self.prio += [DEFAULT_PRIORITY] * len(keys)
             self.dur += [None] * len(keys)
 
-    def truncate(self, n: int, step: int) -> None:
-        """Keep the first ``n`` blocks."""
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` blocks. Their token bytes are cut lazily (``live_tkey``):
+        evictions take a run's tail one block at a time, and cutting a long run's bytes for
+        each would copy them again and again."""
         del self.keys[n:]
         for sl in self.slot:
             del sl[n:]
@@ -139,12 +142,21 @@ class Run:
             assert self.dur is not None
             del self.prio[n:]
             del self.dur[n:]
-        self.tkey = self.tkey[:n * step]
+
+    def live_tkey(self, step: int) -> bytes:
+        """The tokens of the run's blocks (``tkey`` may still hold truncated blocks' bytes
+        past them; this cuts them off, once)."""
+        t = self.tkey
+        n = len(self.keys) * step
+        if len(t) > n and len(self.ckey) == step:  # a partial block is never cut short
+            t = self.tkey = t[:n]
+        return t
 
     def split(self, m: int, step: int) -> Run:
         """Cut after block ``m`` - 1 (0 < m < blocks): the tail becomes this run's only child
         and takes its children. Returns the tail (its blocks' indices start at 0 again)."""
-        tail = Run(self, self.tkey[m * step:], self.tkey[m * step:(m + 1) * step],
+        tail = Run(self, self.tkey[m * step:len(self.keys) * step],
+                   self.tkey[m * step:(m + 1) * step],
                    self.keys[m:], [sl[m:] for sl in self.slot], [tl[m:] for tl in self.tier])
         if self.prio is not None:
             assert self.dur is not None
@@ -152,7 +164,8 @@ class Run:
         tail.children, tail.by_first = self.children, self.by_first
         for c in tail.children.values():
             c.parent = tail
-        self.truncate(m, step)
+        self.truncate(m)
+        self.tkey = self.tkey[:m * step]
         self.children = {tail.ckey: tail}
         self.by_first = None
         return tail
@@ -210,8 +223,9 @@ def match_full(root: Run, raw: bytes, nblocks: int, step: int) -> list[Segment]:
         child = run.children.get(raw[off:off + step])
         if child is None:
             break
-        n = len(child.tkey)
-        if off + n <= end and raw[off:off + n] == child.tkey:
+        tkey = child.live_tkey(step)
+        n = len(tkey)
+        if off + n <= end and raw[off:off + n] == tkey:
             out.append((child, 0, n // step))
             off += n
             run = child
@@ -240,7 +254,7 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return lo
 
 
-def prune(run: Run | None, step: int) -> None:
+def prune(run: Run | None) -> None:
     """Drop slotless blocks that have no child, from ``run``'s tail upwards.
 
     A leaf run's trailing blocks without a slot in any group are truncated; a run left with no
@@ -253,7 +267,7 @@ def prune(run: Run | None, step: int) -> None:
             keep -= 1
         if keep:
             if keep < len(run.keys):
-                run.truncate(keep, step)
+                run.truncate(keep)
             return
         parent = run.parent
         parent.remove_child(run)
