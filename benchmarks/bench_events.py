@@ -326,8 +326,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--sources", default="manager,synthetic",
                         help="comma-separated hook sources: manager, synthetic")
+    parser.add_argument("--source", choices=sorted(SOURCES),
+                        help="one hook source only (same as --sources NAME)")
     args = parser.parse_args()
-    sources = [s for s in args.sources.split(",") if s]
+    sources = [args.source] if args.source else [s for s in args.sources.split(",") if s]
     unknown = set(sources) - set(SOURCES)
     if unknown:
         parser.error(f"unknown sources {sorted(unknown)}; choose from {sorted(SOURCES)}")

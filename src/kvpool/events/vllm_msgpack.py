@@ -189,8 +189,11 @@ def encode_vllm_batch(
     batch = _Batch(time.time() if ts is None else float(ts), wire, data_parallel_rank)
     try:
         return _ENCODER.encode(batch)
-    except (OverflowError, TypeError) as exc:  # an int hash outside msgpack's range
-        raise InvalidArgumentError(f"KV event batch cannot be encoded: {exc}") from None
+    except (OverflowError, TypeError) as exc:  # an int hash above u64 (or an id past msgpack)
+        raise InvalidArgumentError(
+            f"KV event batch cannot be encoded (block hashes must be unsigned 64-bit ints or "
+            f"hex strings): {exc}"
+        ) from None
 
 
 _ALL_CLEARED: Final = _AllBlocksCleared()
