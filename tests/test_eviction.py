@@ -7,9 +7,10 @@ model of what is queued at which priority."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, replace
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -19,6 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvpool import eviction
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import InvalidArgumentError
 from kvpool.eviction import (
@@ -30,6 +32,7 @@ from kvpool.eviction import (
     PrioritizedLRU,
     SegmentedPolicy,
     TwoQueue,
+    _frequent_run,
     _recent_run,
     make_policies,
     make_policy,
@@ -85,6 +88,24 @@ def test_recent_run_is_the_victim_test_applied_one_by_one(
     while run < min(left, nr) and (not nf or nr - run > share * (nr - run + nf)):
         run += 1
     assert _recent_run(nr, nf, share, left) == run
+
+
+@given(
+    nr=st.integers(0, 5000),
+    nf=st.integers(0, 5000),
+    share=st.one_of(st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0]),
+                    st.floats(0.0, 1.0, allow_nan=False)),
+    left=st.integers(1, 6000),
+)
+def test_frequent_run_is_the_victim_test_applied_one_by_one(
+    nr: int, nf: int, share: float, left: int
+) -> None:
+    # the frequent segment gives victims while the recent one does not: while the recent
+    # segment is empty or holds no more than ``share`` of the level
+    run = 0
+    while run < min(left, nf) and not (nr and nr > share * (nr + nf - run)):
+        run += 1
+    assert _frequent_run(nr, nf, share, left) == run
 
 
 _COUNTS = st.sampled_from([1, 2, 3, 254, 255, 256]) | st.integers(1, 300)
@@ -244,6 +265,21 @@ def test_each_policy_evicts_the_tail_of_a_released_chain_first(name: str) -> Non
     p = make_policy(name, Clock(), capacity=16)
     p.push_many([7, 6, 5, 4], 35, [key(s) for s in (7, 6, 5, 4)])
     assert p.peek_order() == [7, 6, 5, 4]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_claim_of_a_release_takes_each_block_from_where_it_is_now(name: str) -> None:
+    # block 1 of the release [1, 0] was hit and released again on its own (2Q and the like:
+    # into the frequent segment); a root-first claim of the release then takes block 0 from
+    # the release and block 1 from where it went
+    p = make_policy(name, Clock(), capacity=8)
+    p.push_many([1, 0], 80, [key(1), key(0)])
+    release_again(p, 1)
+    p.push(3, 10, key=key(3))
+    p.remove_many([0, 1])
+    p.push_many([2], 80, [key(2)])
+    assert len(p) == 2 and p.peek_order() == [3, 2]
+    assert drain(p) == [(3, 10), (2, 80)]
 
 
 # ---------------------------------------------------------------------------- priority
@@ -612,3 +648,346 @@ class PolicyMachine(RuleBasedStateMachine):
 
 
 TestPolicyMachine = PolicyMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- differential
+
+
+@dataclass
+class Queued:
+    """A queued block of :class:`RefPolicy`: blocks of count > 1 are in the frequent segment."""
+
+    prio: int
+    at: float | None  # when the priority falls back to 35
+    count: int
+    laps: int  # S3-FIFO's laps left
+    place: int  # a later place is more recent
+
+
+class RefPolicy:
+    """A plain reference for every policy, written from the contracts rather than for speed.
+
+    Each queued block is one record; the victim is found by sorting the records of the lowest
+    level. The history is a dict in insertion order, trimmed to its newest half when it
+    outgrows its bound.
+    """
+
+    def __init__(self, name: str, clock: Clock, *, capacity: int | None, gate: str, tier: int,
+                 multiple: float) -> None:
+        self.name = name
+        self.clock = clock
+        self.lru = name == "lru"
+        self.share = {"lru": 0.0, "2q": 0.25, "s3fifo": 0.10, "arc": 0.0}[name]
+        self.laps = 3 if name == "s3fifo" else 0
+        self.arc = name == "arc"
+        self.gate_all = gate == "all" or self.lru
+        self.tier0 = tier == 0
+        self.multiple = multiple
+        self.capacity = capacity or 0
+        self.bound = int(multiple * self.capacity)
+        self.queued: dict[int, Queued] = {}
+        self.place = 0  # records sort by place within a segment: a later place is more recent
+        self.claimed: dict[int, tuple[object, int]] = {}  # slot -> (key, count) at its remove
+        self.keys: dict[int, object] = {}  # queued slot -> key pushed (None: none)
+        self.history: dict[object, int] = {}
+        self.seq = 0
+        self.ghosts = [0, 0]
+        self.last = (-1, 0)
+
+    # --------------------------------------------------------------- history
+
+    def remember(self, key: object, count: int, ghost: bool) -> None:
+        v = min(count, 255)
+        if self.arc:
+            self.seq += 1
+            v |= self.seq << 8
+        self.history[key] = v if ghost else -v
+        if ghost and self.arc:
+            self.ghosts[count > 1] += 1
+        if len(self.history) > self.bound:
+            items = list(self.history.items())
+            keep = len(items) - self.bound // 2
+            for _, old in items[:keep]:
+                if self.arc and old > 0:
+                    self.ghosts[(old & 255) > 1] -= 1
+            self.history = dict(items[keep:])
+
+    # --------------------------------------------------------------- queue
+
+    def _record(self, slot: int, prio: int, at: float | None, count: int) -> None:
+        self.place += 1
+        laps = min(count - 2, self.laps) if count > 1 else 0
+        self.queued[slot] = Queued(prio, at if prio != 35 else None, count, laps, self.place)
+
+    def _grow(self, slot: int) -> None:
+        if slot >= self.capacity:
+            self.capacity = slot + 1
+            self.bound = max(self.bound, int(self.multiple * self.capacity))
+
+    def _count(self, slot: int, key: object) -> int:
+        """A released block's count before the chain floor."""
+        bump = 1 if self.tier0 else 0
+        old = self.claimed.get(slot)
+        if old is not None and old[0] is not None and old[0] == key:
+            if not self.tier0:
+                self.history.pop(key, None)
+            return old[1] + bump
+        v = self.history.pop(key, 0)
+        if v == 0:
+            return 1
+        if v > 0 and self.arc:
+            count, age = v & 255, self.seq - (v >> 8)
+            self.ghosts[count > 1] -= 1
+            if self.tier0 and self.capacity and age <= self.capacity:
+                b1, b2 = max(self.ghosts[0], 1), max(self.ghosts[1], 1)
+                if count == 1:
+                    self.share = min(1.0, self.share + max(1.0, b2 / b1) / self.capacity)
+                else:
+                    self.share = max(0.0, self.share - max(1.0, b1 / b2) / self.capacity)
+        return (abs(v) & 255) + bump
+
+    def push_many(self, slots: list[int], prio: int, keys: list[object] | None,
+                  at: float | None = None) -> None:
+        if not self.lru and any(s in self.queued for s in slots):
+            raise InvalidArgumentError("already evictable")
+        for s in slots:
+            self._grow(s)
+        floor = 1
+        for i, s in enumerate(slots):
+            key = None if keys is None else keys[i]
+            count = 1 if self.lru or key is None else self._count(s, key)
+            floor = count = max(count, floor)
+            self.claimed.pop(s, None)
+            self.keys[s] = key
+            self._record(s, prio, at, count)
+
+    def push(self, slot: int, prio: int, at: float | None, key: object) -> None:
+        if slot in self.queued:
+            raise InvalidArgumentError("already evictable")
+        self.push_many([slot], prio, None if key is None else [key], at)
+
+    def remove(self, slot: int) -> None:
+        count = self.queued.pop(slot).count  # KeyError if not queued
+        key = self.keys.pop(slot)
+        self.claimed[slot] = (key, count)
+        if not self.lru and not self.tier0 and key is not None:
+            self.remember(key, count, ghost=False)
+
+    def expire(self) -> None:
+        now = self.clock.now
+        due = sorted((r.at, s) for s, r in self.queued.items() if r.at is not None and r.at <= now)
+        for _, s in due:
+            self.place += 1
+            self.queued[s].prio, self.queued[s].at, self.queued[s].place = 35, None, self.place
+
+    def _victim(self) -> int:
+        lowest = min(r.prio for r in self.queued.values())
+        level = sorted((r.place, s) for s, r in self.queued.items() if r.prio == lowest)
+        if self.lru:
+            return level[0][1]
+        recent = [s for _, s in level if self.queued[s].count == 1]
+        frequent = [s for _, s in level if self.queued[s].count > 1]
+        nr, nf = len(recent), len(frequent)
+        if nr and (not nf or nr > self.share * (nr + nf)):
+            return recent[0]
+        while True:  # S3-FIFO: a block with laps left goes round again
+            slot = frequent.pop(0)
+            head = self.queued[slot]
+            if not head.laps:
+                return slot
+            self.place += 1
+            head.laps, head.place = head.laps - 1, self.place
+            frequent.append(slot)
+
+    def pop(self) -> tuple[int, int]:
+        if not self.queued:
+            raise IndexError
+        self.expire()
+        slot = self._victim()
+        rec = self.queued.pop(slot)
+        key = self.keys.pop(slot)
+        if not self.lru and key is not None:
+            self.remember(key, rec.count, ghost=True)
+        self.claimed.pop(slot, None)
+        self.last = (slot, rec.count)
+        return slot, rec.prio
+
+    def pop_many(self, n: int) -> list[tuple[int, int]]:
+        if self.lru:
+            self.expire()  # LRU expires before it checks the size, the others after
+        if n > len(self.queued):
+            raise IndexError
+        return [self.pop() for _ in range(n)]
+
+    def peek_order(self) -> list[int]:
+        self.expire()
+        saved = {s: replace(r) for s, r in self.queued.items()}, self.place
+        out = []
+        while self.queued:  # pop with the queue's state put back after (laps move blocks)
+            slot = self._victim()
+            del self.queued[slot]
+            out.append(slot)
+        self.queued, self.place = saved
+        return out
+
+    def priority_of(self, slot: int) -> int:
+        self.expire()
+        return self.queued[slot].prio
+
+    def should_offload(self, slot: int) -> bool:
+        return self.gate_all or (slot == self.last[0] and self.last[1] > 1)
+
+
+SLOTS = 14  # slots 0..13; a pool of 10 when the capacity is given, so some pushes grow it
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """Every operation, interleaved at random, on a policy and on :class:`RefPolicy`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.p: EvictionPolicy | None = None
+        self.ref: RefPolicy | None = None
+        self.released: list[int] = []  # the slots of the last push_many, as listed
+
+    @initialize(name=st.sampled_from(sorted(POLICIES)), gate=st.sampled_from(["all", "reused"]),
+                capacity=st.sampled_from([None, 10]), tier=st.sampled_from([0, 0, 1]),
+                multiple=st.sampled_from([0.5, 1.0, 4.0]), slack=st.sampled_from([0, 3, None]))
+    def start(self, name: str, gate: str, capacity: int | None, tier: int, multiple: float,
+              slack: int | None) -> None:
+        if slack is not None:  # compact the lazy queues often
+            self._slack = eviction._SLACK
+            eviction._SLACK = slack
+        factory = POLICIES[name]
+        if issubclass(factory, SegmentedPolicy):
+            self.p = factory(self.clock, capacity=capacity, offload_gate=gate, tier=tier,
+                             ghost_multiple=multiple)
+        else:
+            self.p = factory(self.clock, capacity=capacity, offload_gate=gate)
+        self.ref = RefPolicy(name, self.clock, capacity=capacity, gate=gate,
+                             tier=tier if name != "lru" else 0, multiple=multiple)
+
+    def teardown(self) -> None:
+        if hasattr(self, "_slack"):
+            eviction._SLACK = self._slack
+
+    @property
+    def pol(self) -> EvictionPolicy:
+        assert self.p is not None
+        return self.p
+
+    @property
+    def model(self) -> RefPolicy:
+        assert self.ref is not None
+        return self.ref
+
+    def _both(self, op: str, *args: object) -> object:
+        """Call ``op`` on both; they must return the same or raise the same error type."""
+        try:
+            expected = getattr(self.model, op)(*args)
+        except (InvalidArgumentError, KeyError, IndexError) as e:
+            with pytest.raises(type(e)):
+                getattr(self.pol, op)(*args)
+            return None
+        assert getattr(self.pol, op)(*args) == expected, op
+        return expected
+
+    @rule(data=st.data(), k=st.none() | st.integers(-1, 12), prio=st.sampled_from([10, 35, 80]),
+          duration=st.none() | st.sampled_from([1.0, 2.0]))
+    def push(self, data: st.DataObject, k: int | None, prio: int, duration: float | None) -> None:
+        """``k`` -1: a claimed block released again with its key (a hit), if there is one."""
+        at = None if duration is None else self.clock.now + duration
+        claimed = sorted(self.model.claimed)
+        if k == -1 and claimed:
+            slot = data.draw(st.sampled_from(claimed))
+            block = self.model.claimed[slot][0]
+        else:
+            slot = data.draw(st.integers(0, SLOTS - 1))
+            block = None if k is None or k < 0 else key(k)
+        self._both("push", slot, prio, at, block)
+
+    @rule(data=st.data(), prio=st.sampled_from([10, 35, 80]), keyed=st.booleans())
+    def push_many(self, data: st.DataObject, prio: int, keyed: bool) -> None:
+        pool = range(SLOTS) if not self.model.lru else [
+            s for s in range(SLOTS) if s not in self.model.queued]  # LRU trusts the manager
+        slots = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=6)) if pool else []
+        ks = [key(data.draw(st.integers(0, 12))) for _ in slots] if keyed else None
+        self._both("push_many", slots, prio, ks)
+        self.released = slots
+
+    @rule(data=st.data(), prio=st.sampled_from([10, 35, 80]), suffix=st.booleans())
+    def release_claimed(self, data: st.DataObject, prio: int, suffix: bool) -> None:
+        """A block table released after a hit: new blocks, then (``suffix``) or among them
+        claimed blocks coming back with their keys."""
+        m = self.model
+        claimed = [s for s in sorted(m.claimed) if s not in m.queued]
+        back = data.draw(st.lists(st.sampled_from(claimed), unique=True, min_size=1,
+                                  max_size=5)) if claimed else []
+        free = [s for s in range(SLOTS) if s not in m.queued and s not in back]
+        new = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=3)) if free else []
+        slots = new + back if suffix else data.draw(st.permutations(new + back))
+        ks = [m.claimed[s][0] if s in back else key(data.draw(st.integers(0, 12)))
+              for s in slots]
+        if None not in ks:
+            self._both("push_many", slots, prio, ks)
+            self.released = slots
+
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.model.queued) or [0]) | st.integers(0, 13))
+        self._both("remove", slot)
+
+    @rule(data=st.data())
+    def remove_many(self, data: st.DataObject) -> None:
+        queued = sorted(self.model.queued)
+        slots = (data.draw(st.lists(st.sampled_from(queued), unique=True, max_size=5))
+                 if queued else [])
+        for s in slots:
+            self.model.remove(s)
+        self.pol.remove_many(slots)
+
+    @rule(n=st.integers(1, 6))
+    def claim_released(self, n: int) -> None:
+        """A hit on the last released block table: its queued blocks claimed root first
+        (the manager's ``remove_many`` after a release, tail first, of the same sequence)."""
+        slots = [s for s in reversed(self.released) if s in self.model.queued][:n]
+        for s in slots:
+            self.model.remove(s)
+        self.pol.remove_many(slots)
+
+    @rule()
+    def pop(self) -> None:
+        self._both("pop")
+
+    @rule(n=st.integers(0, 6))
+    def pop_many(self, n: int) -> None:
+        self._both("pop_many", n)
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))
+    def tick(self, dt: float) -> None:
+        self.clock.now += dt
+
+    @invariant()
+    def agrees(self) -> None:
+        p, m = self.pol, self.model
+        assert len(p) == len(m.queued)
+        assert p.peek_order() == m.peek_order()
+        for s in range(-1, SLOTS + 2):
+            assert (s in p) == (s in m.queued)
+            assert p.should_offload(s) == m.should_offload(s)
+            if s in m.queued:
+                assert p.priority_of(s) == m.priority_of(s)
+            elif s >= 0:
+                with pytest.raises(KeyError):
+                    p.priority_of(s)
+        if isinstance(p, SegmentedPolicy):
+            for s, r in m.queued.items():
+                assert (p.count_of(s), p.is_frequent(s)) == (r.count, r.count > 1)
+            h = p.history
+            assert list(h.entries.items()) == list(m.history.items())
+            assert (h.seq, h.ghosts, h.share, h.bound) == (m.seq, m.ghosts, m.share, m.bound)
+
+
+TestDifferential = DifferentialMachine.TestCase
+TestDifferential.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

@@ -37,15 +37,25 @@ first, and the policies keep that: a segment gives its blocks in push order, and
 parent is used at least as often as its child), so the head of a released chain is never in a
 worse segment than its tail. A parent released on its own, after frequent children (another
 sequence held it longer), can still be a victim before them; they then go with it.
+
+Cost. Every queue is a set of lazy FIFOs (:class:`_Fifo`): a push appends its slots as one
+batch and stores one stamp per slot in a list indexed by slot; a claim only changes its
+slot's stamp (the entry left behind is dead, skipped later, compacted away once dead entries
+outnumber live ones); victims are cut from the oldest batch a slice at a time. So a block
+costs a few list stores per push, claim and eviction, and the scan-resistant policies add
+their history's dict work (a lookup per new key, an insert per victim).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import islice
-from typing import Protocol
+from itertools import count as counter
+from itertools import islice, repeat
+from operator import eq, itemgetter, lshift, or_
+from typing import Protocol, cast
 
 from kvpool.config import DEFAULT_PRIORITY, OFFLOAD_GATES, CacheConfig
 from kvpool.errors import InvalidArgumentError
@@ -97,13 +107,171 @@ class EvictionPolicy(Protocol):
     def __contains__(self, slot: object) -> bool: ...
 
 
+
+# ---------------------------------------------------------------------------- lazy FIFOs
+
+_ID_BITS = 20
+_ID_MASK = (1 << _ID_BITS) - 1
+_STEP = 1 << _ID_BITS  # stamps of successive batches: (batch number << _ID_BITS) | FIFO id
+_NOT_QUEUED = -1  # a slot's stamp while it is in no FIFO, or in a segmented policy after a
+_CLAIMED = -2  # ``remove`` from a recent segment (count 1) ...
+_CLAIMED_FREQUENT = -3  # ... or from a frequent one (count in ``_counts``)
+_SLACK = 1024  # dead entries tolerated beyond the live ones before a compaction
+
+
+class _Fifo:
+    """One FIFO of a policy, oldest first, with lazy deletion.
+
+    Each push (or expiry move) appends one batch ``(stamp, slots)``; the stamp is unique to
+    the batch and carries the FIFO's ``id`` in its low ``_ID_BITS`` bits. The policy keeps
+    ``stamp[slot]`` for every slot, and an entry ``slots[i]`` of a batch is *live* (the slot
+    is queued here, at this place) iff ``stamp[slots[i]]`` is the batch's stamp and, in the
+    oldest batch, ``i >= head``. Removing a slot only changes its stamp, so the entry left
+    behind is dead; taking victims skips dead entries, and the policy compacts its FIFOs when
+    dead entries outnumber live ones by ``_SLACK``. Invariant: the oldest batch has an entry
+    at ``head`` (a batch is dropped once consumed, and no batch is empty).
+    """
+
+    __slots__ = ("batches", "frequent", "head", "id", "priority")
+
+    def __init__(self, fid: int, priority: int, frequent: bool) -> None:
+        if fid > _ID_MASK:
+            raise InvalidArgumentError(
+                f"an eviction policy takes at most {(_ID_MASK + 1) // 2} priority levels"
+            )
+        self.id = fid
+        self.priority = priority
+        self.frequent = frequent
+        self.batches: deque[tuple[int, list[int]]] = deque()
+        self.head = 0
+
+
+def _take(fifo: _Fifo, k: int, stamp: list[int]) -> tuple[list[int], int]:
+    """Take up to ``k`` live slots from the head of ``fifo`` (their stamps become
+    ``_NOT_QUEUED``): the slots in order, and how many entries were consumed."""
+    out: list[int] = []
+    batches = fifo.batches
+    h = fifo.head
+    used = 0
+    while batches and len(out) < k:
+        b, sl = batches[0]
+        cand = sl[h:h + k - len(out)]
+        m = len(cand)
+        dead = itemgetter(*cand)(stamp).count(b) != m if m > 1 else stamp[cand[0]] != b
+        if dead:  # skip them
+            cand = [s for s in cand if stamp[s] == b]
+        out += cand
+        for s in cand:
+            stamp[s] = _NOT_QUEUED
+        h += m
+        used += m
+        if h == len(sl):
+            batches.popleft()
+            h = 0
+    fifo.head = h
+    return out, used
+
+
+def _take_one(fifo: _Fifo, stamp: list[int]) -> tuple[int, int]:
+    """``_take(fifo, 1, stamp)`` for one victim: (its slot or -1 if none is live, entries
+    consumed)."""
+    batches = fifo.batches
+    h = fifo.head
+    used = 0
+    while batches:
+        b, sl = batches[0]
+        s = sl[h]
+        h += 1
+        used += 1
+        if h == len(sl):
+            batches.popleft()
+            h = 0
+        if stamp[s] == b:
+            stamp[s] = _NOT_QUEUED
+            fifo.head = h
+            return s, used
+    fifo.head = 0
+    return -1, used
+
+
+def _live(fifo: _Fifo, stamp: list[int]) -> list[int]:
+    """The slots queued in ``fifo``, oldest first (nothing changes)."""
+    out: list[int] = []
+    h = fifo.head
+    for b, sl in fifo.batches:
+        out += [s for s in (sl[h:] if h else sl) if stamp[s] == b]
+        h = 0
+    return out
+
+
+def _compact(fifos: list[_Fifo], stamp: list[int]) -> None:
+    """Drop every dead entry (batches keep their stamps; emptied ones go)."""
+    for fifo in fifos:
+        batches: deque[tuple[int, list[int]]] = deque()
+        h = fifo.head
+        for b, sl in fifo.batches:
+            live = [s for s in (sl[h:] if h else sl) if stamp[s] == b]
+            if live:
+                batches.append((b, live))
+            h = 0
+        fifo.batches = batches
+        fifo.head = 0
+
+
+def _cut_tail(fifos: list[_Fifo], stamp: list[int], slots: Sequence[int]) -> _Fifo | None:
+    """If ``slots`` are the newest entries of one FIFO, newest first, all queued (a sequence
+    released tail first and claimed again root first), cut them off and return that FIFO;
+    else return None, nothing changed. The caller updates the slots' stamps and counts."""
+    k = len(slots)
+    v = stamp[slots[0]] if 0 <= slots[0] < len(stamp) else _NOT_QUEUED
+    if v < 0:
+        return None
+    fifo = fifos[v & _ID_MASK]
+    batches = fifo.batches
+    b, sl = batches[-1]
+    if b != v or len(sl) < k:
+        return None
+    tail = sl[len(sl) - k:]
+    tail.reverse()
+    if tail != (slots if isinstance(slots, list) else list(slots)) or (
+            k > 1 and itemgetter(*slots)(stamp).count(b) != k):
+        return None
+    del sl[len(sl) - k:]
+    if not sl or (len(batches) == 1 and fifo.head >= len(sl)):
+        batches.pop()
+        if not batches:
+            fifo.head = 0
+    return fifo
+
+
+def _is_queued(stamp: list[int], slot: object) -> bool:
+    return isinstance(slot, int) and 0 <= slot < len(stamp) and stamp[slot] >= 0
+
+
+def _stamp_of(stamp: list[int], slot: int) -> int:
+    """The stamp of a queued slot (``KeyError`` if it is not queued)."""
+    v = stamp[slot] if 0 <= slot < len(stamp) else _NOT_QUEUED
+    if v < 0:
+        raise KeyError(slot)
+    return v
+
+
 class PrioritizedLRU:
     """LRU within each retention priority level; lowest priority evicted first.
 
     Keeps no history: ``should_offload`` is always True, whatever the offload gate.
+
+    Layout: one :class:`_Fifo` per level (``_ranked``: ascending priority) and a stamp per
+    slot (a list indexed by slot, grown on demand past ``capacity``), so a push stores one
+    int per slot, a removal one, and a victim costs a slice of its batch and one store.
+    ``push_many`` trusts the manager: its slots are distinct and none is queued (``push``
+    checks); slots are pool indices (ints >= 0).
     """
 
-    __slots__ = ("_buckets", "_clock", "_expires", "_expiry", "_level", "_order")
+    __slots__ = (
+        "_clock", "_expires", "_expiry", "_fifos", "_len", "_levels", "_next", "_ranked",
+        "_stamp", "_stored",
+    )
 
     uses_keys = False
 
@@ -111,33 +279,53 @@ class PrioritizedLRU:
                  offload_gate: str = "all") -> None:
         _check_gate(offload_gate)
         self._clock = clock
-        self._buckets: dict[int, OrderedDict[int, None]] = {}
-        self._order: list[int] = []  # non-empty-or-once-used priority levels, ascending
-        self._level: dict[int, int] = {}  # slot -> priority level it is queued at
+        self._stamp: list[int] = [_NOT_QUEUED] * (capacity or 0)  # slot -> stamp, see _Fifo
+        self._levels: dict[int, _Fifo] = {}
+        self._fifos: list[_Fifo] = []  # by id
+        self._ranked: list[_Fifo] = []  # by ascending priority
+        self._next = 0  # the next batch's stamp, without its FIFO id
+        self._len = 0  # slots queued
+        self._stored = 0  # entries in the FIFOs, live and dead
         self._expiry: list[tuple[float, int, int]] = []  # (expires_at, slot, level) min-heap
         # slot -> (expiry, level) of its current push; tells live heap entries from stale ones
         self._expires: dict[int, tuple[float, int]] = {}
 
     def __len__(self) -> int:
-        return len(self._level)
+        return self._len
 
     def __contains__(self, slot: object) -> bool:
-        return slot in self._level
+        return _is_queued(self._stamp, slot)
 
-    def _bucket(self, priority: int) -> OrderedDict[int, None]:
-        b = self._buckets.get(priority)
-        if b is None:
-            b = self._buckets[priority] = OrderedDict()
-            self._order.append(priority)
-            self._order.sort()
-        return b
+    def _fifo(self, priority: int) -> _Fifo:
+        fifo = self._levels.get(priority)
+        if fifo is None:
+            fifo = self._levels[priority] = _Fifo(len(self._fifos), priority, False)
+            self._fifos.append(fifo)
+            self._ranked.append(fifo)
+            self._ranked.sort(key=lambda f: f.priority)
+        return fifo
+
+    def _append(self, fifo: _Fifo, slots: list[int]) -> None:
+        """Queue ``slots`` (not queued, in range) at the most recent end of ``fifo``."""
+        b = self._next | fifo.id
+        self._next += _STEP
+        stamp = self._stamp
+        for s in slots:
+            stamp[s] = b
+        fifo.batches.append((b, slots))
+        self._len += len(slots)
+        self._stored += len(slots)
 
     def push(self, slot: int, priority: int, expires_at: float | None = None,
              key: BlockKey | None = None) -> None:
-        if slot in self._level:
+        stamp = self._stamp
+        if slot < 0:
+            raise InvalidArgumentError(f"slot must be an int >= 0, got {slot}")
+        if slot >= len(stamp):
+            stamp.extend([_NOT_QUEUED] * (slot + 1 - len(stamp)))
+        elif stamp[slot] >= 0:
             raise InvalidArgumentError(f"slot {slot} is already evictable")
-        self._bucket(priority)[slot] = None
-        self._level[slot] = priority
+        self._append(self._levels.get(priority) or self._fifo(priority), [slot])
         if expires_at is not None and priority != DEFAULT_PRIORITY:
             self._expires[slot] = (expires_at, priority)
             heapq.heappush(self._expiry, (expires_at, slot, priority))
@@ -146,85 +334,117 @@ class PrioritizedLRU:
 
     def push_many(self, slots: Sequence[int], priority: int,
                   keys: Sequence[BlockKey] | None = None) -> None:
-        bucket = self._bucket(priority)
-        level = self._level
-        for slot in slots:
-            bucket[slot] = None
-            level[slot] = priority
+        if not slots:
+            return
+        fifo = self._levels.get(priority) or self._fifo(priority)
+        try:
+            self._append(fifo, list(slots))
+        except IndexError:  # a slot beyond the known pool size: grow, then again
+            self._stamp.extend([_NOT_QUEUED] * (max(slots) + 1 - len(self._stamp)))
+            self._append(fifo, list(slots))
         if self._expires:
             for slot in slots:
                 self._expires.pop(slot, None)
 
     def remove(self, slot: int) -> None:
-        del self._buckets[self._level.pop(slot)][slot]
+        _stamp_of(self._stamp, slot)  # KeyError if it is not queued
+        self._stamp[slot] = _NOT_QUEUED
+        self._len -= 1
+        if self._stored > 2 * self._len + _SLACK:
+            self._compact()
 
     def remove_many(self, slots: Sequence[int]) -> None:
-        buckets = self._buckets
-        pop_level = self._level.pop
-        for slot in slots:
-            del buckets[pop_level(slot)][slot]
+        if not slots:
+            return
+        stamp = self._stamp
+        if _cut_tail(self._fifos, stamp, slots) is not None:  # no dead entries left behind
+            for s in slots:
+                stamp[s] = _NOT_QUEUED
+            self._len -= len(slots)
+            self._stored -= len(slots)
+            return
+        try:
+            for s in slots:
+                if stamp[s] < 0:
+                    break
+                stamp[s] = _NOT_QUEUED
+            else:
+                self._len -= len(slots)
+                if self._stored > 2 * self._len + _SLACK:
+                    self._compact()
+                return
+        except IndexError:
+            pass
+        self._len -= slots.index(s)  # the ones before it were removed
+        raise KeyError(s)
 
     def pop_many(self, n: int) -> list[tuple[int, int]]:
-        self._expire()
+        if self._expiry:
+            self._expire()
+        if n > self._len:
+            raise IndexError(f"pop of {n} from an eviction queue of {self._len}")
         out: list[tuple[int, int]] = []
-        level = self._level
-        for p in self._order:
-            bucket = self._buckets[p]
-            take = min(n - len(out), len(bucket))
-            if take:
-                popitem = bucket.popitem
-                for _ in range(take):
-                    slot = popitem(last=False)[0]
-                    del level[slot]
-                    out.append((slot, p))
+        if n <= 0:
+            return out
+        stamp = self._stamp
+        for fifo in self._ranked:
+            if fifo.batches:
+                got, used = _take(fifo, n - len(out), stamp)
+                self._stored -= used
+                out += zip(got, repeat(fifo.priority))
                 if len(out) == n:
-                    return out
-        if len(out) < n:
-            for slot, p in reversed(out):  # put them back: nothing changed
-                self._buckets[p][slot] = None
-                self._buckets[p].move_to_end(slot, last=False)
-                level[slot] = p
-            raise IndexError(f"pop of {n} from an eviction queue of {len(out)}")
+                    break
+        self._len -= n
         return out
+
+    def pop(self) -> tuple[int, int]:
+        if self._expiry:
+            self._expire()
+        if self._len:
+            for fifo in self._ranked:
+                if fifo.batches:
+                    slot, used = _take_one(fifo, self._stamp)
+                    self._stored -= used
+                    if slot >= 0:
+                        self._len -= 1
+                        return slot, fifo.priority
+        raise IndexError("pop from an empty eviction queue")
 
     def should_offload(self, slot: int) -> bool:
         return True
 
+    def peek_order(self) -> list[int]:
+        if self._expiry:
+            self._expire()
+        out: list[int] = []
+        for fifo in self._ranked:
+            out += _live(fifo, self._stamp)
+        return out
+
+    def priority_of(self, slot: int) -> int:
+        if self._expiry:
+            self._expire()
+        return self._fifos[_stamp_of(self._stamp, slot) & _ID_MASK].priority
+
+    def _compact(self) -> None:
+        _compact(self._fifos, self._stamp)
+        self._stored = self._len
+
     def _expire(self) -> None:
         heap = self._expiry
-        if not heap:
-            return
         now = self._clock()
+        stamp = self._stamp
         while heap and heap[0][0] <= now:
             at, slot, level = heapq.heappop(heap)
             if self._expires.get(slot) != (at, level):
                 continue  # stale: the slot was pushed again since
             del self._expires[slot]
-            if self._level.get(slot) == level:
-                del self._buckets[level][slot]
-                self._bucket(DEFAULT_PRIORITY)[slot] = None
-                self._level[slot] = DEFAULT_PRIORITY
-
-    def pop(self) -> tuple[int, int]:
-        self._expire()
-        for p in self._order:
-            bucket = self._buckets[p]
-            if bucket:
-                slot, _ = bucket.popitem(last=False)
-                del self._level[slot]
-                return slot, p
-        raise IndexError("pop from an empty eviction queue")
-
-    def peek_order(self) -> list[int]:
-        self._expire()
-        out: list[int] = []
-        for p in self._order:
-            out.extend(self._buckets[p])
-        return out
-
-    def priority_of(self, slot: int) -> int:
-        self._expire()
-        return self._level[slot]
+            v = stamp[slot]
+            if v >= 0 and self._fifos[v & _ID_MASK].priority == level:
+                self._len -= 1  # its entry dies; _append counts it again
+                self._append(self._fifo(DEFAULT_PRIORITY), [slot])
+        if self._stored > 2 * self._len + _SLACK:
+            self._compact()
 
 
 class KeyHistory:
@@ -270,17 +490,21 @@ class KeyHistory:
         if len(self.entries) > self.bound:
             self.trim()
 
-    def add_ghosts(self, keys: list[BlockKey], counts: list[int]) -> None:
-        """``add(key, count, ghost=True)`` of each pair in order, when no trim can happen on
-        the way (``len(self) + len(keys) <= bound``): the entries go in at once."""
-        values = [c if c < 255 else 255 for c in counts]
+    def add_ghosts(self, keys: Sequence[BlockKey], counts: list[int]) -> None:
+        """``add(key, count, ghost=True)`` of each pair in order (counts >= 1), when no trim
+        can happen on the way (``len(self) + len(keys) <= bound``): the entries go in at
+        once."""
+        self.add_capped(keys, [c if c < 255 else 255 for c in counts])
+
+    def add_capped(self, keys: Sequence[BlockKey], values: Sequence[int]) -> None:
+        """:meth:`add_ghosts` of counts already capped, ``min(count, 255)``."""
         if self.count_ghosts:
-            seq = self.seq
-            self.seq = seq + len(values)
-            values = [(seq + i) << 8 | v for i, v in enumerate(values, 1)]
-            frequent = sum(c > 1 for c in counts)
+            first = self.seq + 1
+            self.seq += len(values)
+            frequent = len(values) - values.count(1)
             self.ghosts[1] += frequent
-            self.ghosts[0] += len(counts) - frequent
+            self.ghosts[0] += len(values) - frequent
+            values = list(map(or_, map(lshift, counter(first), repeat(8)), values))  # stamp << 8
         self.entries.update(zip(keys, values, strict=True))
 
     def trim(self) -> None:
@@ -294,18 +518,18 @@ class KeyHistory:
                 if v > 0:
                     ghosts[(v & 255) > 1] -= 1
         else:
-            for k in old:
-                del entries[k]
+            deque(map(entries.pop, old), maxlen=0)
 
 
 class _Level:
-    """One priority level of a segmented policy: slot -> count, oldest first."""
+    """One priority level of a segmented policy: its recent (count 1) and frequent FIFOs."""
 
-    __slots__ = ("frequent", "recent")
+    __slots__ = ("frequent", "priority", "recent")
 
-    def __init__(self) -> None:
-        self.recent: OrderedDict[int, int] = OrderedDict()  # count 1
-        self.frequent: OrderedDict[int, int] = OrderedDict()  # count > 1
+    def __init__(self, fid: int, priority: int) -> None:
+        self.priority = priority
+        self.recent = _Fifo(fid, priority, False)  # even ids
+        self.frequent = _Fifo(fid + 1, priority, True)  # odd ids
 
 
 class SegmentedPolicy:
@@ -328,12 +552,21 @@ class SegmentedPolicy:
 
     Offload gate: with ``offload_gate="reused"`` only a victim of count > 1 may go down a
     tier; with ``"all"`` (default) every victim may.
+
+    Layout: each segment is a :class:`_Fifo` (recent: even id, frequent: odd id) with its
+    live count in ``_live[id]``; per slot (lists indexed by slot, grown past ``capacity`` on
+    demand) a stamp, the key last pushed, the count of a frequent block (a recent one's is
+    1) and S3-FIFO's laps left. A claimed slot's stamp is ``_CLAIMED`` or
+    ``_CLAIMED_FREQUENT`` (its key and count stay), which is how a push tells a block
+    released again after a hit (same slot, same key) from a new one; a popped slot's is
+    ``_NOT_QUEUED`` (its key is stale). Slots are pool indices (ints >= 0), distinct within
+    one ``push_many`` or ``remove_many``.
     """
 
     __slots__ = (
-        "_capacity", "_clock", "_counts", "_credits", "_expires", "_expiry", "_gate_all",
-        "_history", "_keys", "_last_count", "_last_slot", "_levels", "_loc",
-        "_multiple", "_ranked", "_tier0",
+        "_capacity", "_clock", "_counts", "_credits", "_expires", "_expiry", "_fifos",
+        "_gate_all", "_history", "_keyless", "_keys", "_last_count", "_last_slot", "_len",
+        "_levels", "_live", "_multiple", "_next", "_ranked", "_stamp", "_stored", "_tier0",
     )
 
     uses_keys = True
@@ -368,10 +601,16 @@ class SegmentedPolicy:
                                  count_ghosts=self.COUNT_GHOSTS)
         self._history = history
         self._levels: dict[int, _Level] = {}
-        self._ranked: list[tuple[int, _Level]] = []  # levels ever used, ascending priority
-        self._loc: dict[int, OrderedDict[int, int]] = {}  # queued slot -> its segment
+        self._ranked: list[_Level] = []  # levels ever used, ascending priority
+        self._fifos: list[_Fifo] = []  # by id
+        self._live: list[int] = []  # FIFO id -> slots queued in it
+        self._next = 0  # the next batch's stamp, without its FIFO id
+        self._len = 0  # slots queued
+        self._stored = 0  # entries in the FIFOs, live and dead
+        self._keyless = False  # was a slot ever pushed without a key?
+        self._stamp = [_NOT_QUEUED] * self._capacity  # slot -> stamp, see _Fifo
         self._keys: list[BlockKey | None] = [None] * self._capacity  # slot -> key pushed
-        self._counts = [0] * self._capacity  # slot -> its count when last claimed
+        self._counts = [0] * self._capacity  # slot -> its count, if queued as frequent
         self._credits = bytearray(self._capacity if self.MAX_LAPS else 0)  # slot -> laps left
         self._last_slot = -1
         self._last_count = 0
@@ -381,24 +620,29 @@ class SegmentedPolicy:
     # ------------------------------------------------------------------ protocol
 
     def __len__(self) -> int:
-        return len(self._loc)
+        return self._len
 
     def __contains__(self, slot: object) -> bool:
-        return slot in self._loc
+        return _is_queued(self._stamp, slot)
 
     def push(self, slot: int, priority: int, expires_at: float | None = None,
              key: BlockKey | None = None) -> None:
-        if slot in self._loc:
-            raise InvalidArgumentError(f"slot {slot} is already evictable")
-        if slot >= len(self._keys):
+        stamp = self._stamp
+        if slot < 0:
+            raise InvalidArgumentError(f"slot must be an int >= 0, got {slot}")
+        if slot >= len(stamp):
             self._grow(slot)
-        lvl = self._level(priority)
+        elif stamp[slot] >= 0:
+            raise InvalidArgumentError(f"slot {slot} is already evictable")
+        lvl = self._levels.get(priority) or self._level(priority)
         if key is None:
             self._keys[slot] = None
-            lvl.recent[slot] = 1
-            self._loc[slot] = lvl.recent
+            self._keyless = True
+            self._append(lvl.recent, [slot])
         else:
-            self._enqueue_many(lvl, (slot,), (key,))
+            v = stamp[slot]
+            self._enqueue_many(lvl, (slot,), (key,), (v,), int(v == _CLAIMED),
+                               int(v == _CLAIMED_FREQUENT))
         if expires_at is not None and priority != DEFAULT_PRIORITY:
             self._expires[slot] = (expires_at, priority)
             heapq.heappush(self._expiry, (expires_at, slot, priority))
@@ -411,111 +655,151 @@ class SegmentedPolicy:
             return
         if keys is not None and len(keys) != len(slots):
             raise InvalidArgumentError(f"{len(keys)} keys for {len(slots)} slots")
-        loc = self._loc
-        if not loc.keys().isdisjoint(slots):
-            queued = sorted(set(slots) & loc.keys())
+        stamp = self._stamp
+        n = len(slots)
+        grow = False
+        try:
+            sts: tuple[int, ...] = itemgetter(*slots)(stamp) if n > 1 else (stamp[slots[0]],)
+        except IndexError:  # a slot beyond the known pool size
+            sts = tuple(stamp[s] if s < len(stamp) else _NOT_QUEUED for s in slots)
+            grow = True
+        free = sts.count(_NOT_QUEUED)  # (count is fast on equal small ints: the same object)
+        frequent = sts.count(_CLAIMED_FREQUENT) if free < n else 0
+        recent = sts.count(_CLAIMED) if free + frequent < n else 0
+        if free + frequent + recent != n:
+            queued = sorted({s for s, v in zip(slots, sts, strict=True) if v >= 0})
             raise InvalidArgumentError(f"slots {queued} are already evictable")
-        top = max(slots)
-        if top >= len(self._keys):
-            self._grow(top)
-        lvl = self._level(priority)
+        if grow:
+            self._grow(max(slots))
+        lvl = self._levels.get(priority) or self._level(priority)
         if keys is None:
+            slot_keys = self._keys
             for slot in slots:
-                self._keys[slot] = None
-                lvl.recent[slot] = 1
-                loc[slot] = lvl.recent
+                slot_keys[slot] = None
+            self._keyless = True
+            self._append(lvl.recent, list(slots))
         else:
-            self._enqueue_many(lvl, slots, keys)
+            self._enqueue_many(lvl, slots, keys, sts, recent, frequent)
         if self._expires:
             for slot in slots:
                 self._expires.pop(slot, None)
+
+    def remove(self, slot: int) -> None:
+        v = _stamp_of(self._stamp, slot)
+        self._live[v & _ID_MASK] -= 1
+        self._len -= 1
+        # the slot keeps its key and count: a GPU hit comes back to the same slot
+        self._stamp[slot] = _CLAIMED_FREQUENT if v & 1 else _CLAIMED
+        if not self._tier0:
+            key = self._keys[slot]
+            if key is not None:
+                # claimed from a colder tier: the GPU pool it goes to takes the count over
+                self._history.add(key, self._counts[slot] if v & 1 else 1, ghost=False)
+        if self._stored > 2 * self._len + _SLACK:
+            self._compact()
 
     def remove_many(self, slots: Sequence[int]) -> None:
         if not self._tier0:
             for slot in slots:
                 self.remove(slot)
             return
-        pop_loc = self._loc.pop
-        counts = self._counts
-        for slot in slots:
-            counts[slot] = pop_loc(slot).pop(slot)  # ``remove`` on the GPU tier
+        if not slots:
+            return
+        stamp = self._stamp
+        fifo = _cut_tail(self._fifos, stamp, slots)
+        if fifo is not None:  # no dead entries left behind
+            mark = _CLAIMED_FREQUENT if fifo.frequent else _CLAIMED
+            for s in slots:
+                stamp[s] = mark
+            self._live[fifo.id] -= len(slots)
+            self._len -= len(slots)
+            self._stored -= len(slots)
+            return
+        live = self._live
+        try:
+            for s in slots:  # ``remove`` on the GPU tier
+                v = stamp[s]
+                if v < 0:
+                    break
+                live[v & _ID_MASK] -= 1
+                stamp[s] = _CLAIMED - (v & 1)  # _CLAIMED_FREQUENT from a frequent FIFO
+            else:
+                self._len -= len(slots)
+                if self._stored > 2 * self._len + _SLACK:
+                    self._compact()
+                return
+        except IndexError:
+            pass
+        self._len -= slots.index(s)  # the ones before it were removed
+        raise KeyError(s)
 
     def pop_many(self, n: int) -> list[tuple[int, int]]:
-        # n victims as ``pop`` gives them: a run of them from a recent segment at once, then
+        # n victims as ``pop`` gives them: runs of them from one segment at a time, then
         # every victim's key joins the history, in victim order
-        if n > len(self._loc):
-            raise IndexError(f"pop of {n} from an eviction queue of {len(self._loc)}")
+        if n > self._len:
+            raise IndexError(f"pop of {n} from an eviction queue of {self._len}")
         if self._expiry:
             self._expire()
         out: list[tuple[int, int]] = []
-        h = self._history
-        laps = self.MAX_LAPS
-        victims: list[tuple[int, int]] = []  # (slot, count), in victim order
+        if n <= 0:
+            return out
+        share = self._history.share
+        live = self._live
+        stamp = self._stamp
+        victims: list[int] = []
+        values: list[int] = []  # the victims' history values, min(count, 255)
         while len(out) < n:
-            prio, lvl = self._lowest_level()
-            recent = lvl.recent
-            run = _recent_run(len(recent), len(lvl.frequent), h.share, n - len(out))
-            popped = ([recent.popitem(False) for _ in range(run)] if run
-                      else [self._pop_laps(lvl.frequent) if laps
-                            else lvl.frequent.popitem(False)])
-            victims += popped
-            out += [(s, prio) for s, _ in popped]
-        if victims:
-            self._forget(victims)
-            self._last_slot, self._last_count = victims[-1]
+            lvl = self._lowest_level()
+            recent, frequent = lvl.recent, lvl.frequent
+            nr, nf = live[recent.id], live[frequent.id]
+            run = _recent_run(nr, nf, share, n - len(out))
+            if run:
+                got, used = _take(recent, run, stamp)
+                live[recent.id] = nr - run
+                values += [1] * run
+            else:
+                run = _frequent_run(nr, nf, share, n - len(out))
+                got, used = (self._take_laps(frequent, run) if self.MAX_LAPS
+                             else _take(frequent, run, stamp))
+                live[frequent.id] = nf - run
+                counts = itemgetter(*got)(self._counts) if run > 1 else (self._counts[got[0]],)
+                values += counts if max(counts) < 255 else [c if c < 255 else 255 for c in counts]
+            self._stored -= used
+            victims += got
+            out += zip(got, repeat(lvl.priority))
+        self._len -= n
+        self._forget(victims, values)
+        self._last_slot, self._last_count = victims[-1], values[-1]
         return out
-
-    def _forget(self, victims: list[tuple[int, int]]) -> None:
-        """Unqueue popped victims; each one's key joins the history, in victim order."""
-        loc = self._loc
-        slot_keys = self._keys
-        keys: list[BlockKey] = []
-        counts: list[int] = []
-        for slot, count in victims:
-            del loc[slot]
-            key = slot_keys[slot]
-            if key is not None:
-                slot_keys[slot] = None
-                keys.append(key)
-                counts.append(count)
-        h = self._history
-        if len(h.entries) + len(keys) > h.bound:  # a trim on the way: one at a time
-            for key, count in zip(keys, counts, strict=True):
-                h.add(key, count, ghost=True)
-        else:
-            h.add_ghosts(keys, counts)
-
-    def remove(self, slot: int) -> None:
-        count = self._loc.pop(slot).pop(slot)
-        # the slot keeps its key and count: a GPU hit comes back to the same slot
-        self._counts[slot] = count
-        if not self._tier0:
-            key = self._keys[slot]
-            if key is not None:
-                # claimed from a colder tier: the GPU pool it goes to takes the count over
-                self._history.add(key, count, ghost=False)
 
     def pop(self) -> tuple[int, int]:
         # pop_many(1) without its batching (the tiered path takes victims one at a time)
-        if not self._loc:
+        if not self._len:
             raise IndexError("pop from an empty eviction queue")
         if self._expiry:
             self._expire()
-        prio, lvl = self._lowest_level()
-        recent = lvl.recent
-        if _recent_run(len(recent), len(lvl.frequent), self._history.share, 1):
-            slot, count = recent.popitem(False)
-        elif self.MAX_LAPS:
-            slot, count = self._pop_laps(lvl.frequent)
+        lvl = self._lowest_level()
+        live = self._live
+        recent, frequent = lvl.recent, lvl.frequent
+        if _recent_run(live[recent.id], live[frequent.id], self._history.share, 1):
+            slot, used = _take_one(recent, self._stamp)
+            live[recent.id] -= 1
+            count = 1
         else:
-            slot, count = lvl.frequent.popitem(False)
-        del self._loc[slot]
+            if self.MAX_LAPS:
+                got, used = self._take_laps(frequent, 1)
+                slot = got[0]
+            else:
+                slot, used = _take_one(frequent, self._stamp)
+            live[frequent.id] -= 1
+            count = self._counts[slot]
+        self._stored -= used
+        self._len -= 1
         key = self._keys[slot]
         if key is not None:
-            self._keys[slot] = None
             self._history.add(key, count, ghost=True)
         self._last_slot, self._last_count = slot, count
-        return slot, prio
+        return slot, lvl.priority
 
     def should_offload(self, slot: int) -> bool:
         return self._gate_all or (slot == self._last_slot and self._last_count > 1)
@@ -524,18 +808,14 @@ class SegmentedPolicy:
         if self._expiry:
             self._expire()
         out: list[int] = []
-        for _, lvl in self._ranked:
+        for lvl in self._ranked:
             out.extend(self._simulate_level(lvl))
         return out
 
     def priority_of(self, slot: int) -> int:
         if self._expiry:
             self._expire()
-        seg = self._loc[slot]
-        for p, lvl in self._levels.items():
-            if seg is lvl.recent or seg is lvl.frequent:
-                return p
-        raise AssertionError(f"slot {slot} is queued in no level")
+        return self._fifos[_stamp_of(self._stamp, slot) & _ID_MASK].priority
 
     # ------------------------------------------------------------------ introspection
 
@@ -546,33 +826,36 @@ class SegmentedPolicy:
 
     def count_of(self, slot: int) -> int:
         """The count of the block queued at ``slot``."""
-        return self._loc[slot][slot]
+        return self._counts[slot] if _stamp_of(self._stamp, slot) & 1 else 1
 
     def is_frequent(self, slot: int) -> bool:
         """Whether the block queued at ``slot`` is in its level's frequent segment."""
-        seg = self._loc[slot]
-        return any(seg is lvl.frequent for lvl in self._levels.values())
+        return bool(_stamp_of(self._stamp, slot) & 1)
 
     # ------------------------------------------------------------------ internals
 
-    def _lowest_level(self) -> tuple[int, _Level]:
+    def _lowest_level(self) -> _Level:
         """The lowest priority level holding a block (the queue is not empty)."""
-        for pl in self._ranked:
-            if pl[1].recent or pl[1].frequent:
-                return pl
+        live = self._live
+        for lvl in self._ranked:
+            if live[lvl.recent.id] or live[lvl.frequent.id]:
+                return lvl
         raise IndexError("pop from an empty eviction queue")
 
     def _level(self, priority: int) -> _Level:
         lvl = self._levels.get(priority)
         if lvl is None:
-            lvl = self._levels[priority] = _Level()
-            self._ranked.append((priority, lvl))
-            self._ranked.sort(key=lambda pl: pl[0])
+            lvl = self._levels[priority] = _Level(len(self._fifos), priority)
+            self._fifos += (lvl.recent, lvl.frequent)
+            self._live += (0, 0)
+            self._ranked.append(lvl)
+            self._ranked.sort(key=lambda lv: lv.priority)
         return lvl
 
     def _grow(self, slot: int) -> None:
         """A slot beyond the known pool size: the pool is at least ``slot + 1`` slots."""
         n = slot + 1
+        self._stamp.extend([_NOT_QUEUED] * (n - len(self._stamp)))
         self._keys.extend([None] * (n - len(self._keys)))
         self._counts.extend([0] * (n - len(self._counts)))
         if self.MAX_LAPS:
@@ -580,97 +863,273 @@ class SegmentedPolicy:
         self._capacity = max(self._capacity, n)
         self._history.bound = max(self._history.bound, int(self._multiple * self._capacity))
 
-    def _enqueue_many(self, lvl: _Level, slots: Sequence[int],
-                      keys: Sequence[BlockKey]) -> None:
-        """Queue released (tier 0) or arriving (colder tier) blocks with their counts."""
-        loc = self._loc
+    def _append(self, fifo: _Fifo, slots: list[int]) -> None:
+        """Queue ``slots`` (not queued, in range) at the most recent end of ``fifo``."""
+        b = self._next | fifo.id
+        self._next += _STEP
+        stamp = self._stamp
+        for s in slots:
+            stamp[s] = b
+        fifo.batches.append((b, slots))
+        self._live[fifo.id] += len(slots)
+        self._len += len(slots)
+        self._stored += len(slots)
+
+    def _enqueue_many(self, lvl: _Level, slots: Sequence[int], keys: Sequence[BlockKey],
+                      stamps: tuple[int, ...], recent: int, frequent: int) -> None:
+        """Queue released (tier 0) or arriving (colder tier) blocks with their counts
+        (``stamps``: the slots' stamps, none queued, ``recent`` of them claimed from a recent
+        segment and ``frequent`` from a frequent one).
+
+        On the GPU tier, a released block table is usually new blocks followed by claimed
+        blocks coming back with their keys (its prefix was a hit): those take the bulk path,
+        every other mix the general one."""
+        n = len(slots)
+        claimed = recent + frequent
+        j = n  # slots[j:] come back after a claim, with their keys
+        if claimed and self._tier0:
+            j = n - claimed
+            if stamps[:j].count(_NOT_QUEUED) == j:  # the claimed ones are the last ones
+                olds = itemgetter(*slots[j:])(self._keys) if claimed > 1 else (
+                    self._keys[slots[j]],)
+                same = tuple(keys[j:])
+                if olds != same:
+                    j = n if not any(map(eq, olds, same)) else -1  # all new, or a mix
+            else:
+                j = -1
+        if j < 0 or not self._tier0:
+            self._enqueue_each(lvl, slots, keys, stamps)
+            return
+        entries = self._history.entries
+        new_keys = keys if j == n else keys[:j]
+        if entries.keys().isdisjoint(new_keys):
+            # the common cases: new blocks (count 1), then maybe hits coming back (count >= 2)
+            if j:
+                self._append_keyed(lvl.recent, list(slots[:j]) if j < n else list(slots),
+                                   new_keys)
+            if j < n:
+                cs = self._claimed_counts(slots[j:], stamps[j:], recent, frequent)
+                if cs != sorted(cs):
+                    _chain_floor(cs)
+                self._append_frequent(lvl.frequent, list(slots[j:]), None, cs)
+            return
+        # history hits: the count goes on from the entry's (its low byte, + 1)
+        found = list(map(entries.pop, new_keys, repeat(0)))
+        if self.COUNT_GHOSTS:  # an entry packs a stamp above its count
+            cs = [((v if v > 0 else -v) & 255) + 1 for v in found]
+            self._ghosts_back(found)
+        else:
+            cs = [(v if v > 0 else -v) + 1 for v in found]
+        if j < n:
+            cs += self._claimed_counts(slots[j:], stamps[j:], recent, frequent)
+        if cs != sorted(cs):
+            _chain_floor(cs)
+        r = bisect_right(cs, 1)  # counts of 1 (recent) come first
+        if r:
+            self._append_keyed(lvl.recent, list(slots[:r]), keys[:r])
+        if r < n:
+            self._append_frequent(lvl.frequent, list(slots[r:]), keys[r:], cs[r:])
+
+    def _claimed_counts(self, slots: Sequence[int], stamps: tuple[int, ...], recent: int,
+                        frequent: int) -> list[int]:
+        """The counts of claimed GPU blocks released again (count when claimed + 1; ``recent``
+        and ``frequent`` of them were claimed from each kind of segment)."""
+        if not frequent:
+            return [2] * len(slots)
+        counts = self._counts
+        got = itemgetter(*slots)(counts) if len(slots) > 1 else (counts[slots[0]],)
+        if not recent:
+            return [c + 1 for c in got]
+        return [c + 1 if v == _CLAIMED_FREQUENT else 2 for c, v in zip(got, stamps, strict=True)]
+
+    def _append_keyed(self, fifo: _Fifo, slots: list[int], keys: Sequence[BlockKey]) -> None:
+        """``_append`` that also stores the slots' keys."""
+        b = self._next | fifo.id
+        self._next += _STEP
+        stamp = self._stamp
+        slot_keys = self._keys
+        for s, k in zip(slots, keys, strict=True):
+            stamp[s] = b
+            slot_keys[s] = k
+        fifo.batches.append((b, slots))
+        self._live[fifo.id] += len(slots)
+        self._len += len(slots)
+        self._stored += len(slots)
+
+    def _append_frequent(self, fifo: _Fifo, slots: list[int],
+                         keys: Sequence[BlockKey] | None, counts: list[int]) -> None:
+        """``_append`` of blocks of count > 1, with their counts (and laps) and keys (None:
+        the keys the slots hold)."""
+        b = self._next | fifo.id
+        self._next += _STEP
+        stamp = self._stamp
+        slot_counts = self._counts
+        if keys is None:
+            for s, c in zip(slots, counts, strict=True):
+                stamp[s] = b
+                slot_counts[s] = c
+        else:
+            slot_keys = self._keys
+            for s, c, k in zip(slots, counts, keys, strict=True):
+                stamp[s] = b
+                slot_counts[s] = c
+                slot_keys[s] = k
+        laps = self.MAX_LAPS
+        if laps:
+            credits = self._credits
+            for s, c in zip(slots, counts, strict=True):
+                credits[s] = c - 2 if c - 2 < laps else laps
+        fifo.batches.append((b, slots))
+        self._live[fifo.id] += len(slots)
+        self._len += len(slots)
+        self._stored += len(slots)
+
+    def _enqueue_each(self, lvl: _Level, slots: Sequence[int], keys: Sequence[BlockKey],
+                      stamps: Sequence[int]) -> None:
+        """``_enqueue_many``, one block at a time (any mix, any tier)."""
         slot_keys = self._keys
         counts = self._counts
         hist_pop = self._history.entries.pop
-        recent = lvl.recent
-        frequent = lvl.frequent
-        laps = self.MAX_LAPS
-        credits = self._credits
         bump = 1 if self._tier0 else 0  # a release is a use; moving down a tier is not
+        recent: list[int] = []
+        frequent: list[int] = []
+        fcounts: list[int] = []
+        rkeys: list[BlockKey] = []
+        fkeys: list[BlockKey] = []
         floor = 1  # the highest count listed so far: a descendant's (the chain runs tail first)
-        for slot, key in zip(slots, keys, strict=True):
-            old = slot_keys[slot]  # None unless the slot was claimed (popped slots forget)
-            if old is None or (old is not key and old != key):
-                slot_keys[slot] = key
+        for slot, key, v0 in zip(slots, keys, stamps, strict=True):
+            old = slot_keys[slot]  # meaningful if the slot was claimed
+            if v0 < _NOT_QUEUED and old is not None and (old is key or old == key):
+                # back after a claim (a hit, or a partial copy)
+                count = (counts[slot] if v0 == _CLAIMED_FREQUENT else 1) + bump
+                if not bump:
+                    hist_pop(key, None)
+            else:
                 v = hist_pop(key, 0)
                 if not v:
-                    if floor == 1:  # the common case: a new block, nothing frequent below
-                        recent[slot] = 1
-                        loc[slot] = recent
-                        continue
                     count = 1
                 elif v > 0:
                     count = (v & 255) + bump
                     if self.COUNT_GHOSTS:
-                        self._ghost_back(v)
+                        self._ghosts_back((v,))
                 else:
                     count = (-v & 255) + bump
-            else:
-                count = counts[slot] + bump  # back after a claim (a hit, or a partial copy)
-                if not bump:
-                    hist_pop(key, None)
             if count < floor:
                 count = floor  # a parent is used at least as often as its child
             else:
                 floor = count
             if count > 1:
-                frequent[slot] = count
-                loc[slot] = frequent
-                if laps:
-                    credits[slot] = count - 2 if count - 2 < laps else laps
+                frequent.append(slot)
+                fkeys.append(key)
+                fcounts.append(count)
             else:
-                recent[slot] = count
-                loc[slot] = recent
+                recent.append(slot)
+                rkeys.append(key)
+        if recent:
+            self._append_keyed(lvl.recent, recent, rkeys)
+        if frequent:
+            self._append_frequent(lvl.frequent, frequent, fkeys, fcounts)
 
-    def _ghost_back(self, v: int) -> None:
-        """The ghost entry ``v`` left the history for this queue (COUNT_GHOSTS)."""
-        count = v & 255
-        history = self._history
-        history.ghosts[count > 1] -= 1
-        if self._tier0:
-            self._ghost_hit(count, history.seq - (v >> 8))
+    def _forget(self, victims: list[int], values: list[int]) -> None:
+        """Every popped victim's key joins the history with its value, in victim order."""
+        h = self._history
+        got: tuple[BlockKey | None, ...] = (itemgetter(*victims)(self._keys) if len(victims) > 1
+                                            else (self._keys[victims[0]],))
+        if self._keyless and None in got:  # slots pushed without a key leave nothing
+            pairs = [(k, v) for k, v in zip(got, values, strict=True) if k is not None]
+            keys: tuple[BlockKey, ...] = tuple(k for k, _ in pairs)
+            values = [v for _, v in pairs]
+        else:
+            keys = cast(tuple[BlockKey, ...], got)
+        if not keys:
+            return
+        if len(h.entries) + len(keys) > h.bound:  # a trim on the way: one at a time
+            for key, v in zip(keys, values, strict=True):
+                h.add(key, v, ghost=True)
+        else:
+            h.add_capped(keys, values)
 
-    def _ghost_hit(self, count: int, age: int) -> None:
-        """A block evicted with ``count``, ``age`` evictions ago, was recomputed (ARC)."""
+    def _ghosts_back(self, found: Sequence[int]) -> None:
+        """The history entries ``found`` (in order; the positive ones are ghosts) left the
+        history for this queue (COUNT_GHOSTS): the ghost counts follow."""
+        ghosts = self._history.ghosts
+        for v in found:
+            if v > 0:
+                ghosts[(v & 255) > 1] -= 1
+
+    def _compact(self) -> None:
+        _compact(self._fifos, self._stamp)
+        self._stored = self._len
 
     def _expire(self) -> None:
         heap = self._expiry
         now = self._clock()
+        stamp = self._stamp
         while heap and heap[0][0] <= now:
             at, slot, level = heapq.heappop(heap)
             if self._expires.get(slot) != (at, level):
                 continue  # stale: the slot was pushed again since
             del self._expires[slot]
-            lvl = self._levels[level]
-            seg = self._loc.get(slot)
-            if seg is None or (seg is not lvl.recent and seg is not lvl.frequent):
+            v = stamp[slot]
+            if v < 0:
+                continue
+            src = self._fifos[v & _ID_MASK]
+            if src.priority != level:
                 continue
             default = self._level(DEFAULT_PRIORITY)
-            dst = default.frequent if seg is lvl.frequent else default.recent
-            dst[slot] = seg.pop(slot)
-            self._loc[slot] = dst
+            self._live[src.id] -= 1
+            self._len -= 1  # its entry dies; _append counts it again
+            self._append(default.frequent if src.frequent else default.recent, [slot])
+        if self._stored > 2 * self._len + _SLACK:
+            self._compact()
 
-    def _pop_laps(self, frequent: OrderedDict[int, int]) -> tuple[int, int]:
-        """Pop the frequent segment's victim, sending blocks with laps left round again."""
+    def _take_laps(self, frequent: _Fifo, k: int) -> tuple[list[int], int]:
+        """Take ``k`` victims from a frequent segment, sending blocks with laps left round
+        again (to the most recent end, one lap fewer): (victims, entries consumed)."""
         credits = self._credits
-        while True:
-            slot, count = frequent.popitem(last=False)
-            c = credits[slot]
-            if not c:
-                return slot, count
-            credits[slot] = c - 1
-            frequent[slot] = count  # another lap: back to the most recent end
+        stamp = self._stamp
+        batches = frequent.batches
+        out: list[int] = []
+        used = 0
+        while True:  # one pass over the oldest batch's entries
+            b, sl = batches[0]
+            h = i = frequent.head
+            lap: list[int] = []  # the blocks this pass sends round, a batch of their own
+            b_lap = self._next | frequent.id
+            self._next += _STEP
+            batches.append((b_lap, lap))
+            for i in range(h, len(sl)):
+                s = sl[i]
+                if stamp[s] != b:
+                    continue
+                c = credits[s]
+                if c:
+                    credits[s] = c - 1
+                    lap.append(s)
+                    stamp[s] = b_lap
+                    continue
+                out.append(s)
+                stamp[s] = _NOT_QUEUED
+                if len(out) == k:
+                    break
+            used += i + 1 - h
+            self._stored += len(lap)
+            if not lap:
+                batches.pop()
+            if i + 1 == len(sl):
+                batches.popleft()
+                frequent.head = 0
+            else:
+                frequent.head = i + 1
+            if len(out) == k:
+                return out, used
 
     def _simulate_level(self, lvl: _Level) -> list[int]:
         """The order :meth:`pop` would empty ``lvl`` in, without changing anything."""
-        recent = list(lvl.recent)
+        recent = _live(lvl.recent, self._stamp)
         frequent: deque[tuple[int, int]] = deque(
-            (s, self._credits[s] if self.MAX_LAPS else 0) for s in lvl.frequent
+            (s, self._credits[s] if self.MAX_LAPS else 0) for s in _live(lvl.frequent,
+                                                                        self._stamp)
         )
         share = self._history.share
         out: list[int] = []
@@ -741,16 +1200,32 @@ class ARC(SegmentedPolicy):
         """The recent segment's current share of a level."""
         return self._history.share
 
-    def _ghost_hit(self, count: int, age: int) -> None:
-        size = self._capacity
-        if not size or age > size:
-            return
+    def _ghosts_back(self, found: Sequence[int]) -> None:
+        # each ghost found moves the target, in order (the ghost counts B1, B2 change on the way)
         history = self._history
-        b1, b2 = max(history.ghosts[0], 1), max(history.ghosts[1], 1)
-        if count == 1:
-            history.share = min(1.0, history.share + max(1.0, b2 / b1) / size)
-        else:
-            history.share = max(0.0, history.share - max(1.0, b1 / b2) / size)
+        ghosts = history.ghosts
+        size = self._capacity if self._tier0 else 0
+        share = history.share
+        for v in found:
+            if v <= 0:
+                continue
+            count = v & 255
+            ghosts[count > 1] -= 1
+            if not size or history.seq - (v >> 8) > size:  # older than the pool: no move
+                continue
+            b1, b2 = ghosts
+            b1 = b1 if b1 > 1 else 1
+            b2 = b2 if b2 > 1 else 1
+            # max(1.0, b2 / b1) and the clamps to [0, 1], written out (builtin max is slow)
+            if count == 1:
+                r = b2 / b1
+                share += (r if r > 1.0 else 1.0) / size
+                share = share if share < 1.0 else 1.0
+            else:
+                r = b1 / b2
+                share -= (r if r > 1.0 else 1.0) / size
+                share = share if share > 0.0 else 0.0
+        history.share = share
 
 
 def _recent_run(nr: int, nf: int, share: float, left: int) -> int:
@@ -761,16 +1236,51 @@ def _recent_run(nr: int, nf: int, share: float, left: int) -> int:
     ``nr - r > share * (nr - r + nf)`` holds for r = 0, 1, ... up to some point and then no
     more: the run is found from the closed form and settled exactly by the same test.
     """
+    # (conditional expressions rather than min and max: this runs once per run of victims)
     if not nf or share <= 0.0:  # the test holds while any recent block is left
-        return min(left, nr)
+        return left if left < nr else nr
     if share >= 1.0:  # the test never holds
         return 0
-    run = min(max(nr - int(share * nf / (1.0 - share)) - 1, 0), left)
+    run = nr - int(share * nf / (1.0 - share)) - 1
+    run = 0 if run < 0 else left if run > left else run
     while run > 0 and not nr - run + 1 > share * (nr - run + 1 + nf):
         run -= 1
     while run < left and nr - run > share * (nr - run + nf):
         run += 1
     return run
+
+
+def _frequent_run(nr: int, nf: int, share: float, left: int) -> int:
+    """How many of the next ``left`` victims of a level come from its frequent segment, when
+    the recent segment does not give the next one (``_recent_run`` is 0).
+
+    The frequent segment gives while the recent test ``nr > share * (nr + nf - f)`` fails
+    after f frequent victims (it holds from some f on; S3-FIFO's laps do not change nf): the
+    run is found from the closed form and settled exactly by the same test.
+    """
+    top = left if left < nf else nf
+    if not nr or share >= 1.0:  # the test never holds while a frequent block is left
+        return top
+    if share <= 0.0:  # the test always holds
+        return 0
+    t = nr + nf - nr / share  # (-inf for a denormal share: compare before int)
+    run = 0 if t < 0 else top if t > top else int(t)
+    while run > 0 and nr > share * (nr + nf - run + 1):
+        run -= 1
+    while run < top and not nr > share * (nr + nf - run):
+        run += 1
+    return run
+
+
+def _chain_floor(counts: list[int]) -> None:
+    """Raise each count to the highest one before it (a parent is used at least as often as
+    its child, and a released block table lists children first)."""
+    floor = 1
+    for i, c in enumerate(counts):
+        if c < floor:
+            counts[i] = floor
+        else:
+            floor = c
 
 
 def _check_gate(gate: object) -> None:
