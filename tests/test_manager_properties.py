@@ -29,6 +29,10 @@ PREFIXES = [
 ]
 
 
+SCOPES = [(None, None), (None, None), (None, "s"), (1, None)]
+"""The (LoRA id, cache salt) scopes requests use (``scopes_are_isolated`` relies on it)."""
+
+
 @st.composite
 def configs(draw: st.DrawFn, tiers: bool) -> CacheConfig:
     groups = draw(st.integers(1, 3))
@@ -115,9 +119,9 @@ class ManagerMachine(RuleBasedStateMachine):
         reqs = []
         for _ in range(n):
             beams = data.draw(st.integers(1, self.mgr.config.max_beam_width))
+            lora, salt = data.draw(st.sampled_from(SCOPES))
             reqs.append(SequenceRequest(self.next_id, data.draw(prompts()), beam_width=beams,
-                                        cache_salt=data.draw(st.sampled_from([None, None, "s"])),
-                                        lora_id=data.draw(st.sampled_from([None, None, 1]))))
+                                        cache_salt=salt, lora_id=lora))
             self.next_id += 1
         plan = self.mgr.plan_batch(reqs)
         state = self.mgr._debug_state()

@@ -22,6 +22,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Protocol, cast
 
 from kvpool import admission
@@ -198,6 +199,7 @@ class KVCacheManager:
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
+        self._slices: list[slice] = []  # see _block_slices
         self._stats = CacheStats()
         self._iter_base = CacheStats()
         if events is not None:
@@ -804,19 +806,25 @@ class KVCacheManager:
         self._flush_removed()
         parent = self._parent_key(chain[0][0], chain[0][1])
         parent_hash = None if parent is None else self._ev_hashes([parent])[0]
-        step, tpb = self.step, self.tpb
+        step = self.step
         blocks: list[StoredBlock] = []
         for r, a, b in chain:
-            hashes = self._ev_hashes(r.keys[a:b])
-            tiers = r.tier[g]
             toks = _token_tuple(r.tkey[a * step:b * step])
             prio = r.prio
-            blocks += [
-                StoredBlock(h, toks[(j - a) * tpb:(j - a + 1) * tpb], tiers[j],
-                            DEFAULT_PRIORITY if prio is None else prio[j], lora_id)
-                for j, h in enumerate(hashes, a)
-            ]
+            # one constructor call per block through map: no bytecode runs per block
+            blocks += map(StoredBlock, self._ev_hashes(r.keys[a:b]),
+                          map(toks.__getitem__, self._block_slices(b - a)), r.tier[g][a:b],
+                          repeat(DEFAULT_PRIORITY) if prio is None else prio[a:b],
+                          repeat(lora_id))
         self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
+
+    def _block_slices(self, n: int) -> list[slice]:
+        """Slices of the first ``n`` blocks' tokens in a flat tuple of tokens (cached)."""
+        sl = self._slices
+        if len(sl) < n:
+            tpb = self.tpb
+            sl += [slice(i * tpb, (i + 1) * tpb) for i in range(len(sl), n)]
+        return sl if len(sl) == n else sl[:n]
 
     # ------------------------------------------------------------------ growth and release
 
@@ -971,24 +979,26 @@ class KVCacheManager:
         if not gone:
             return
         runs = [run_at[s] for s in gone]
-        if None not in runs:
-            cached = cast("list[Run]", runs)
-            if not self._retention_seen or all(r.prio is None for r in cached):
-                # the common case: every block cached, default priority, no duration
-                if queue.uses_keys:
-                    keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
-                    queue.push_many(gone, DEFAULT_PRIORITY, keys)
-                else:
-                    queue.push_many(gone, DEFAULT_PRIORITY)
-                return
         free = self._free[0][g]
+        if None in runs:  # blocks never committed (a partial last block, say) become free
+            free += [s for s, r in zip(gone, runs, strict=True) if r is None]
+            gone = [s for s, r in zip(gone, runs, strict=True) if r is not None]
+            runs = [r for r in runs if r is not None]
+        cached = cast("list[Run]", runs)
+        if not gone:
+            return
+        if not self._retention_seen or all(r.prio is None for r in cached):
+            # the common case: default priority, no duration
+            if queue.uses_keys:
+                keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
+                queue.push_many(gone, DEFAULT_PRIORITY, keys)
+            else:
+                queue.push_many(gone, DEFAULT_PRIORITY)
+            return
         batch: list[int] = []
         batch_keys: list[BlockKey] = []
         batch_prio = -1
-        for s, run in zip(gone, runs, strict=True):
-            if run is None:
-                free.append(s)
-                continue
+        for s, run in zip(gone, cached, strict=True):
             i = idx_at[s]
             prio = run.priority(i)
             dur = run.duration(i)
