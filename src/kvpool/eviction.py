@@ -128,11 +128,12 @@ class _Fifo:
     is queued here, at this place) iff ``stamp[slots[i]]`` is the batch's stamp and, in the
     oldest batch, ``i >= head``. Removing a slot only changes its stamp, so the entry left
     behind is dead; taking victims skips dead entries, and the policy compacts its FIFOs when
-    dead entries outnumber live ones by ``_SLACK``. Invariant: the oldest batch has an entry
-    at ``head`` (a batch is dropped once consumed, and no batch is empty).
+    dead entries outnumber live ones by ``_SLACK``. Invariants: the oldest batch has an entry
+    at ``head`` (a batch is dropped once consumed, and no batch is empty); ``dead`` counts
+    the dead entries from ``head`` on (while it is 0, every entry is live: no check needed).
     """
 
-    __slots__ = ("batches", "frequent", "head", "id", "priority")
+    __slots__ = ("batches", "dead", "frequent", "head", "id", "priority")
 
     def __init__(self, fid: int, priority: int, frequent: bool) -> None:
         if fid > _ID_MASK:
@@ -144,6 +145,7 @@ class _Fifo:
         self.frequent = frequent
         self.batches: deque[tuple[int, list[int]]] = deque()
         self.head = 0
+        self.dead = 0
 
 
 def _take(fifo: _Fifo, k: int, stamp: list[int]) -> tuple[list[int], int]:
@@ -157,9 +159,10 @@ def _take(fifo: _Fifo, k: int, stamp: list[int]) -> tuple[list[int], int]:
         b, sl = batches[0]
         cand = sl[h:h + k - len(out)]
         m = len(cand)
-        dead = itemgetter(*cand)(stamp).count(b) != m if m > 1 else stamp[cand[0]] != b
-        if dead:  # skip them
+        if fifo.dead and (itemgetter(*cand)(stamp).count(b) != m if m > 1
+                          else stamp[cand[0]] != b):  # skip the dead
             cand = [s for s in cand if stamp[s] == b]
+            fifo.dead -= m - len(cand)
         out += cand
         for s in cand:
             stamp[s] = _NOT_QUEUED
@@ -190,6 +193,7 @@ def _take_one(fifo: _Fifo, stamp: list[int]) -> tuple[int, int]:
             stamp[s] = _NOT_QUEUED
             fifo.head = h
             return s, used
+        fifo.dead -= 1
     fifo.head = 0
     return -1, used
 
@@ -216,6 +220,7 @@ def _compact(fifos: list[_Fifo], stamp: list[int]) -> None:
             h = 0
         fifo.batches = batches
         fifo.head = 0
+        fifo.dead = 0
 
 
 def _cut_tail(fifos: list[_Fifo], stamp: list[int], slots: Sequence[int]) -> _Fifo | None:
@@ -234,7 +239,7 @@ def _cut_tail(fifos: list[_Fifo], stamp: list[int], slots: Sequence[int]) -> _Fi
     tail = sl[len(sl) - k:]
     tail.reverse()
     if tail != (slots if isinstance(slots, list) else list(slots)) or (
-            k > 1 and itemgetter(*slots)(stamp).count(b) != k):
+            fifo.dead and k > 1 and itemgetter(*slots)(stamp).count(b) != k):
         return None
     del sl[len(sl) - k:]
     if not sl or (len(batches) == 1 and fifo.head >= len(sl)):
@@ -347,7 +352,7 @@ class PrioritizedLRU:
                 self._expires.pop(slot, None)
 
     def remove(self, slot: int) -> None:
-        _stamp_of(self._stamp, slot)  # KeyError if it is not queued
+        self._fifos[_stamp_of(self._stamp, slot) & _ID_MASK].dead += 1  # (KeyError if not queued)
         self._stamp[slot] = _NOT_QUEUED
         self._len -= 1
         if self._stored > 2 * self._len + _SLACK:
@@ -363,10 +368,13 @@ class PrioritizedLRU:
             self._len -= len(slots)
             self._stored -= len(slots)
             return
+        fifos = self._fifos
         try:
             for s in slots:
-                if stamp[s] < 0:
+                v = stamp[s]
+                if v < 0:
                     break
+                fifos[v & _ID_MASK].dead += 1
                 stamp[s] = _NOT_QUEUED
             else:
                 self._len -= len(slots)
@@ -388,12 +396,27 @@ class PrioritizedLRU:
             return out
         stamp = self._stamp
         for fifo in self._ranked:
-            if fifo.batches:
-                got, used = _take(fifo, n - len(out), stamp)
-                self._stored -= used
+            if not fifo.batches:
+                continue
+            h = fifo.head
+            sl = fifo.batches[0][1]
+            if not fifo.dead and len(out) + len(sl) - h >= n:
+                # the rest are live entries of the oldest batch: _take, without the call
+                got = sl[h:h + n - len(out)]
+                for s in got:
+                    stamp[s] = _NOT_QUEUED
+                fifo.head = h + len(got)
+                if fifo.head == len(sl):
+                    fifo.batches.popleft()
+                    fifo.head = 0
+                self._stored -= len(got)
                 out += zip(got, repeat(fifo.priority))
-                if len(out) == n:
-                    break
+                break
+            got, used = _take(fifo, n - len(out), stamp)
+            self._stored -= used
+            out += zip(got, repeat(fifo.priority))
+            if len(out) == n:
+                break
         self._len -= n
         return out
 
@@ -441,6 +464,7 @@ class PrioritizedLRU:
             del self._expires[slot]
             v = stamp[slot]
             if v >= 0 and self._fifos[v & _ID_MASK].priority == level:
+                self._fifos[v & _ID_MASK].dead += 1
                 self._len -= 1  # its entry dies; _append counts it again
                 self._append(self._fifo(DEFAULT_PRIORITY), [slot])
         if self._stored > 2 * self._len + _SLACK:
@@ -687,6 +711,7 @@ class SegmentedPolicy:
     def remove(self, slot: int) -> None:
         v = _stamp_of(self._stamp, slot)
         self._live[v & _ID_MASK] -= 1
+        self._fifos[v & _ID_MASK].dead += 1
         self._len -= 1
         # the slot keeps its key and count: a GPU hit comes back to the same slot
         self._stamp[slot] = _CLAIMED_FREQUENT if v & 1 else _CLAIMED
@@ -716,12 +741,14 @@ class SegmentedPolicy:
             self._stored -= len(slots)
             return
         live = self._live
+        fifos = self._fifos
         try:
             for s in slots:  # ``remove`` on the GPU tier
                 v = stamp[s]
                 if v < 0:
                     break
                 live[v & _ID_MASK] -= 1
+                fifos[v & _ID_MASK].dead += 1
                 stamp[s] = _CLAIMED - (v & 1)  # _CLAIMED_FREQUENT from a frequent FIFO
             else:
                 self._len -= len(slots)
@@ -1078,6 +1105,7 @@ class SegmentedPolicy:
                 continue
             default = self._level(DEFAULT_PRIORITY)
             self._live[src.id] -= 1
+            src.dead += 1
             self._len -= 1  # its entry dies; _append counts it again
             self._append(default.frequent if src.frequent else default.recent, [slot])
         if self._stored > 2 * self._len + _SLACK:
@@ -1101,6 +1129,7 @@ class SegmentedPolicy:
             for i in range(h, len(sl)):
                 s = sl[i]
                 if stamp[s] != b:
+                    frequent.dead -= 1
                     continue
                 c = credits[s]
                 if c:
