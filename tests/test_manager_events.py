@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import OutOfBlocksError
@@ -13,7 +15,7 @@ from kvpool.events.index import EventIndex
 from kvpool.events.model import Removed, Stored
 from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
-from kvpool.hashing import HashAlgo, request_block_hashes
+from kvpool.hashing import HashAlgo, request_block_hashes, v1_block_key
 from kvpool.manager import KVCacheManager
 
 
@@ -132,3 +134,37 @@ def test_decoding_without_tokens_keeps_every_hash_and_tier() -> None:
             assert not any(x.tokens for x in b.data.blocks)
         else:
             assert a == b
+
+
+@given(
+    tpb=st.integers(1, 5),
+    partial=st.booleans(),
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=23), min_size=1,
+                     max_size=6),
+)
+def test_stored_blocks_carry_their_own_tokens(
+    tpb: int, partial: bool, prompts: list[list[int]]
+) -> None:
+    """Every stored block's tokens are the tokens its key was computed over: full blocks and,
+    with partial reuse, a trailing partial block (the key is chained here with the public
+    v1_block_key, block by block, not by the manager's hasher)."""
+    m = KVCacheManager(CacheConfig(tokens_per_block=tpb, gpu_blocks=64, hash_algo="v1_block_key",
+                                   enable_partial_reuse=partial, event_buffer_max_size=10_000))
+    expected: dict[int, tuple[int, ...]] = {}
+    for sid, prompt in enumerate(prompts):
+        parent = 0
+        for start in range(0, len(prompt), tpb):
+            chunk = tuple(prompt[start:start + tpb])
+            key = v1_block_key(list(chunk), parent)
+            expected[key] = chunk
+            parent = key
+        m.add_sequence(SequenceRequest(sid, prompt))
+        m.remove_sequence(sid)
+    m.flush_iteration_events()
+    blocks = [b for e in m.get_latest_events(0) if isinstance(e.data, Stored)
+              for b in e.data.blocks]
+    assert bool(blocks) == (partial or any(len(p) >= tpb for p in prompts))
+    for b in blocks:
+        assert b.tokens == expected[b.block_hash]
+    stored_partial = any(len(b.tokens) < tpb for b in blocks)
+    assert stored_partial == (partial and any(len(p) % tpb for p in prompts))

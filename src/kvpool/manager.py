@@ -22,6 +22,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
 from typing import Any, Protocol, cast
 
@@ -106,9 +107,25 @@ def _projection(algo: HashAlgo) -> Callable[[list[BlockKey]], list[int | str]]:
         return list  # type: ignore[return-value]
     if algo is HashAlgo.V2_SHA256:
         return lambda keys: [k.hex() for k in keys]  # type: ignore[union-attr]
-    if algo is HashAlgo.V2_SHA256_64:
-        return lambda keys: [int.from_bytes(k[:8], "big") for k in keys]  # type: ignore[index]
-    return lambda keys: [int.from_bytes(k[-8:], "big") for k in keys]  # type: ignore[index]
+    # The 64-bit projections read every key's first (v2_sha256_64) or last (vLLM) 8 bytes,
+    # big-endian, out of the keys joined: one struct call per event instead of a slice and an
+    # int.from_bytes per key (6x fewer instructions for a long chain). Keys are 32-byte
+    # digests; the struct's size check would reject any other length.
+    return partial(_project_u64, "Q24x" if algo is HashAlgo.V2_SHA256_64 else "24xQ")
+
+
+_PROJECT_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
+
+
+def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
+    """One big-endian u64 out of each 32-byte key (``field`` places it in the digest)."""
+    n = len(keys)
+    st = _PROJECT_STRUCTS.get((field, n))
+    if st is None:
+        st = struct.Struct(">" + field * n)
+        if len(_PROJECT_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
+            _PROJECT_STRUCTS[field, n] = st
+    return list(st.unpack(b"".join(keys)))  # type: ignore[arg-type]
 
 
 _TOKEN_STRUCTS: dict[int, struct.Struct] = {}
@@ -199,7 +216,7 @@ class KVCacheManager:
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
-        self._slices: list[slice] = []  # see _block_slices
+        self._block_struct = struct.Struct(f"={self.tpb}I")  # a block's tokens
         self._stats = CacheStats()
         self._iter_base = CacheStats()
         if events is not None:
@@ -808,23 +825,21 @@ class KVCacheManager:
         parent_hash = None if parent is None else self._ev_hashes([parent])[0]
         step = self.step
         blocks: list[StoredBlock] = []
+        block_struct = self._block_struct
         for r, a, b in chain:
-            toks = _token_tuple(r.tkey[a * step:b * step])
+            raw = r.tkey[a * step:b * step]
+            # Whole blocks come out of the bytes one tuple each, in C; a partial block (a
+            # run of its own) is shorter than a block.
+            toks: Iterable[tuple[int, ...]] = (
+                block_struct.iter_unpack(raw) if len(raw) == (b - a) * step
+                else [_token_tuple(raw[i * step:(i + 1) * step]) for i in range(b - a)]
+            )
             prio = r.prio
             # one constructor call per block through map: no bytecode runs per block
-            blocks += map(StoredBlock, self._ev_hashes(r.keys[a:b]),
-                          map(toks.__getitem__, self._block_slices(b - a)), r.tier[g][a:b],
+            blocks += map(StoredBlock, self._ev_hashes(r.keys[a:b]), toks, r.tier[g][a:b],
                           repeat(DEFAULT_PRIORITY) if prio is None else prio[a:b],
                           repeat(lora_id))
         self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
-
-    def _block_slices(self, n: int) -> list[slice]:
-        """Slices of the first ``n`` blocks' tokens in a flat tuple of tokens (cached)."""
-        sl = self._slices
-        if len(sl) < n:
-            tpb = self.tpb
-            sl += [slice(i * tpb, (i + 1) * tpb) for i in range(len(sl), n)]
-        return sl if len(sl) == n else sl[:n]
 
     # ------------------------------------------------------------------ growth and release
 
