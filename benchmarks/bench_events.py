@@ -24,7 +24,8 @@ Rows, per source:
   they are as warm in the cache as in an engine), ``block_size`` given as an engine gives it;
 * ``decode_vllm_batch``: CPU time of decoding each step's payload;
 * ``full path (2 processes)``: wall time from the first hook call until the subscriber process
-  decoded the last block event, through ZMQ on loopback.
+  decoded the last block event, through ZMQ on loopback; ``lag_p50_ms`` / ``lag_p99_ms``: how
+  long after its encoding each batch reached the subscriber (how stale a router's view is).
 
 The three stage rows run one step at a time in this process, and no step's events or payloads
 are kept: keeping a million events alive (as an earlier version of this benchmark did, to
@@ -193,10 +194,13 @@ def _subscriber(
     ready.set()
     expected: int | None = None  # the producer sends its count when it is done
     seen = batches = next_id = 0
+    lags: list[float] = []  # per batch: received minus the batch's timestamp (its encoding)
     deadline = time.monotonic() + timeout_s
     while (expected is None or seen < expected) and time.monotonic() < deadline:
         for batch in sub.recv(0.5):
+            received = time.time()
             decoded = decode_vllm_batch(batch.payload, hash_algo=algo, first_event_id=next_id)
+            lags.append(received - decoded.ts)
             next_id += len(decoded.events)
             seen += block_events(decoded.events)
             batches += 1
@@ -210,6 +214,7 @@ def _subscriber(
             "batches": batches,
             "replayed": sub.replayed,
             "missed": sub.missed,
+            "lag_ms": [float(np.percentile(lags, q)) * 1e3 for q in (50, 99)] if lags else None,
         }
     )
     sub.close()
@@ -312,6 +317,8 @@ def run_full_path(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "producer_seconds": t_produced,
         "replayed_batches": out["replayed"],
         "missed_batches": out["missed"],
+        "lag_p50_ms": out["lag_ms"][0] if out["lag_ms"] else None,
+        "lag_p99_ms": out["lag_ms"][1] if out["lag_ms"] else None,
     }
 
 

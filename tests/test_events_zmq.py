@@ -253,3 +253,35 @@ def test_bind_conflicts_and_bad_arguments_are_typed_errors(publisher: ZmqEventPu
     sub.close()
     with pytest.raises(TransportError, match="closed"):
         sub.recv(0)
+
+
+def test_batches_go_out_while_the_publishing_thread_holds_the_gil() -> None:
+    """An engine's scheduler thread is busy in Python (it holds the GIL): the batches it hands
+    over must still leave at once. Here the thread holds the GIL in one long C call (no other
+    Python thread can run meanwhile); every batch published before it must have reached the
+    subscriber's socket by its end. A Python sending thread could not have sent any of them."""
+    pub = ZmqEventPublisher(LOCAL, None, topic="kv")
+    sub = _raw_socket(zmq.SUB, pub.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):  # joined once a warm-up batch arrives
+            assert time.monotonic() < deadline, "subscriber never joined"
+            pub.publish(b"warm-up")
+        while sub.poll(100):
+            sub.recv_multipart()
+        first = pub.next_seq
+        for _ in range(50):
+            pub.publish(b"y" * 200)
+        assert sum(range(60_000_000)) > 0  # C only (builtin sum over a range): holds the GIL
+        arrived = []
+        while len(arrived) < 50:
+            try:  # what is queued at the SUB socket now, without waiting
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            arrived.append(int.from_bytes(frames[1], "big"))
+        assert arrived == list(range(first, first + 50))
+    finally:
+        sub.close()
+        pub.close()

@@ -9,9 +9,11 @@ Wire protocol:
   then the end marker ``[b"", b"", b"\\xff" * 8, b""]``. (vLLM's own publisher leaves the topic
   out of replies; the subscriber accepts both.)
 
-:class:`ZmqEventPublisher` never blocks its caller: :meth:`~ZmqEventPublisher.publish` queues
-the payload and a background thread (which owns both sockets, as ZeroMQ requires) sends it and
-serves replay requests. :class:`ZmqEventSubscriber` delivers batches in sequence order,
+:class:`ZmqEventPublisher` never blocks its caller: :meth:`~ZmqEventPublisher.publish` numbers
+the payload, keeps it for replay and queues it on an unbounded inproc pipe; a background thread
+running ZeroMQ's proxy (in C, without the GIL, so a busy engine thread cannot hold it up) sends
+it on PUB, and a second thread serves replay requests. Each socket is used by one thread at a
+time, as ZeroMQ requires. :class:`ZmqEventSubscriber` delivers batches in sequence order,
 repairs gaps through the replay socket and flags publisher restarts in-band.
 
 Endpoints ending in port 0 (or ``*``) bind an ephemeral port; the bound endpoints are exposed
@@ -21,9 +23,12 @@ as ``endpoint`` / ``replay_endpoint``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import sys
 import threading
+import time
 from collections import deque
 from typing import Any, Final, NamedTuple
 
@@ -37,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 END_SEQ: Final = b"\xff" * 8
 """The seq frame of the replay end marker (-1 as a signed 8-byte big-endian int)."""
+
+_INPROC_IDS = itertools.count()  # names of each publisher's inproc pipes
 
 
 def _bind_address(endpoint: str) -> str:
@@ -100,46 +107,86 @@ class ZmqEventPublisher:
             if self._replay is not None:
                 self._replay.close(linger=0)
             raise
-        self._queue: deque[bytes] = deque()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._skip: set[int] = set()
         self._next_seq = 0
+        self._parts_sent = 0  # frames handed to the forwarder
+        self._lock = threading.Lock()  # publish(), close() and the replay snapshot
         self._closing = False
         self._closed = False
-        self._signalled = False
+        # publish() -> inproc PUSH -> [forwarder: ZeroMQ's proxy, no GIL] -> PUB. Both inproc
+        # pipes are unbounded (HWM 0), so a send on them never blocks; PUB's own HWM drops.
+        name = f"inproc://kvpool-pub-{next(_INPROC_IDS)}"
+        self._push: zmq.Socket[Any] = self._ctx.socket(zmq.PUSH)
+        self._pull: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
+        self._ctl: zmq.Socket[Any] = self._ctx.socket(zmq.PAIR)
+        self._ctl_peer: zmq.Socket[Any] = self._ctx.socket(zmq.PAIR)
+        for sock in (self._push, self._pull, self._ctl, self._ctl_peer):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(name)
+        self._push.connect(name)
+        self._ctl.bind(name + "-ctl")
+        self._ctl_peer.connect(name + "-ctl")
+        self._forwarder = threading.Thread(target=self._forward, name="kvpool-zmq-pub",
+                                           daemon=True)
+        self._forwarder.start()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._run, name="kvpool-zmq-pub", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvpool-zmq-replay", daemon=True)
         self._thread.start()
 
     # -------------------------------------------------------------------------------- public
 
     @property
     def next_seq(self) -> int:
-        """The seq of the next batch the background thread will send."""
+        """The seq the next published batch gets."""
         return self._next_seq
 
     def publish(self, payload: bytes) -> None:
-        """Queue one batch; returns at once. Raises TransportError after :meth:`close`."""
-        if self._closing:
-            raise TransportError("publish() on a closed ZmqEventPublisher")
-        self._queue.append(payload)
-        self._wake()
+        """Hand one batch to the sending thread; returns at once. Raises TransportError after
+        :meth:`close`."""
+        with self._lock:
+            if self._closing:
+                raise TransportError("publish() on a closed ZmqEventPublisher")
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            self._buffer.append((seq, payload))
+            if seq in self._skip:
+                self._skip.discard(seq)
+                return
+            # An unbounded inproc pipe: queued for the forwarder, never blocking.
+            self._push.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
+                                      flags=zmq.NOBLOCK, copy=len(payload) < 65536)
+            self._parts_sent += 3
 
     def skip_on_pub(self, seq: int) -> None:
         """Fault injection for tests: batch ``seq`` is not sent on PUB but stays replayable."""
-        self._skip.add(seq)
+        with self._lock:
+            self._skip.add(seq)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued, stop the thread, close the sockets. Idempotent."""
-        if self._closed:
-            return
-        self._closing = True
-        self._wake()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("ZMQ publisher thread did not stop within %.1f s", timeout_s)
+        """Send what is queued, stop the threads, close the sockets. Idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        deadline = time.monotonic() + timeout_s
+        if not self._drain(deadline):
+            logger.warning("ZMQ publisher did not send its queue within %.1f s", timeout_s)
+        self._ctl.send(b"TERMINATE")
+        self._forwarder.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._forwarder.is_alive() or self._thread.is_alive():
+            logger.warning("ZMQ publisher threads did not stop within %.1f s", timeout_s)
+        else:
+            for sock in (self._push, self._pull, self._ctl, self._ctl_peer):
+                sock.close()
+            self._pub.close()  # its linger lets subscribers get the last batches
         self._closed = True
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -152,15 +199,33 @@ class ZmqEventPublisher:
 
     # ------------------------------------------------------------------------------ internal
 
-    def _wake(self) -> None:
-        # One byte per idle period is enough; the flag saves a syscall per publish.
-        if not self._signalled:
-            self._signalled = True
-            # A full pipe already holds a wake-up; a closed one means we are shutting down.
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"\0")
+    def _forward(self) -> None:
+        # ZeroMQ's proxy runs in C with the GIL released for as long as it runs: a Python
+        # thread sending on PUB instead had to win the GIL back after every frame, and behind a
+        # busy engine thread (which gives it up every 5 ms switch interval) it fell behind and
+        # delivered batches in bursts, seconds late.
+        try:
+            zmq.proxy_steerable(self._pull, self._pub, None, self._ctl_peer)
+        except zmq.ZMQError as exc:  # the context went away under it
+            if exc.errno != zmq.ETERM:
+                logger.exception("ZMQ publisher forwarder failed")
+
+    def _drain(self, deadline: float) -> bool:
+        """Wait until the forwarder has sent every frame handed to it (its statistics count
+        the frames it sent on PUB); False at the deadline."""
+        while True:
+            self._ctl.send(b"STATISTICS")
+            if not self._ctl.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                return False
+            stats = self._ctl.recv_multipart()
+            if int.from_bytes(stats[6], sys.byteorder) >= self._parts_sent:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def _run(self) -> None:
+        """Serve replay requests until close() writes to the wake pipe."""
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         if self._replay is not None:
@@ -168,37 +233,15 @@ class ZmqEventPublisher:
         try:
             while True:
                 ready = dict(poller.poll())
-                if self._wake_r in ready:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    self._signalled = False
-                self._send_queued()
                 if self._replay is not None and self._replay in ready:
                     self._serve_replay()
-                if self._closing and not self._queue:
+                if self._wake_r in ready:
                     break
-        except Exception:  # a dead thread would silently stop all events; say why
-            logger.exception("ZMQ publisher thread failed")
+        except Exception:  # a dead thread would silently stop replay; say why
+            logger.exception("ZMQ replay thread failed")
         finally:
-            self._pub.close()
             if self._replay is not None:
                 self._replay.close()
-
-    def _send_queued(self) -> None:
-        queue, pub, buffer, topic = self._queue, self._pub, self._buffer, self._topic
-        while queue:
-            payload = queue.popleft()
-            seq = self._next_seq
-            self._next_seq = seq + 1
-            seq_bytes = seq.to_bytes(8, "big")
-            if seq in self._skip:
-                self._skip.discard(seq)
-            else:
-                pub.send_multipart((topic, seq_bytes, payload), copy=len(payload) < 65536)
-            buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -213,9 +256,10 @@ class ZmqEventPublisher:
                 continue
             identity, start = frames[0], int.from_bytes(frames[2], "big")
             topic = self._topic
-            for seq, payload in self._buffer:
-                if seq >= start:
-                    router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"), payload))
+            with self._lock:
+                batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+            for seq, payload in batches:
+                router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"), payload))
             router.send_multipart((identity, b"", b"", END_SEQ, b""))
 
 
