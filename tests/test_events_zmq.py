@@ -3,6 +3,8 @@ dropped batch, restart detection."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -285,3 +287,61 @@ def test_batches_go_out_while_the_publishing_thread_holds_the_gil() -> None:
     finally:
         sub.close()
         pub.close()
+
+
+_MANY = """
+import resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+want = 8000 if hard == resource.RLIM_INFINITY else min(hard, 8000)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+if max(soft, want) < 6000:
+    print("SKIP")
+    sys.exit(0)
+from kvpool.events import ZmqEventPublisher, ZmqEventSubscriber
+pairs = []
+for _ in range(300):
+    pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    pairs.append((pub, ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint)))
+for pub, sub in pairs:
+    sub.close()
+    pub.close()
+print("OK", len(pairs))
+"""
+
+_EXHAUSTED = """
+import zmq
+from kvpool.errors import TransportError
+from kvpool.events import ZmqEventPublisher
+zmq.Context.instance().socket(zmq.PUB)  # the context started before kvpool: 1,023 sockets
+pubs = []
+try:
+    while len(pubs) < 1000:
+        pubs.append(ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"))
+except TransportError as exc:
+    print("TransportError", len(pubs), exc)
+for pub in pubs:
+    pub.close()
+"""
+
+
+def _run_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_a_process_holds_hundreds_of_publishers_and_subscribers() -> None:
+    """A replay of a large cluster or a router of many engines: 300 publisher/subscriber pairs
+    in one process (ZeroMQ's default context limit would stop at about 127 publishers)."""
+    out = _run_python(_MANY)
+    if out == "SKIP":
+        pytest.skip("this machine allows too few open files")
+    assert out == "OK 300"
+
+
+def test_running_out_of_sockets_is_a_transport_error() -> None:
+    out = _run_python(_EXHAUSTED)
+    assert out.startswith("TransportError"), out
+    count = int(out.split()[1])
+    assert 100 <= count < 200 and "socket limit" in out  # 1,023 sockets, 6 per publisher

@@ -46,6 +46,39 @@ END_SEQ: Final = b"\xff" * 8
 _INPROC_IDS = itertools.count()  # names of each publisher's inproc pipes
 
 
+_MAX_SOCKETS: Final = 16_384
+
+
+def _context() -> zmq.Context[Any]:
+    """The process's shared ZeroMQ context, its socket limit raised.
+
+    A publisher takes 6 sockets and a subscriber 2; ZeroMQ's default of 1,023 sockets per
+    context would stop a process (a replay of a large cluster, a router of many engines) at
+    about 127 publishers. ZeroMQ applies the limit only before the context's first socket, so
+    this takes effect when kvpool is the first to use the shared context (it usually is).
+    """
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    if ctx.get(zmq.MAX_SOCKETS) < _MAX_SOCKETS:
+        ctx.set(zmq.MAX_SOCKETS, min(_MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT)))
+    return ctx
+
+
+def _socket(ctx: zmq.Context[Any], kind: int, made: list[zmq.Socket[Any]]) -> zmq.Socket[Any]:
+    """A new socket with no linger (appended to ``made``); TransportError past the limits."""
+    try:
+        sock: zmq.Socket[Any] = ctx.socket(kind)
+    except zmq.ZMQError as exc:
+        raise TransportError(
+            f"cannot create a ZeroMQ socket ({exc}): the shared context's socket limit or the "
+            f"process's file descriptors ran out (a publisher uses 6 sockets, a subscriber 2; "
+            f"the limit is raised to {_MAX_SOCKETS} only when kvpool creates the context's "
+            f"first socket)"
+        ) from None
+    sock.setsockopt(zmq.LINGER, 0)
+    made.append(sock)
+    return sock
+
+
 def _bind_address(endpoint: str) -> str:
     # libzmq spells "any free port" as "*"; port 0 is the spelling everyone else uses.
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -89,23 +122,36 @@ class ZmqEventPublisher:
         if buffer_steps < 1:
             raise InvalidArgumentError(f"buffer_steps must be >= 1, got {buffer_steps}")
         self._topic = topic.encode("utf-8")
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._pub: zmq.Socket[Any] = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._pub.setsockopt(zmq.LINGER, 1000)
-        self._replay: zmq.Socket[Any] | None = None
+        self._ctx: zmq.Context[Any] = _context()
+        # publish() -> inproc PUSH -> [forwarder: ZeroMQ's proxy, no GIL] -> PUB. Both inproc
+        # pipes are unbounded (HWM 0), so a send on them never blocks; PUB's own HWM drops.
+        # The PAIR steers the proxy (statistics, terminate).
+        made: list[zmq.Socket[Any]] = []
         try:
+            self._pub: zmq.Socket[Any] = _socket(self._ctx, zmq.PUB, made)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 1000)
             self.endpoint = _bind(self._pub, endpoint)
+            self._replay: zmq.Socket[Any] | None = None
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay = _socket(self._ctx, zmq.ROUTER, made)
                 self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay burst is never cut short
-                self._replay.setsockopt(zmq.LINGER, 0)
                 self.replay_endpoint = _bind(self._replay, replay_endpoint)
-        except TransportError:
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            name = f"inproc://kvpool-pub-{next(_INPROC_IDS)}"
+            self._push: zmq.Socket[Any] = _socket(self._ctx, zmq.PUSH, made)
+            self._pull: zmq.Socket[Any] = _socket(self._ctx, zmq.PULL, made)
+            self._ctl: zmq.Socket[Any] = _socket(self._ctx, zmq.PAIR, made)
+            self._ctl_peer: zmq.Socket[Any] = _socket(self._ctx, zmq.PAIR, made)
+            self._push.setsockopt(zmq.SNDHWM, 0)
+            self._pull.setsockopt(zmq.RCVHWM, 0)
+            self._pull.bind(name)
+            self._push.connect(name)
+            self._ctl.bind(name + "-ctl")
+            self._ctl_peer.connect(name + "-ctl")
+        except BaseException:
+            for sock in made:
+                sock.close(linger=0)
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._skip: set[int] = set()
@@ -114,21 +160,6 @@ class ZmqEventPublisher:
         self._lock = threading.Lock()  # publish(), close() and the replay snapshot
         self._closing = False
         self._closed = False
-        # publish() -> inproc PUSH -> [forwarder: ZeroMQ's proxy, no GIL] -> PUB. Both inproc
-        # pipes are unbounded (HWM 0), so a send on them never blocks; PUB's own HWM drops.
-        name = f"inproc://kvpool-pub-{next(_INPROC_IDS)}"
-        self._push: zmq.Socket[Any] = self._ctx.socket(zmq.PUSH)
-        self._pull: zmq.Socket[Any] = self._ctx.socket(zmq.PULL)
-        self._ctl: zmq.Socket[Any] = self._ctx.socket(zmq.PAIR)
-        self._ctl_peer: zmq.Socket[Any] = self._ctx.socket(zmq.PAIR)
-        for sock in (self._push, self._pull, self._ctl, self._ctl_peer):
-            sock.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(name)
-        self._push.connect(name)
-        self._ctl.bind(name + "-ctl")
-        self._ctl_peer.connect(name + "-ctl")
         self._forwarder = threading.Thread(target=self._forward, name="kvpool-zmq-pub",
                                            daemon=True)
         self._forwarder.start()
@@ -312,11 +343,10 @@ class ZmqEventSubscriber:
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = _context()
         self._topic = topic.encode("utf-8")
-        self._sub: zmq.Socket[Any] = self._ctx.socket(zmq.SUB)
+        self._sub: zmq.Socket[Any] = _socket(self._ctx, zmq.SUB, [])
         self._sub.setsockopt(zmq.RCVHWM, hwm)
-        self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         try:
             self._sub.connect(endpoint)
@@ -325,7 +355,11 @@ class ZmqEventSubscriber:
             raise TransportError(f"cannot connect to {endpoint!r}: {exc}") from None
         self._dealer: zmq.Socket[Any] | None = None
         if replay_endpoint is not None:
-            self._dealer = self._new_dealer()
+            try:
+                self._dealer = self._new_dealer()
+            except TransportError:
+                self._sub.close(linger=0)
+                raise
         self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
         self._expected = start_seq
         self._sub_last: int | None = None
@@ -400,8 +434,7 @@ class ZmqEventSubscriber:
 
     def _new_dealer(self) -> zmq.Socket[Any]:
         assert self.replay_endpoint is not None
-        dealer: zmq.Socket[Any] = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = _socket(self._ctx, zmq.DEALER, [])
         dealer.setsockopt(zmq.RCVHWM, 0)
         try:
             dealer.connect(self.replay_endpoint)
