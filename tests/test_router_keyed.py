@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from array import array
 from typing import Any
 
 import msgspec
@@ -12,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool import jit
 from kvpool.errors import EventFormatError
 from kvpool.events.keyed import (
     KeyedEvent,
@@ -271,6 +275,150 @@ def test_vllm_keyed_decoding_does_not_read_token_ids() -> None:
     assert decode_vllm_keys(payload) == [StoredKeys(0, [1, 2], 1, 0, "vllm_sha256_cbor", None, 2)]
 
 
+# Token ids as any msgpack encoder may write them: every int form (a non-canonical one too),
+# values outside [0, 2**32) that a token id cannot be, and elements that are not ints.
+_INT_FORMS: dict[str, tuple[bytes, int, int, bool]] = {  # tag, width, lowest, highest, signed
+    "u8": (b"\xcc", 1, 0, 2**8 - 1, False), "u16": (b"\xcd", 2, 0, 2**16 - 1, False),
+    "u32": (b"\xce", 4, 0, 2**32 - 1, False), "u64": (b"\xcf", 8, 0, 2**64 - 1, False),
+    "i8": (b"\xd0", 1, -(2**7), 2**7 - 1, True), "i16": (b"\xd1", 2, -(2**15), 2**15 - 1, True),
+    "i32": (b"\xd2", 4, -(2**31), 2**31 - 1, True), "i64": (b"\xd3", 8, -(2**63), 2**63 - 1, True),
+}  # type: ignore[dict-item]
+
+
+@st.composite
+def msgpack_int(draw: st.DrawFn) -> tuple[bytes, Any]:
+    """One msgpack element and what it decodes to."""
+    form = draw(st.sampled_from([*_INT_FORMS, "fixint", "fixint", "negfixint", "other"]))
+    if form == "fixint":
+        v = draw(st.integers(0, 127))
+        return bytes([v]), v
+    if form == "negfixint":
+        v = draw(st.integers(-32, -1))
+        return bytes([v & 0xFF]), v
+    if form == "other":
+        v = draw(st.sampled_from([None, 1.5, "a", [1], True]))
+        return msgspec.msgpack.encode(v), v
+    tag, width, low, high, signed = _INT_FORMS[form]  # type: ignore[misc]
+    edges = [low, high, 0, 2**31 - 1, 2**31, 2**32 - 1, 2**32, -1]
+    v = draw(st.one_of(st.integers(low, high),
+                       st.sampled_from([e for e in edges if low <= e <= high])))
+    return tag + v.to_bytes(width, "big", signed=signed), v
+
+
+@st.composite
+def msgpack_token_array(draw: st.DrawFn, size: int | None = None) -> tuple[bytes, list[Any]]:
+    """A msgpack array of ints (sometimes other elements), with any valid header."""
+    items = draw(st.lists(msgpack_int(), min_size=size or 0, max_size=size if size else 40))
+    n = len(items)
+    head = draw(st.sampled_from(
+        (["fix"] if n < 16 else []) + (["a16"] if n < 2**16 else []) + ["a32"]))
+    header = (bytes([0x90 | n]) if head == "fix" else
+              b"\xdc" + n.to_bytes(2, "big") if head == "a16" else b"\xdd" + n.to_bytes(4, "big"))
+    return header + b"".join(b for b, _ in items), [v for _, v in items]
+
+
+def _token_ids(values: list[Any]) -> list[int] | None:
+    ok = all(type(v) is int and 0 <= v < 2**32 for v in values)
+    return values if ok else None
+
+
+@given(st.lists(msgpack_token_array(), max_size=6))
+def test_msgpack_token_kernel_reads_every_int_form_and_rejects_the_rest(
+    arrays: list[tuple[bytes, list[Any]]],
+) -> None:
+    """The kernel's ids are what msgspec decodes, whatever int forms the encoder chose; any
+    element that is not a token id (another type, a negative value, one of 2**32 or more)
+    makes it decline the whole call. Cut input is declined too, never read past."""
+    if jit.backend() == "python":
+        pytest.skip("the jit extra is not installed")
+    raws = [raw for raw, _ in arrays]
+    for raw, values in arrays:
+        assert msgspec.msgpack.decode(raw) == values  # the test's encoding is msgpack
+    expected = [_token_ids(values) for _, values in arrays]
+    got = jit.msgpack_token_arrays(raws)
+    if any(e is None for e in expected):
+        assert got is None
+    else:
+        assert got is not None
+        data, lengths = got
+        assert lengths == [len(v) for _, v in arrays]
+        assert list(array("I", data)) == [t for _, v in arrays for t in v]
+    if raws and raws[-1][1:]:
+        for cut in (1, len(raws[-1]) // 2):
+            assert jit.msgpack_token_arrays([*raws[:-1], raws[-1][:-cut]]) is None
+
+
+@st.composite
+def vllm_payloads_any_int_forms(draw: st.DrawFn) -> bytes:
+    events: list[Any] = []
+    for _ in range(draw(st.integers(0, 4))):
+        kind = draw(st.sampled_from(["stored", "stored", "removed"]))
+        hashes = draw(st.lists(st.integers(0, M64), min_size=0, max_size=4))
+        if kind == "removed":
+            events.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": None})
+            continue
+        size = draw(st.sampled_from([0, 1, 2, 3]))
+        n_tokens = draw(st.integers(0, (len(hashes) + 1) * max(size, 1)))
+        raw, _ = draw(msgpack_token_array(n_tokens))
+        stored: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": hashes,
+            "parent_block_hash": draw(st.one_of(st.none(), st.integers(0, M64))),
+            "block_size": size, "lora_id": None, "medium": draw(MEDIUM), "lora_name": None}
+        if draw(st.integers(0, 5)):  # absent now and then
+            stored["token_ids"] = msgspec.Raw(raw)
+        events.append(stored)
+    return msgspec.msgpack.encode([2.5, events, draw(st.sampled_from([None, 1]))])
+
+
+@given(vllm_payloads_any_int_forms(), st.integers(0, 100))
+def test_vllm_keyed_decoding_with_tokens_is_the_same_with_or_without_the_kernel(
+    payload: bytes, first: int
+) -> None:
+    """decode_vllm_keys(tokens=True) reads token ids with the msgpack kernel when numba is
+    there: records, events and errors are exactly those of the Python path, and they mean
+    what the checked decoding means."""
+    with_kernel = outcome(decode_vllm_keys, payload, first_event_id=first, tokens=True)
+    jit.set_enabled(False)
+    try:
+        without = outcome(decode_vllm_keys, payload, first_event_id=first, tokens=True)
+    finally:
+        jit.set_enabled(True)
+    assert with_kernel == without
+    expected = outcome(lambda: decode_vllm_batch(payload, first_event_id=first).events)
+    assert (with_kernel is None) == (expected is None)
+    if with_kernel is not None and expected is not None:
+        assert (index_state(with_kernel, by_tokens=True)
+                == index_state(expected, by_tokens=True))
+
+
+def test_vllm_keyed_decoding_with_tokens_uses_the_kernel() -> None:
+    """The kernel path is the one that runs (when numba is installed): it decodes token ids
+    msgspec's typed decoder would not hold as ints of a tuple if it had to build them."""
+    if jit.backend() == "python":
+        pytest.skip("the jit extra is not installed")
+    raw = b"\x94" + b"\xd3" + (5).to_bytes(8, "big") + b"\xcf" + (2**32 - 1).to_bytes(8, "big") \
+        + b"\x07\xd0\x01"
+    payload = msgspec.msgpack.encode([0.0, [
+        {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+         "token_ids": msgspec.Raw(raw), "block_size": 2, "lora_id": None, "medium": None,
+         "lora_name": None}], None])
+    calls: list[int] = []
+    original = jit.msgpack_token_arrays
+
+    def counting(arrays: list[bytes]) -> tuple[bytes, list[int]] | None:
+        calls.append(len(arrays))
+        return original(arrays)
+
+    jit.msgpack_token_arrays = counting  # type: ignore[assignment]
+    try:
+        (record,) = decode_vllm_keys(payload, tokens=True)
+    finally:
+        jit.msgpack_token_arrays = original  # type: ignore[assignment]
+    assert calls == [1]
+    assert record == StoredTokens(0, [11, 12], token_bytes([5, 2**32 - 1, 7, 1]), 2, None, None,
+                                  0, 0, "vllm_sha256_cbor", None)
+
+
 def test_vllm_digest_a_v2_key_cannot_be_made_of_stays_an_event_for_the_index_to_reject() -> None:
     payload = msgspec.msgpack.encode([0.0, [
         {"type": "BlockRemoved", "block_hashes": [b"\x01" * 40], "medium": "GPU"},
@@ -496,3 +644,23 @@ def test_ingest_reads_tokens_where_the_index_needs_them() -> None:
     assert index.tiers_of("u", 5) == (0,) and index.tokens_per_block_of("u") == 2
     assert index.worker_info("t").blocks_per_tier == (2, 0, 0)
     assert index.counters.anomalies == 0
+
+
+def test_ingest_loads_the_token_reader_when_a_worker_is_matched_by_tokens() -> None:
+    """The compiled token reader loads (numba is imported) when a worker matched by tokens is
+    added, not while its first batch waits; workers keyed by hashes never need it."""
+    if jit.backend() == "python":
+        pytest.skip("the jit extra is not installed")
+    code = ("import sys; from kvpool.router.index import KvIndex; "
+            "from kvpool.router.ingest import Ingest; "
+            "from kvpool.router.config import WorkerConfig, WorkerKind; "
+            "index = KvIndex(); ingest = Ingest(index); "
+            "index.add_worker('h', tokens_per_block=4); "
+            "ingest.add(WorkerConfig('h', WorkerKind.KVPOOL)); "
+            "print('numba' in sys.modules); "
+            "index.add_worker('t', tokens_per_block=4, match_by_tokens=True); "
+            "ingest.add(WorkerConfig('t', WorkerKind.KVPOOL, match_by_tokens=True)); "
+            "print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["False", "True"]

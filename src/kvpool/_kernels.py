@@ -1,8 +1,8 @@
 """The numba kernels behind :mod:`kvpool.jit` (imported only by it: this module needs numba).
 
 Module-level functions and constants, so that numba can cache the machine code on disk.
-Everything is uint64 arithmetic that wraps as the engine's C++ does; ``mix32``'s 32-bit
-products are masked back to 32 bits.
+The v1 chain is uint64 arithmetic that wraps as the engine's C++ does; ``mix32``'s 32-bit
+products are masked back to 32 bits. The msgpack reader parses arrays of ints byte by byte.
 """
 
 from __future__ import annotations
@@ -65,3 +65,68 @@ def v1_chain(tok: Any, params: Any, tpb: int, flags: int) -> Any:
         out[b] = seed
         parent = seed
     return out
+
+
+_BAD = -1
+
+
+@_jit
+def msgpack_u32(buf: Any, n: int, out: Any, counts: Any) -> int:
+    """Read the ``n`` bytes of ``buf`` (a uint8 array followed by at least 8 more bytes) as
+    msgpack arrays of ints back to back: every int into ``out`` (uint32, at least ``n``
+    long), each array's length into ``counts``. Returns the number of arrays, or -1 when the
+    bytes are anything else: another type, an int outside ``[0, 2**32)``, a cut array.
+
+    Every msgpack int form is read (an encoder may use any): positive fixint, uint 8/16/32/64
+    and int 8/16/32/64 of a non-negative value. The 8-, 16- and 32-bit forms are read
+    without branching on their width (random token ids switch widths unpredictably): the 4
+    bytes after the tag, shifted down to the form's width; hence the padding after ``n``.
+    """
+    p = np.int64(0)  # (numpy ints throughout: numba types them alike)
+    o = 0
+    k = 0
+    bad = np.int64(0)
+    while p < n:
+        h = np.int64(buf[p])
+        if 0x90 <= h <= 0x9F:  # fixarray
+            m = h & 0x0F
+            p += 1
+        elif h == 0xDC:  # array 16
+            m = (np.int64(buf[p + 1]) << 8) | np.int64(buf[p + 2])
+            p += 3
+        elif h == 0xDD:  # array 32
+            m = ((np.int64(buf[p + 1]) << 24) | (np.int64(buf[p + 2]) << 16)
+                 | (np.int64(buf[p + 3]) << 8) | np.int64(buf[p + 4]))
+            p += 5
+        else:
+            return _BAD
+        if k >= counts.shape[0] or o + m > out.shape[0]:
+            return _BAD
+        counts[k] = m
+        k += 1
+        for _ in range(m):
+            if p >= n:  # (so no read goes past the padding)
+                return _BAD
+            t = np.int64(buf[p])
+            if t < 0x80:  # positive fixint
+                out[o] = t
+                o += 1
+                p += 1
+                continue
+            if t == 0xCF or t == 0xD3:  # 64-bit forms: their high 4 bytes must be 0, and
+                if buf[p + 1] or buf[p + 2] or buf[p + 3] or buf[p + 4]:
+                    return _BAD
+                p += 4
+                t = np.int64(0xCE)  # the low 4 bytes are then the value (non-negative either way)
+            elif t < 0xCC or t > 0xD2:
+                return _BAD
+            w = np.int64(1) << (t & 3)  # 1, 2 or 4 bytes
+            v = ((np.int64(buf[p + 1]) << 24) | (np.int64(buf[p + 2]) << 16)
+                 | (np.int64(buf[p + 3]) << 8) | np.int64(buf[p + 4])) >> (32 - 8 * w)
+            bad |= (t >> 4 == 0xD) & (v >> (8 * w - 1))  # a signed form's negative value
+            out[o] = v
+            o += 1
+            p += 1 + w
+    if p != n or bad:
+        return _BAD
+    return k

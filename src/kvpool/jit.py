@@ -10,19 +10,24 @@ an int, about 250 ns a token on CPython 3.11, which caps ``v1_block_key`` near 4
 Compiled, the whole chain (mixing, combine, salt and LoRA scopes, block chaining) runs at a
 few hundred million tokens per second.
 
-Contract: a kernel returns exactly what the pure-Python path returns (a hypothesis test
-compares them on random inputs); callers validate their input first and fall back to Python
-when :func:`v1_chain` returns None. That happens when numba is not installed, when
-``KVPOOL_JIT=0`` is set in the environment, after :func:`set_enabled(False)
-<set_enabled>`, or when compiling failed (logged once). numba is imported, and the kernel
-compiled, on the first call long enough to use it (about half a second; numba caches the
-machine code on disk, so later processes load it).
+A router keying vLLM workers by their tokens reads every stored block's token ids from
+msgpack; building a Python int per token (and packing them back into bytes) was most of its
+decoding time. :func:`msgpack_token_arrays` reads the arrays' bytes straight into u32 ids.
+
+Contract: a kernel returns exactly what the pure-Python path returns (hypothesis tests
+compare them on random inputs); callers validate their input first (or let the kernel reject
+it) and fall back to Python when a kernel function returns None. That happens when numba is
+not installed, when ``KVPOOL_JIT=0`` is set in the environment, after
+:func:`set_enabled(False) <set_enabled>`, or when compiling failed (logged once). numba is
+imported, and the kernels compiled, on the first call that can use them (about half a
+second; numba caches the machine code on disk, so later processes load it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from array import array
 from collections.abc import Callable
@@ -30,7 +35,7 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["V1_MIN_TOKENS", "backend", "set_enabled", "v1_chain"]
+__all__ = ["V1_MIN_TOKENS", "backend", "msgpack_token_arrays", "set_enabled", "v1_chain"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,8 @@ _lock = threading.Lock()
 _enabled = os.environ.get("KVPOOL_JIT", "1").strip().lower() not in ("0", "off", "false", "no")
 _loaded = False
 _v1_kernel: Callable[..., np.ndarray] | None = None
+_msgpack_kernel: Callable[..., int] | None = None
+_PAD: Final = bytes(8)  # the msgpack kernel reads up to 8 bytes past its input
 _backend = "python"
 
 
@@ -70,6 +77,25 @@ def v1_chain(
     return out
 
 
+def msgpack_token_arrays(arrays: list[bytes]) -> tuple[bytes, list[int]] | None:
+    """Token ids of msgpack-encoded arrays of ints (each item of ``arrays`` one whole array):
+    all of them as u32 little-endian bytes, back to back, and each array's length. None when
+    no kernel is available, or when an array holds anything but ints in ``[0, 2**32)``
+    (the caller's Python path then decodes, and reports, what is there)."""
+    if not _enabled or sys.byteorder != "little" or not _load():
+        return None
+    assert _msgpack_kernel is not None
+    buf = b"".join([*arrays, _PAD])
+    n = len(buf) - len(_PAD)
+    out = np.empty(n, dtype=np.uint32)
+    counts = np.empty(len(arrays), dtype=np.int64)
+    k = _msgpack_kernel(np.frombuffer(buf, dtype=np.uint8), n, out, counts)
+    if k != len(arrays):
+        return None
+    lengths: list[int] = counts.tolist()
+    return out[:sum(lengths)].tobytes(), lengths
+
+
 def _load() -> bool:
     """Import numba and compile the kernels once; False when that is not possible."""
     global _loaded
@@ -89,12 +115,15 @@ def _load() -> bool:
 
 
 def _compile() -> None:
-    global _v1_kernel, _backend
+    global _v1_kernel, _msgpack_kernel, _backend
     import numba
 
     from kvpool import _kernels  # imports numba; defines the kernels at module level
 
     # compile now (or load numba's cached machine code), not inside the first caller's timing
     _kernels.v1_chain(array("I", [1]), array("Q", (0, 1, 1)), 1, 3)
+    _kernels.msgpack_u32(np.frombuffer(b"\x91\x01" + _PAD, dtype=np.uint8), 2,
+                         np.empty(2, dtype=np.uint32), np.empty(1, dtype=np.int64))
     _v1_kernel = _kernels.v1_chain
+    _msgpack_kernel = _kernels.msgpack_u32
     _backend = f"numba {numba.__version__}"

@@ -41,6 +41,7 @@ router's index): stored and removed events as :mod:`kvpool.events.keyed` records
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -48,6 +49,7 @@ from typing import Annotated, Any, Final, cast
 
 import msgspec
 
+from kvpool import jit
 from kvpool.errors import EventFormatError, InvalidArgumentError
 from kvpool.events.keyed import (
     KeyedEvent,
@@ -389,6 +391,10 @@ def decode_vllm_keys(
     Raises:
         EventFormatError: as :func:`decode_vllm_batch`.
     """
+    if tokens:
+        fast = _decode_keys_reading_tokens(payload, hash_algo, first_event_id)
+        if fast is not None:
+            return fast
     try:
         batch = (_TYPED_DECODER if tokens else _TYPED_DECODER_NO_TOKENS).decode(payload)
     except (msgspec.DecodeError, TypeError):
@@ -400,6 +406,41 @@ def decode_vllm_keys(
             decoder.stored_keys(ev, index)
         elif type(ev) is _InStored:
             decoder.stored_tokens(ev, index)
+        elif type(ev) is _InRemoved:
+            decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
+        else:
+            decoder.emit(AllCleared(), 0, 0)
+    return decoder.out
+
+
+def _decode_keys_reading_tokens(
+    payload: bytes, hash_algo: str, first_event_id: int
+) -> list[KeyedEvent] | None:
+    """``decode_vllm_keys(tokens=True)`` with the token ids read from their msgpack bytes by a
+    compiled kernel (:func:`kvpool.jit.msgpack_token_arrays`) instead of one Python int each;
+    None when the kernel is not available or the batch needs the other paths (a shape the
+    typed decoder does not take, or token ids that are not all ints in ``[0, 2**32)``: those
+    paths then decode, or reject, it exactly as without the kernel)."""
+    try:
+        batch = _TYPED_DECODER_NO_TOKENS.decode(payload)
+    except (msgspec.DecodeError, TypeError):
+        return None
+    events = batch.events
+    arrays = [ev.token_ids for ev in events if type(ev) is _InStoredNoTokens and ev.token_ids]
+    read = jit.msgpack_token_arrays(arrays)  # type: ignore[arg-type]  # Raw is a buffer
+    if read is None:
+        return None
+    data, lengths = read
+    decoder = _Decoder(hash_algo, first_event_id, batch.data_parallel_rank, typed=True)
+    k = off = 0
+    for index, ev in enumerate(events):
+        if type(ev) is _InStoredNoTokens:
+            n_tokens = 0
+            if ev.token_ids:
+                n_tokens = lengths[k]
+                k += 1
+            decoder.stored_token_bytes(ev, index, data[4 * off:4 * (off + n_tokens)])
+            off += n_tokens
         elif type(ev) is _InRemoved:
             decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
         else:
@@ -625,34 +666,65 @@ class _Decoder:
 
     def stored_tokens(self, ev: _InStored, index: int) -> None:
         """Emit one stored event as a record with its tokens (see :func:`decode_vllm_keys`)."""
-        raw, parent, tokens = ev.block_hashes, ev.parent_block_hash, ev.token_ids
+        tokens = ev.token_ids
+        cut = self._record_cut(ev, index, len(tokens))
+        if cut is None:
+            return
+        if cut:
+            base, end = cut[0], cut[1]
+            try:
+                data = token_bytes(tokens[base:end] if base or end < len(tokens) else tokens)
+            except ValueError:  # an id outside u32: the event path names it
+                pass
+            else:
+                self._record(ev, cut, data)
+                return
+        self.stored(ev.block_hashes, ev.parent_block_hash, tokens, ev.block_size, ev.lora_id,
+                    ev.medium, ev.group_idx, ev.kv_cache_spec_sliding_window, index)
+
+    def stored_token_bytes(self, ev: _InStoredNoTokens, index: int, tokens: bytes) -> None:
+        """:meth:`stored_tokens` of an event whose token ids were read already: ``tokens``,
+        u32 little-endian (checked in ``[0, 2**32)``)."""
+        cut = self._record_cut(ev, index, len(tokens) // 4)
+        if cut is None:
+            return
+        if cut:
+            base, end = 4 * cut[0], 4 * cut[1]
+            self._record(ev, cut, tokens[base:end] if base or end < len(tokens) else tokens)
+            return
+        self.stored(ev.block_hashes, ev.parent_block_hash, tuple(array("I", tokens)),
+                    ev.block_size, ev.lora_id, ev.medium, ev.group_idx,
+                    ev.kv_cache_spec_sliding_window, index)
+
+    def _record_cut(
+        self, ev: _InStored | _InStoredNoTokens, index: int, n_tokens: int
+    ) -> tuple[int, int, list[int], int | None, int] | tuple[()] | None:
+        """What a stored event's :class:`StoredTokens` record needs: (first, end) token
+        positions of its blocks, its keys, its parent's key and its tier; () when it cannot be
+        a record (the event path takes it); None when it names no block (nothing to emit)."""
+        raw, parent = ev.block_hashes, ev.parent_block_hash
         if parent is not None:
             self.hash(parent, index, "parent_block_hash")
         level = self.tier(ev.medium, index) or 0
         if not raw:
-            return
+            return None
         keys = self.keys(raw)
         parent_keys = [] if parent is None else self.keys([parent])
-        size, n, n_tokens = ev.block_size or 0, len(raw), len(tokens)
+        size, n = ev.block_size or 0, len(raw)
         # Cut as stored() cuts, aligned to the last block; a record needs tokens in every block.
         base = max(0, -(-n_tokens // size) - n) * size if size else 0
-        if keys is not None and parent_keys is not None and size and (
-            base + (n - 1) * size < n_tokens
-        ):
-            end = base + n * size
-            try:
-                data = token_bytes(tokens[base:end] if base or end < n_tokens else tokens)
-            except ValueError:  # an id outside u32: the event path names it
-                pass
-            else:
-                self.out.append(StoredTokens(
-                    self.next_id, keys, data, size, parent_keys[0] if parent_keys else None,
-                    ev.lora_id, level, ev.group_idx or 0, self.algo, self.rank,
-                ))
-                self.next_id += 1
-                return
-        self.stored(raw, parent, tokens, ev.block_size, ev.lora_id, ev.medium, ev.group_idx,
-                    ev.kv_cache_spec_sliding_window, index)
+        if (keys is None or parent_keys is None or not size
+                or base + (n - 1) * size >= n_tokens):
+            return ()
+        return base, base + n * size, keys, parent_keys[0] if parent_keys else None, level
+
+    def _record(self, ev: _InStored | _InStoredNoTokens,
+                cut: tuple[int, int, list[int], int | None, int], tokens: bytes) -> None:
+        self.out.append(StoredTokens(
+            self.next_id, cut[2], tokens, ev.block_size or 0, cut[3], ev.lora_id, cut[4],
+            ev.group_idx or 0, self.algo, self.rank,
+        ))
+        self.next_id += 1
 
     def removed_keys(
         self, raw: list[int | bytes], medium: Any, group: int | None, index: int

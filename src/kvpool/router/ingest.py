@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 import zmq
 
+from kvpool import jit
 from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
 from kvpool.events.keyed import KeyedEvent
 from kvpool.events.model import KVCacheEvent
@@ -143,10 +144,16 @@ class Ingest:
     # ------------------------------------------------------------------------------ setup
 
     def add(self, worker: WorkerConfig) -> None:
-        """Ingest ``worker``'s events once started (it must be registered in the index)."""
+        """Ingest ``worker``'s events once started (it must be registered in the index).
+
+        For a worker the index matches by tokens, the compiled token reader
+        (:mod:`kvpool.jit`) is loaded now (about half a second, once per process), not while
+        the worker's first batch waits."""
         if not self.index.has_worker(worker.id):
             raise UnknownWorkerError(f"worker {worker.id!r} is not registered in the index")
         self._workers[worker.id] = worker
+        if self.index.uses_tokens(worker.id):
+            jit.backend()
         if worker.zmq_endpoint is not None:
             self._status[worker.id] = TransportStatus("zmq", worker.zmq_endpoint)
         elif worker.kind is WorkerKind.TRTLLM:
