@@ -196,10 +196,12 @@ def _subscriber(
     seen = batches = next_id = 0
     lags: list[float] = []  # per batch: received minus the batch's timestamp (its encoding)
     deadline = time.monotonic() + timeout_s
+    decoded_at = time.monotonic()  # when the latest batch was decoded
     while (expected is None or seen < expected) and time.monotonic() < deadline:
         for batch in sub.recv(0.5):
             received = time.time()
             decoded = decode_vllm_batch(batch.payload, hash_algo=algo, first_event_id=next_id)
+            decoded_at = time.monotonic()
             lags.append(received - decoded.ts)
             next_id += len(decoded.events)
             seen += block_events(decoded.events)
@@ -209,7 +211,9 @@ def _subscriber(
                 expected = total.get_nowait()
     result.put(
         {
-            "end": time.monotonic(),
+            # the last block event's decoding, not this loop's end: the loop learns the total
+            # from the producer only after a receive that may wait out its timeout
+            "end": decoded_at,
             "block_events": seen,
             "batches": batches,
             "replayed": sub.replayed,
