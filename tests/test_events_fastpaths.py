@@ -409,3 +409,56 @@ def test_chain_hooks_mean_the_same_as_one_block_at_a_time(ops: list[tuple[Any, .
     index = EventIndex(strict=True)  # raises on a removal or update of an unannounced block
     index.apply_all(events)
     assert index.cached == chained.announced_blocks()
+
+
+TOKEN_ID = st.one_of(st.integers(0, 2**32 - 1),
+                     st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]))
+
+
+@given(st.lists(st.tuples(st.lists(TOKEN_ID, min_size=1, max_size=20), st.integers(0, 2),
+                          st.sampled_from([None, 3])), min_size=1, max_size=8),
+       st.sampled_from([None, 4]), st.booleans())
+def test_token_ids_encode_as_the_tuples_of_the_same_ids(
+    blocks: list[tuple[list[int], int, int | None]], block_size: int | None, kernel: bool
+) -> None:
+    """A stored chain whose blocks carry TokenIds (as the manager's do) encodes byte for byte
+    as the same chain with tuples, with the msgpack kernel or without it; runs of several
+    tiers and LoRA ids included."""
+    from array import array
+
+    from kvpool import jit
+    from kvpool.events import TokenIds
+
+    def batch(make: Any) -> bytes:
+        chain = tuple(StoredBlock(i + 1, make(t), level, 35, lora)
+                      for i, (t, level, lora) in enumerate(blocks))
+        return encode_vllm_batch([KVCacheEvent(0, Stored(None, chain), 0)], ts=1.0,
+                                 block_size=block_size)
+
+    expected = batch(tuple)
+    jit.set_enabled(kernel)
+    try:
+        got = batch(lambda t: TokenIds("I", array("I", t).tobytes()))
+    finally:
+        jit.set_enabled(True)
+    assert got == expected
+
+
+@given(st.lists(TOKEN_ID, max_size=40), st.lists(TOKEN_ID, max_size=3))
+def test_token_ids_behave_as_the_tuple_of_their_ids(ids: list[int], other: list[int]) -> None:
+    import pickle
+    from array import array
+
+    from kvpool.events import TokenIds
+
+    t = TokenIds("I", array("I", ids).tobytes())
+    assert t == tuple(ids) and tuple(ids) == t
+    assert (t != tuple(ids)) is False  # __ne__ is not the inherited array one
+    assert (t == tuple(other)) == (ids == other) and (t != tuple(other)) == (ids != other)
+    assert hash(t) == hash(tuple(ids)) and len(t) == len(ids) and list(t) == ids
+    assert t != ids  # a tuple never equals a list either
+    block = StoredBlock(7, t)
+    assert block == StoredBlock(7, tuple(ids)) and hash(block) == hash(StoredBlock(7, tuple(ids)))
+    back = pickle.loads(pickle.dumps(block))
+    assert back == block and type(back.tokens) is TokenIds
+    assert repr(t) == f"TokenIds({tuple(ids)!r})"

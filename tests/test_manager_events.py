@@ -168,3 +168,24 @@ def test_stored_blocks_carry_their_own_tokens(
         assert b.tokens == expected[b.block_hash]
     stored_partial = any(len(b.tokens) < tpb for b in blocks)
     assert stored_partial == (partial and any(len(p) % tpb for p in prompts))
+
+
+@pytest.mark.parametrize("policy", ["lru", "2q", "arc", "s3fifo"])
+@pytest.mark.parametrize("needed", [1, 2, 3, 5])
+def test_evicted_blocks_are_removed_in_eviction_order(policy: str, needed: int) -> None:
+    """A released chain is evicted tail first, and its removed event lists the hashes in that
+    order: a whole chain (needed >= its length, the next one's tail too) or only its tail."""
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=6, eviction_policy=policy,
+                                   enable_partial_reuse=False, event_buffer_max_size=100))
+    chains = []
+    for sid, first in enumerate((10, 20)):
+        m.add_sequence(SequenceRequest(sid, list(range(first, first + 6))))
+        m.remove_sequence(sid)  # 3 blocks each (the pool's 6 slots), released tail first
+        m.flush_iteration_events()
+        (stored,) = [e for e in m.get_latest_events(0) if isinstance(e.data, Stored)]
+        chains.append([b.block_hash for b in stored.data.blocks])
+    m.add_sequence(SequenceRequest(9, list(range(100, 100 + 2 * needed))))
+    m.flush_iteration_events()
+    removed = [h for e in m.get_latest_events(0) if isinstance(e.data, Removed)
+               for h in e.data.block_hashes]
+    assert removed == (chains[0][::-1] + chains[1][::-1])[:needed]

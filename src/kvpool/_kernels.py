@@ -130,3 +130,48 @@ def msgpack_u32(buf: Any, n: int, out: Any, counts: Any) -> int:
     if p != n or bad:
         return _BAD
     return k
+
+
+@_jit
+def msgpack_from_u32(ids: Any, out: Any) -> int:
+    """Write ``ids`` (uint32) as one msgpack array into ``out`` (uint8, at least 5 + 5 x
+    len(ids) long), each int in its shortest form (as msgspec writes it); returns the bytes
+    written."""
+    n = ids.shape[0]
+    if n < 16:
+        out[0] = 0x90 | n
+        p = 1
+    elif n < 0x10000:
+        out[0] = 0xDC
+        out[1] = n >> 8
+        out[2] = n & 0xFF
+        p = 3
+    else:
+        out[0] = 0xDD
+        out[1] = n >> 24
+        out[2] = (n >> 16) & 0xFF
+        out[3] = (n >> 8) & 0xFF
+        out[4] = n & 0xFF
+        p = 5
+    for i in range(n):
+        v = np.int64(ids[i])
+        if v < 0x80:
+            out[p] = v
+            p += 1
+        elif v < 0x100:
+            out[p] = 0xCC
+            out[p + 1] = v
+            p += 2
+        elif v < 0x10000:
+            out[p] = 0xCD
+            out[p + 1] = v >> 8
+            out[p + 2] = v & 0xFF
+            p += 3
+        else:
+            out[p] = 0xCE
+            out[p + 1] = v >> 24
+            out[p + 2] = (v >> 16) & 0xFF
+            out[p + 3] = (v >> 8) & 0xFF
+            out[p + 4] = v & 0xFF
+            p += 5
+    return p

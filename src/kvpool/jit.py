@@ -12,7 +12,9 @@ few hundred million tokens per second.
 
 A router keying vLLM workers by their tokens reads every stored block's token ids from
 msgpack; building a Python int per token (and packing them back into bytes) was most of its
-decoding time. :func:`msgpack_token_arrays` reads the arrays' bytes straight into u32 ids.
+decoding time. :func:`msgpack_token_arrays` reads the arrays' bytes straight into u32 ids, and
+:func:`msgpack_token_array` writes u32 ids as a msgpack array (the vLLM encoder, for tokens the
+manager announced as :class:`~kvpool.events.model.TokenIds`).
 
 Contract: a kernel returns exactly what the pure-Python path returns (hypothesis tests
 compare them on random inputs); callers validate their input first (or let the kernel reject
@@ -35,7 +37,10 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["V1_MIN_TOKENS", "backend", "msgpack_token_arrays", "set_enabled", "v1_chain"]
+__all__ = [
+    "V1_MIN_TOKENS", "backend", "msgpack_token_array", "msgpack_token_arrays", "set_enabled",
+    "v1_chain",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ _enabled = os.environ.get("KVPOOL_JIT", "1").strip().lower() not in ("0", "off",
 _loaded = False
 _v1_kernel: Callable[..., np.ndarray] | None = None
 _msgpack_kernel: Callable[..., int] | None = None
+_msgpack_writer: Callable[..., int] | None = None
 _PAD: Final = bytes(8)  # the msgpack kernel reads up to 8 bytes past its input
 _backend = "python"
 
@@ -96,6 +102,17 @@ def msgpack_token_arrays(arrays: list[bytes]) -> tuple[bytes, list[int]] | None:
     return out[:sum(lengths)].tobytes(), lengths
 
 
+def msgpack_token_array(ids: bytes) -> bytes | None:
+    """``ids`` (native u32, as ``array("I").tobytes()``) as one msgpack array of ints, byte
+    for byte what msgspec writes for the list of them; None when no kernel is available."""
+    if not _enabled or not _load():
+        return None
+    assert _msgpack_writer is not None
+    values = np.frombuffer(ids, dtype=np.uint32)
+    out = np.empty(5 + 5 * len(values), dtype=np.uint8)
+    return out[:_msgpack_writer(values, out)].tobytes()
+
+
 def _load() -> bool:
     """Import numba and compile the kernels once; False when that is not possible."""
     global _loaded
@@ -115,7 +132,7 @@ def _load() -> bool:
 
 
 def _compile() -> None:
-    global _v1_kernel, _msgpack_kernel, _backend
+    global _v1_kernel, _msgpack_kernel, _msgpack_writer, _backend
     import numba
 
     from kvpool import _kernels  # imports numba; defines the kernels at module level
@@ -124,6 +141,8 @@ def _compile() -> None:
     _kernels.v1_chain(array("I", [1]), array("Q", (0, 1, 1)), 1, 3)
     _kernels.msgpack_u32(np.frombuffer(b"\x91\x01" + _PAD, dtype=np.uint8), 2,
                          np.empty(2, dtype=np.uint32), np.empty(1, dtype=np.int64))
+    _kernels.msgpack_from_u32(np.ones(1, dtype=np.uint32), np.empty(10, dtype=np.uint8))
     _v1_kernel = _kernels.v1_chain
     _msgpack_kernel = _kernels.msgpack_u32
+    _msgpack_writer = _kernels.msgpack_from_u32
     _backend = f"numba {numba.__version__}"

@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, Protocol, cast
 
-from kvpool import admission
+from kvpool import admission, jit
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import (
@@ -37,7 +38,7 @@ from kvpool.errors import (
     StorageError,
     UnknownSequenceError,
 )
-from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock
+from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock, TokenIds
 from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.hashing import (
     BlockHasher,
@@ -47,7 +48,7 @@ from kvpool.hashing import (
     hash_algo,
     tokens_to_u32,
 )
-from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, prune
+from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, detach, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
@@ -128,17 +129,7 @@ def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
     return list(st.unpack(b"".join(keys)))  # type: ignore[arg-type]
 
 
-_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
-
-
-def _token_tuple(tkey: bytes) -> tuple[int, ...]:
-    """Tokens stored as native uint32 bytes, as a tuple of ints."""
-    st = _TOKEN_STRUCTS.get(len(tkey))
-    if st is None:
-        st = struct.Struct(f"={len(tkey) // 4}I")
-        if len(_TOKEN_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
-            _TOKEN_STRUCTS[len(tkey)] = st
-    return st.unpack(tkey)
+_FIRST = itemgetter(0)
 
 
 class KVCacheManager:
@@ -177,6 +168,7 @@ class KVCacheManager:
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
         ]
         self._queue: list[list[EvictionPolicy]] = make_policies(config, self._clock)
+        self._block_struct = struct.Struct(f"{self.tpb * 4}s")  # a block's token bytes
         self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
         self._run_at: list[list[list[Run | None]]] = [
             [[None] * n for n in config.slots[t]] for t in range(self._tiers)
@@ -209,6 +201,10 @@ class KVCacheManager:
                                   hash_algo=self._event_algo())
         self.events = events
         self._events = events
+        if events is not None:
+            # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
+            # now (once per process) rather than while the first batch waits to be published.
+            jit.backend()
         self._copies: list[BlockCopy | None] = []
         self._removed_pending: dict[int, list[int | str]] = {}
         # (tier, group, slot) -> index in _copies of the copy that fills it during this call
@@ -216,7 +212,6 @@ class KVCacheManager:
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
-        self._block_struct = struct.Struct(f"={self.tpb}I")  # a block's tokens
         self._stats = CacheStats()
         self._iter_base = CacheStats()
         if events is not None:
@@ -520,12 +515,21 @@ class KVCacheManager:
         idx_at = self._idx_at[0][g]
         single = self.config.num_groups == 1
         events = self._events is not None
+        victims = self._queue[0][g].pop_many(n - len(out))
+        slots = [s for s, _ in victims]
+        if single:
+            tails = self._leaf_tails(g, slots)
+            if tails is not None:
+                self._drop_tails(g, tails)
+                out += slots
+                self._stats.evicted_blocks += len(slots)
+                self._stats.dropped_blocks += len(slots)
+                return out
         removed: list[BlockKey] = []
         cut: dict[Run, int] = {}
         prev: Run | None = None  # the run the last victim left, and its length now
         prev_n = 0
         slow = 0
-        victims = self._queue[0][g].pop_many(n - len(out))
         for s, prio in victims:
             run = run_at[s]
             assert run is not None
@@ -551,20 +555,62 @@ class KVCacheManager:
                 else:  # the whole run left
                     cut.pop(run, None)
                     prev = None
-                    parent = run.parent
-                    assert parent is not None
-                    parent.remove_child(run)
-                    run.alive = False
-                    if not parent.children and parent.parent is not None:
-                        prune(parent)
+                    detach(run)
             else:
                 prev = None
         self._cut_runs(cut)
-        out += [s for s, _ in victims]
+        out += slots
         self._stats.evicted_blocks += len(victims) - slow
         self._stats.dropped_blocks += len(victims) - slow
         self._emit_removed(g, removed)
         return out
+
+    def _leaf_tails(self, g: int, slots: list[int]) -> list[tuple[Run, int]] | None:
+        """If GPU victims ``slots`` (one layer group in all) are, stretch after stretch, the
+        tails of leaf runs, tail first (how a released block table leaves the queue): each
+        run with the length it keeps. Else None (nothing changed)."""
+        run_at = self._run_at[0][g]
+        idx_at = self._idx_at[0][g]
+        tails: list[tuple[Run, int]] = []
+        pos, n = 0, len(slots)
+        while pos < n:
+            s = slots[pos]
+            run = run_at[s]
+            if run is None or run.children:
+                return None
+            i = idx_at[s]
+            if i != len(run.keys) - 1:
+                return None
+            keep = max(0, i + 1 - (n - pos))
+            stretch = run.slot[g][keep:]
+            stretch.reverse()
+            if stretch != slots[pos:pos + i + 1 - keep]:
+                return None
+            tails.append((run, keep))
+            pos += i + 1 - keep
+        return tails
+
+    def _drop_tails(self, g: int, tails: list[tuple[Run, int]]) -> None:
+        """Evict whole leaf-run tails found by :meth:`_leaf_tails`: what evicting their blocks
+        one by one does, a run at a time."""
+        run_at = self._run_at[0][g]
+        removed: list[BlockKey] = []
+        for run, keep in tails:
+            sl = run.slot[g]
+            for s in sl[keep:]:
+                run_at[s] = None
+            if self._events is not None:
+                gone = run.keys[keep:]
+                gone.reverse()
+                removed += gone
+            if keep:
+                run.truncate(keep)
+                if not run.has_slot(keep - 1):
+                    prune(run)
+                continue
+            sl[:] = [NO_SLOT] * len(sl)
+            detach(run)
+        self._emit_removed(g, removed)
 
     def _cut_runs(self, cut: dict[Run, int]) -> None:
         """Truncate runs to the lengths ``cut`` gives (their tails lost every slot)."""
@@ -825,14 +871,14 @@ class KVCacheManager:
         parent_hash = None if parent is None else self._ev_hashes([parent])[0]
         step = self.step
         blocks: list[StoredBlock] = []
-        block_struct = self._block_struct
         for r, a, b in chain:
             raw = r.tkey[a * step:b * step]
-            # Whole blocks come out of the bytes one tuple each, in C; a partial block (a
-            # run of its own) is shorter than a block.
-            toks: Iterable[tuple[int, ...]] = (
-                block_struct.iter_unpack(raw) if len(raw) == (b - a) * step
-                else [_token_tuple(raw[i * step:(i + 1) * step]) for i in range(b - a)]
+            # Each block's tokens are its bytes, as TokenIds (no Python int per token); a
+            # partial block (a run of its own) is shorter than a block.
+            toks: Iterable[TokenIds] = (
+                map(TokenIds, repeat("I"), map(_FIRST, self._block_struct.iter_unpack(raw)))
+                if len(raw) == (b - a) * step  # whole blocks, cut in C
+                else [TokenIds("I", raw[i * step:(i + 1) * step]) for i in range(b - a)]
             )
             prio = r.prio
             # one constructor call per block through map: no bytecode runs per block

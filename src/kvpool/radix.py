@@ -254,6 +254,17 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return lo
 
 
+def detach(run: Run) -> None:
+    """Remove ``run`` (which lost every block) from its parent; a parent left a childless
+    non-root run is pruned in turn (:func:`prune`)."""
+    parent = run.parent
+    assert parent is not None
+    parent.remove_child(run)
+    run.alive = False
+    if not parent.children and parent.parent is not None:
+        prune(parent)
+
+
 def prune(run: Run | None) -> None:
     """Drop slotless blocks that have no child, from ``run``'s tail upwards.
 

@@ -16,6 +16,7 @@ from kvpool.events.model import (
     Removed,
     Stored,
     StoredBlock,
+    TokenIds,
     Updated,
 )
 from kvpool.events.trtllm_json import (
@@ -42,6 +43,7 @@ __all__ = [
     "Stored",
     "StoredBlock",
     "SubscribedBatch",
+    "TokenIds",
     "Updated",
     "VllmEventBatch",
     "ZmqEventPublisher",

@@ -5,12 +5,17 @@ size and layer group it concerns, the hash algorithm of its hashes and, with att
 parallelism, the rank it came from. ``data`` is one of the five payload types. Block hashes are
 ints (u64) or, for ``v2_sha256``, 64-character hex strings.
 
-The structs are declared ``gc=False``: they hold only ints, strings, tuples and each other, so
-they can never be part of a reference cycle, and leaving millions of them out of the cyclic
-garbage collector's passes measurably speeds up decoding and indexing event streams.
+The structs are declared ``gc=False``: they hold only ints, strings, tuples (or
+:class:`TokenIds`) and each other, so they can never be part of a reference cycle, and leaving
+millions of them out of the cyclic garbage collector's passes measurably speeds up decoding and
+indexing event streams.
 """
 
 from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -26,11 +31,40 @@ class EventDiff(msgspec.Struct, frozen=True, gc=False):
     new_value: int
 
 
+class TokenIds(array):  # type: ignore[type-arg]
+    """A block's token ids as kvpool's manager announces them: an ``array("I")`` (build one
+    as ``TokenIds("I", data)``) that equals, and hashes as, the tuple of the same ids.
+
+    The manager keeps tokens as u32 bytes; a stored block's ids come out of them in one C
+    call instead of one Python int per token, and the vLLM encoder writes them from their
+    bytes (with the ``jit`` extra). Read them as any sequence of ints."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is tuple:
+            return self.tolist() == list(other)
+        return array.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:  # type: ignore[override]  # arrays are mutable; these are not
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"TokenIds({tuple(self)!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TokenIds, ("I", self.tobytes()))
+
+
 class StoredBlock(msgspec.Struct, frozen=True, gc=False):
-    """One block of a stored chain."""
+    """One block of a stored chain. ``tokens``: a tuple of ints, or :class:`TokenIds` in the
+    events of kvpool's manager (equal to the tuple of the same ids)."""
 
     block_hash: BlockHash
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]
     cache_level: int = 0
     priority: int = DEFAULT_PRIORITY
     lora_id: int | None = None

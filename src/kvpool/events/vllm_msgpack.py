@@ -67,6 +67,7 @@ from kvpool.events.model import (
     Removed,
     Stored,
     StoredBlock,
+    TokenIds,
     Updated,
 )
 from kvpool.hashing import HashAlgo
@@ -105,7 +106,7 @@ class _BlockStored(
 ):
     block_hashes: Sequence[WireHash]
     parent_block_hash: WireHash | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw  # Raw: the array already encoded (_wire_tokens)
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -247,19 +248,19 @@ def _encode_stored(
     level, lora = first.cache_level, first.lora_id
     hashes: list[BlockHash] = []
     add = hashes.append
-    tokens: list[int] = []
-    extend = tokens.extend
+    tokens: list[Sequence[int]] = []  # the blocks' token sequences
+    add_tokens = tokens.append
     longest = 0
-    runs: list[tuple[list[BlockHash], list[int], int, int | None]] = []
+    runs: list[tuple[list[BlockHash], list[Sequence[int]], int, int | None]] = []
     for block in blocks:
         if block.cache_level != level or (block.lora_id is not lora and block.lora_id != lora):
             runs.append((hashes, tokens, level, lora))
             level, lora = block.cache_level, block.lora_id
             hashes, tokens = [], []
-            add, extend = hashes.append, tokens.extend
+            add, add_tokens = hashes.append, tokens.append
         add(block.block_hash)
         block_tokens = block.tokens
-        extend(block_tokens)
+        add_tokens(block_tokens)
         if block_size is None and len(block_tokens) > longest:
             longest = len(block_tokens)
     runs.append((hashes, tokens, level, lora))
@@ -274,11 +275,25 @@ def _encode_stored(
         wire_hashes = _wire_hashes(hashes)
         wire.append(
             _BlockStored(
-                wire_hashes, parent, tokens, size, lora, _medium(level), None, None, group,
-                kind, window,
+                wire_hashes, parent, _wire_tokens(tokens), size, lora, _medium(level), None,
+                None, group, kind, window,
             )
         )
         parent = wire_hashes[-1]
+
+
+def _wire_tokens(blocks: list[Sequence[int]]) -> list[int] | msgspec.Raw:
+    """The token_ids of a run of blocks: from their bytes in one kernel call when they are all
+    :class:`TokenIds` (the manager's) and the ``jit`` extra is there, else as a list of ints
+    (the same bytes on the wire either way)."""
+    if blocks and set(map(type, blocks)) == {TokenIds}:
+        packed = jit.msgpack_token_array(b"".join(blocks))  # type: ignore[arg-type]
+        if packed is not None:
+            return msgspec.Raw(packed)
+    out: list[int] = []
+    for t in blocks:
+        out += t
+    return out
 
 
 def _encode_removed(data: Removed, group: int | None, wire: list[_WireEvent]) -> None:
