@@ -664,3 +664,26 @@ def test_ingest_loads_the_token_reader_when_a_worker_is_matched_by_tokens() -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["False", "True"]
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=5),
+                          st.integers(0, M64)), min_size=1, max_size=6),
+       st.booleans())
+def test_token_matched_index_reads_token_ids_as_their_tuples(
+    blocks: list[tuple[list[int], int]], chained: bool
+) -> None:
+    """Stored chains whose blocks carry TokenIds (a kvpool manager's, fed in process) build the
+    index that the same chains with tuples build: whole, partial and token-less blocks."""
+    from kvpool.events import TokenIds
+
+    def events(make: Any) -> list[KeyedEvent]:
+        chain = tuple(StoredBlock(h, make(t)) for t, h in blocks)
+        out: list[KeyedEvent] = [KVCacheEvent(0, Stored(None, chain), 0,
+                                              hash_algo="vllm_sha256_cbor")]
+        if chained:  # a child chain under the last block
+            out.append(KVCacheEvent(1, Stored(blocks[-1][1], (StoredBlock(M64 - 1, make([9])),)),
+                                    0, hash_algo="vllm_sha256_cbor"))
+        return out
+
+    as_ids = events(lambda t: TokenIds("I", array("I", t).tobytes()))
+    assert index_state(as_ids, by_tokens=True) == index_state(events(tuple), by_tokens=True)

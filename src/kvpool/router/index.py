@@ -90,6 +90,7 @@ from kvpool.events.model import (
     Removed,
     Stored,
     StoredBlock,
+    TokenIds,
     Updated,
 )
 from kvpool.hashing import HashAlgo
@@ -771,7 +772,10 @@ class KvIndex:
         except (TypeError, AttributeError) as exc:
             raise _Malformed(f"bad tokens in a stored block: {exc}") from None
         size, n = sizes[0], len(sizes)
-        if 0 < sizes[-1] <= size and sizes.count(size) == n - (sizes[-1] != size):
+        if _LITTLE and size and 0 not in sizes and set(map(type, tokens)) == {TokenIds}:
+            # a kvpool manager's blocks (an in-process feed): their u32 bytes, as they are
+            out = _chain_blocks(map(TokenIds.tobytes, tokens), key)  # type: ignore[arg-type]
+        elif 0 < sizes[-1] <= size and sizes.count(size) == n - (sizes[-1] != size):
             # Full blocks, the last one maybe partial (the usual): each block packed in one C
             # call, and nothing is changed before every block has packed.
             try:
