@@ -415,15 +415,15 @@ TOKEN_ID = st.one_of(st.integers(0, 2**32 - 1),
                      st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]))
 
 
-@given(st.lists(st.tuples(st.lists(TOKEN_ID, min_size=1, max_size=20), st.integers(0, 2),
+@given(st.lists(st.tuples(st.lists(TOKEN_ID, min_size=1, max_size=80), st.integers(0, 2),
                           st.sampled_from([None, 3])), min_size=1, max_size=8),
        st.sampled_from([None, 4]), st.booleans())
 def test_token_ids_encode_as_the_tuples_of_the_same_ids(
     blocks: list[tuple[list[int], int, int | None]], block_size: int | None, kernel: bool
 ) -> None:
     """A stored chain whose blocks carry TokenIds (as the manager's do) encodes byte for byte
-    as the same chain with tuples, with the msgpack kernel or without it; runs of several
-    tiers and LoRA ids included."""
+    as the same chain with tuples, with the msgpack kernel or without it, runs long enough
+    for the kernel and shorter ones; runs of several tiers and LoRA ids included."""
     from array import array
 
     from kvpool import jit
@@ -462,3 +462,18 @@ def test_token_ids_behave_as_the_tuple_of_their_ids(ids: list[int], other: list[
     back = pickle.loads(pickle.dumps(block))
     assert back == block and type(back.tokens) is TokenIds
     assert repr(t) == f"TokenIds({tuple(ids)!r})"
+
+
+@given(st.one_of(st.lists(TOKEN_ID, max_size=300),
+                 st.one_of(st.sampled_from([15, 16, 65_535, 65_536]), st.integers(0, 70_000))
+                 .map(lambda n: [i * 65_537 % 2**32 for i in range(n)])))
+def test_msgpack_token_kernel_writes_what_msgspec_writes(ids: list[int]) -> None:
+    """The kernel behind TokenIds' encoding writes every id in its shortest form and the
+    array header for any length (fixarray, array 16, array 32) as msgspec does."""
+    from array import array
+
+    from kvpool import jit
+
+    if jit.backend() == "python":
+        pytest.skip("the jit extra is not installed")
+    assert jit.msgpack_token_array(array("I", ids).tobytes()) == msgspec.msgpack.encode(ids)
