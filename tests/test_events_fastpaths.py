@@ -436,11 +436,12 @@ def test_token_ids_encode_as_the_tuples_of_the_same_ids(
                                  block_size=block_size)
 
     expected = batch(tuple)
+    was = jit.enabled()
     jit.set_enabled(kernel)
     try:
         got = batch(lambda t: TokenIds("I", array("I", t).tobytes()))
     finally:
-        jit.set_enabled(True)
+        jit.set_enabled(was)
     assert got == expected
 
 

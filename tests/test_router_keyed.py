@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from array import array
@@ -378,11 +379,12 @@ def test_vllm_keyed_decoding_with_tokens_is_the_same_with_or_without_the_kernel(
     there: records, events and errors are exactly those of the Python path, and they mean
     what the checked decoding means."""
     with_kernel = outcome(decode_vllm_keys, payload, first_event_id=first, tokens=True)
+    was = jit.enabled()
     jit.set_enabled(False)
     try:
         without = outcome(decode_vllm_keys, payload, first_event_id=first, tokens=True)
     finally:
-        jit.set_enabled(True)
+        jit.set_enabled(was)
     assert with_kernel == without
     expected = outcome(lambda: decode_vllm_batch(payload, first_event_id=first).events)
     assert (with_kernel is None) == (expected is None)
@@ -661,8 +663,9 @@ def test_ingest_loads_the_token_reader_when_a_worker_is_matched_by_tokens() -> N
             "index.add_worker('t', tokens_per_block=4, match_by_tokens=True); "
             "ingest.add(WorkerConfig('t', WorkerKind.KVPOOL, match_by_tokens=True)); "
             "print('numba' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_JIT"}  # the default: on
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+                         timeout=120, check=True, env=env).stdout.split()
     assert out == ["False", "True"]
 
 

@@ -2,7 +2,8 @@
 
 Module-level functions and constants, so that numba can cache the machine code on disk.
 The v1 chain is uint64 arithmetic that wraps as the engine's C++ does; ``mix32``'s 32-bit
-products are masked back to 32 bits. The msgpack reader parses arrays of ints byte by byte.
+products are masked back to 32 bits. The msgpack reader parses arrays of ints byte by byte;
+the writer writes u32 ids as one array, each in its shortest form.
 """
 
 from __future__ import annotations

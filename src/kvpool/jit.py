@@ -38,8 +38,8 @@ from typing import Final
 import numpy as np
 
 __all__ = [
-    "V1_MIN_TOKENS", "backend", "msgpack_token_array", "msgpack_token_arrays", "set_enabled",
-    "v1_chain",
+    "V1_MIN_TOKENS", "backend", "enabled", "msgpack_token_array", "msgpack_token_arrays",
+    "set_enabled", "v1_chain",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ def set_enabled(enabled: bool) -> None:
     """Use the compiled kernels when available (True, the default) or never (False)."""
     global _enabled
     _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    """Whether the kernels are switched on (``KVPOOL_JIT``, :func:`set_enabled`); they may still
+    be unavailable (see :func:`backend`)."""
+    return _enabled
 
 
 def backend() -> str:

@@ -444,10 +444,13 @@ def _decode_keys_reading_tokens(
     None when the kernel is not available or the batch needs the other paths (a shape the
     typed decoder does not take, or token ids that are not all ints in ``[0, 2**32)``: those
     paths then decode, or reject, it exactly as without the kernel)."""
+    if jit.backend() == "python":
+        return None  # before decoding: the caller's path would decode the batch again
     try:
         batch = _TYPED_DECODER_NO_TOKENS.decode(payload)
     except (msgspec.DecodeError, TypeError):
-        return None
+        # not the typed shape even with token ids left raw, so not with them read either
+        return list(_decode_generic(payload, hash_algo, first_event_id).events)
     events = batch.events
     arrays = [ev.token_ids for ev in events if type(ev) is _InStoredNoTokens and ev.token_ids]
     read = jit.msgpack_token_arrays(arrays)  # type: ignore[arg-type]  # Raw is a buffer
