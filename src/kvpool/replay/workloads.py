@@ -21,12 +21,12 @@ import gzip
 import math
 import os
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 from itertools import pairwise
 from pathlib import Path
-from typing import IO, Annotated, Final
+from typing import Annotated, Final
 
 import msgspec
 import numpy as np
@@ -354,7 +354,6 @@ def load_mooncake(
     cache = _BlockCache(seed, tokens_per_hash_id, vocab_size)
     tpi = tokens_per_hash_id
     stem = Path(p.name.removesuffix(".gz")).stem
-    f: IO[bytes]
     try:
         with gzip.open(p, "rb") if p.name.endswith(".gz") else p.open("rb") as f:
             requests = _read_mooncake(f, p, decoder, cache, stem, limit)
@@ -381,7 +380,7 @@ def load_mooncake(
 
 
 def _read_mooncake(
-    f: IO[bytes],
+    f: Iterable[bytes],
     p: Path,
     decoder: msgspec.json.Decoder[_MooncakeLine],
     cache: _BlockCache,
