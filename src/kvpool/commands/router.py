@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import replace
 from typing import Any
+
+from msgspec.structs import replace
 
 from kvpool.router.config import ServiceConfig, load_config
 from kvpool.router.service import serve
@@ -42,10 +43,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=str(args.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config)
+    listen = config.listen
     if args.host is not None:
-        config = replace(config, host=args.host)
+        listen = replace(listen, host=args.host)
     if args.port is not None:
-        config = replace(config, port=args.port)
+        listen = replace(listen, port=args.port)
+    config = replace(config, listen=listen)
     asyncio.run(_main(config))
     return 0
 
