@@ -1,7 +1,9 @@
 """The ``kvpool`` command: a thin dispatcher over the subcommand modules in ``kvpool.commands``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
-``func`` (called with the parsed namespace, returning the exit code).
+``func`` (called with the parsed namespace, returning the exit code). Exit codes: 0 done,
+1 the work could not be done as asked (the command says why), 2 a bad option or input (one
+line on stderr, no traceback), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpool import __version__
+from kvpool.commands._args import CommandParser
 from kvpool.errors import KVPoolError
 
 # Subcommand modules under kvpool.commands, in the order --help lists them.
@@ -19,7 +22,7 @@ SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvpool",
         description="KV cache block manager, events, router and workload replay for LLM engines.",
     )
@@ -35,8 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
-        parser.print_help()
-        return 0
+        parser.print_usage(sys.stderr)
+        print("kvpool: error: a command is required (see kvpool --help)", file=sys.stderr)
+        return 2
     try:
         code: int = func(args)
     except KVPoolError as exc:
