@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
+import yaml
 
 from kvpool.errors import ConfigError
 from kvpool.router.config import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_PROMPT_TOKENS,
+    IngestOptions,
+    ListenOptions,
+    RouterOptions,
+    ServiceConfig,
+    WorkerConfig,
     WorkerKind,
     load_config,
     parse_config,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 ONE = [{"id": "a", "kind": "kvpool"}]
 
 
@@ -37,12 +46,12 @@ def test_trtllm_example_polls_http_workers_with_the_trtllm_score() -> None:
     assert all(w.zmq_endpoint is None and w.hash_algo is None for w in cfg.workers)
 
 
-def test_kvpool_example_names_hash_or_matches_by_tokens_and_reads_a_token_variable() -> None:
+def test_kvpool_example_names_the_hash_or_matches_by_tokens() -> None:
     cfg = load_config(EXAMPLES / "router-kvpool.yaml")
     assert [w.kind for w in cfg.workers] == [WorkerKind.KVPOOL, WorkerKind.KVPOOL]
     assert cfg.workers[0].hash_algo == "v2_sha256"
     assert cfg.workers[1].match_by_tokens and cfg.workers[1].hash_algo is None
-    assert cfg.listen.auth_token_env == "KVPOOL_ROUTER_TOKEN"
+    assert cfg.router.tier_weights == (1.0, 0.75, 0.25)
 
 
 def test_listen_defaults_and_the_body_limit_holds_the_longest_prompt() -> None:
@@ -86,3 +95,20 @@ def test_errors_start_with_the_key_path_and_say_what_was_wrong(
     with pytest.raises(ConfigError) as info:
         parse_config({"workers": ONE, **raw})
     assert str(info.value).startswith(message)
+
+
+def test_the_reference_documents_every_key_and_its_example_loads() -> None:
+    text = (ROOT / "docs" / "router.md").read_text()
+    example = re.search(r"```yaml\n(.*?)```", text, re.S)
+    assert example is not None
+    cfg = parse_config(yaml.safe_load(example.group(1)))
+    assert cfg.listen.auth_token_env == "ROUTER_TOKEN"
+    assert [w.kind for w in cfg.workers] == [WorkerKind.VLLM, WorkerKind.TRTLLM]
+    rows = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    for struct in (ServiceConfig, ListenOptions, RouterOptions, IngestOptions, WorkerConfig):
+        for field in msgspec.structs.fields(struct):
+            if field.type not in (ListenOptions, RouterOptions, IngestOptions):
+                assert field.name in rows or field.name == "workers", field.name
+    # and the defaults the tables state are the structures' defaults
+    assert f"`{DEFAULT_MAX_BODY_BYTES}` (10 MiB)" in text
+    assert "| `load_weight` | number ≥ 0 | `0.1` |" in text
