@@ -56,11 +56,22 @@ def test_kvpool_alone_prints_usage_and_exits_2() -> None:
     assert res.stdout == ""
 
 
-@pytest.mark.parametrize("port", ["99999", "-1", "65536", "http"])
-def test_router_port_out_of_range_is_one_line(port: str) -> None:
-    res = kvpool("router", "--config", EXAMPLE, "--port", port)
-    assert res.returncode == 2
-    line = one_line(res.stderr)
+def test_router_port_out_of_range_is_one_line_from_the_real_command() -> None:
+    res = kvpool("router", "--config", EXAMPLE, "--port", "99999")
+    assert res.returncode == 2 and res.stdout == ""
+    assert one_line(res.stderr) == (
+        "kvpool router: error: argument --port: expected an integer in [0, 65535], got "
+        "'99999' (see kvpool router --help)"
+    )
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_router_port_out_of_range_is_one_line(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_main(["router", "--config", EXAMPLE, "--port", port], capsys)
+    assert code == 2
+    line = one_line(err)
     assert line.startswith("kvpool router: error: argument --port: expected an integer")
     assert "[0, 65535]" in line or "http" in line
 
