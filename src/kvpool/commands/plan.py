@@ -1,7 +1,9 @@
 """``kvpool plan``: size the KV cache pools of a model for a memory budget.
 
-Prints one row per layer group (bytes per block, slots per tier, the GPU floor and the
-constraint that set it), the constraints' needs, and writes the plan as JSON with ``--json``.
+Prints one column per layer group (bytes per block, slots per tier, the GPU floor and the
+constraint that set it, the typical step's need; as many groups per table as the terminal
+holds), the constraints' needs, warns when a group's GPU pool holds less than half of a typical
+step, and writes the plan as JSON with ``--json`` (its folder checked before any work).
 """
 
 from __future__ import annotations
