@@ -103,6 +103,9 @@ def test_router_port_with_equals_and_unknown_log_level(
         (["replay", "--gpu-blocks", "100", "--host-mem", "1GiB"],
          "--gpu-blocks replaces --host-mem"),
         (["replay", "--trace", "chat"], "trace file not found: chat"),
+        (["replay", "--requets", "5"],
+         "kvpool replay: error: unrecognized arguments: --requets 5 (see kvpool replay --help)"),
+        (["router"], "kvpool router: error: the following arguments are required: --config"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(

@@ -30,12 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvpool.commands.{name}").register(sub)
+    parser.set_defaults(command_parsers=sub.choices)  # to report a stray option as its command's
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        target = args.command_parsers.get(args.command, parser)
+        target.error(f"unrecognized arguments: {' '.join(extra)}")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_usage(sys.stderr)
