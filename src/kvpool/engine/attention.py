@@ -1,0 +1,204 @@
+"""Paged attention over kvpool's pool tensors, registered with transformers' AttentionInterface.
+
+A step packs every scheduled sequence's new tokens into one row ``[1, T]``: the decodes first
+(one token each), then each prefill chunk. :class:`StepBatch` is built once per step and
+passed to the model as the keyword argument ``kvpool_batch``; transformers hands it to every
+attention call, where :func:`paged_attention`
+
+1. writes the layer's new K/V into the sequences' block slots (one ``index_copy_`` each), and
+2. reads each sequence's K/V back through its block table (one ``index_select``) and runs
+   ``scaled_dot_product_attention``: all decodes in one call (query heads folded onto their
+   KV heads, so grouped-query attention needs no repeated KV), each prefill chunk in its own.
+
+The pool of a layer group ``[slots, layers, 2, tpb, kv_heads, head_dim]`` is read as rows
+``[slots·layers·2·tpb, kv_heads, head_dim]``: the row of (slot, layer, K/V, offset) is
+``slot·layers·2·tpb + layer·2·tpb + kv·tpb + offset``. A step's row indices are computed for
+layer 0; layer l reads the same indices in the view that starts ``l·2·tpb`` rows later, so
+no index is recomputed per layer.
+
+Masks follow transformers': a query at position q sees keys ``k <= q`` and, in a sliding
+window of W, ``k > q - W``. A window group's released blocks (table entries -1) lie before
+that range and are never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+ATTN_IMPLEMENTATION = "kvpool_paged"
+"""The name kvpool's attention function is registered under in transformers."""
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's part of a step: tokens ``[start, end)`` of it are computed now."""
+
+    table: dict[int, list[int]]  # layer group -> block table (-1 = not held)
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class Prefill:
+    """One prefill chunk of a layer group: packed tokens ``[t0, t1)``, its key rows and mask."""
+
+    t0: int
+    t1: int
+    rows: torch.Tensor  # [keys] layer-0 rows, K (V is ``tpb`` rows later)
+    mask: torch.Tensor | None  # [1, 1, q, keys] bool; None = plain causal from key 0
+
+
+@dataclass(slots=True)
+class GroupStep:
+    """A step's indices for one layer group."""
+
+    write_rows: torch.Tensor  # [T] layer-0 K rows of the new tokens
+    decode_rows: torch.Tensor | None  # [decodes, keys]
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, keys] bool
+    prefills: list[Prefill]
+
+
+@dataclass(slots=True)
+class PoolView:
+    """A layer group's GPU pool as rows, and where each model layer lives in it."""
+
+    rows: torch.Tensor  # [slots·layers·2·tpb, kv_heads, head_dim]
+    num_layers: int
+    tpb: int
+    window: int | None
+
+
+class StepBatch:
+    """Everything the attention of one step needs, computed once for all layers."""
+
+    __slots__ = ("groups", "layer_group", "layer_index", "num_decodes", "pools", "tpb")
+
+    def __init__(self, pools: Sequence[PoolView], layer_group: Sequence[int],
+                 layer_index: Sequence[int], decodes: Sequence[ScheduledSeq],
+                 prefills: Sequence[ScheduledSeq], device: torch.device) -> None:
+        self.pools = pools
+        self.layer_group = layer_group
+        self.layer_index = layer_index
+        self.num_decodes = len(decodes)
+        self.groups = [_group_step(g, pool, decodes, prefills, device)
+                       for g, pool in enumerate(pools)]
+
+
+def _slot_rows(table: torch.Tensor, positions: torch.Tensor, pool: PoolView) -> torch.Tensor:
+    """Layer-0 K rows of ``positions`` through block ``table`` (same leading shape)."""
+    tpb = pool.tpb
+    slots = table.gather(-1, torch.div(positions, tpb, rounding_mode="floor"))
+    return slots * (pool.num_layers * 2 * tpb) + positions % tpb
+
+
+def _first_key(q: int, window: int | None) -> int:
+    return 0 if window is None else max(0, q - window + 1)
+
+
+def _group_step(g: int, pool: PoolView, decodes: Sequence[ScheduledSeq],
+                prefills: Sequence[ScheduledSeq], device: torch.device) -> GroupStep:
+    window = pool.window
+    writes: list[torch.Tensor] = []
+    decode_rows = decode_mask = None
+    if decodes:
+        ends = [s.end for s in decodes]
+        starts = [_first_key(e - 1, window) for e in ends]
+        span = max(e - s for s, e in zip(starts, ends, strict=True))
+        width = max(len(s.table[g]) for s in decodes)
+        table = torch.tensor([s.table[g] + [0] * (width - len(s.table[g])) for s in decodes],
+                             dtype=torch.long, device=device)
+        first = torch.tensor(starts, dtype=torch.long, device=device)
+        last = torch.tensor(ends, dtype=torch.long, device=device) - 1
+        pos = first[:, None] + torch.arange(span, device=device)[None, :]
+        valid = pos <= last[:, None]
+        rows = _slot_rows(table, torch.where(valid, pos, first[:, None]), pool)
+        decode_rows = rows
+        decode_mask = valid[:, None, None, :]
+        writes.append(_slot_rows(table, last[:, None], pool)[:, 0])
+    chunks: list[Prefill] = []
+    t = len(decodes)
+    for s in prefills:
+        table = torch.tensor(s.table[g], dtype=torch.long, device=device)
+        lo = _first_key(s.start, window)
+        keys = torch.arange(lo, s.end, device=device)
+        rows = _slot_rows(table, keys, pool)
+        n = s.end - s.start
+        writes.append(rows[s.start - lo:])
+        mask = None
+        if lo > 0 or s.start > 0 or window is not None:
+            q = torch.arange(s.start, s.end, device=device)[:, None]
+            allowed = keys[None, :] <= q
+            if window is not None:
+                allowed &= keys[None, :] > q - window
+            mask = allowed[None, None]
+        chunks.append(Prefill(t, t + n, rows, mask))
+        t += n
+    write_rows = torch.cat(writes) if len(writes) > 1 else writes[0]
+    return GroupStep(write_rows, decode_rows, decode_mask, chunks)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, KVH, T, D]``
+    of the step's new tokens; returns ``[1, T, H, D]``. Without a ``kvpool_batch`` (the model
+    called outside the engine) it is transformers' own sdpa attention."""
+    batch: StepBatch | None = kwargs.pop("kvpool_batch", None)
+    if batch is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,  # type: ignore[no-any-return]
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    g = batch.layer_group[layer]
+    pool = batch.pools[g]
+    step = batch.groups[g]
+    tpb = pool.tpb
+    rows = pool.rows[batch.layer_index[layer] * 2 * tpb:]
+    k_new = key[0].transpose(0, 1)  # [T, KVH, D]
+    v_new = value[0].transpose(0, 1)
+    rows.index_copy_(0, step.write_rows, k_new)
+    rows[tpb:].index_copy_(0, step.write_rows, v_new)
+    q_all = query[0].transpose(0, 1)  # [T, H, D]
+    heads, dim = q_all.shape[1], q_all.shape[2]
+    kv_heads = key.shape[1]
+    out = torch.empty_like(q_all)
+    nd = batch.num_decodes
+    if nd:
+        assert step.decode_rows is not None and step.decode_mask is not None
+        idx = step.decode_rows
+        span = idx.shape[1]
+        kv = torch.cat((idx, idx + tpb), dim=1).view(-1)
+        kv_rows = rows.index_select(0, kv).view(nd, 2, span, kv_heads, dim)
+        k = kv_rows[:, 0].transpose(1, 2)  # [B, KVH, span, D]
+        v = kv_rows[:, 1].transpose(1, 2)
+        q = q_all[:nd].reshape(nd, kv_heads, heads // kv_heads, dim)
+        o = scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling)
+        out[:nd] = o.reshape(nd, heads, dim)
+    for p in step.prefills:
+        kv = torch.cat((p.rows, p.rows + tpb))
+        n_keys = p.rows.shape[0]
+        kv_rows = rows.index_select(0, kv).view(2, n_keys, kv_heads, dim)
+        k = kv_rows[0].transpose(0, 1)[None]
+        v = kv_rows[1].transpose(0, 1)[None]
+        q = q_all[p.t0:p.t1].transpose(0, 1)[None]
+        o = scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
+                                         scale=scaling, enable_gqa=heads != kv_heads)
+        out[p.t0:p.t1] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def register() -> None:
+    """Register :func:`paged_attention` (and transformers' sdpa masks for calls outside the
+    engine) under :data:`ATTN_IMPLEMENTATION`; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
