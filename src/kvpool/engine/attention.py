@@ -153,7 +153,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask,  # type: ignore[no-any-return]
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     layer: int = module.layer_idx  # type: ignore[assignment]
     g = batch.layer_group[layer]

@@ -96,7 +96,7 @@ class Engine:
         self._generated = 0
 
     def _rows(self, g: int) -> torch.Tensor:
-        pool = self.manager.tensors(g, 0)
+        pool: torch.Tensor = self.manager.tensors(g, 0)
         return pool.view(-1, pool.shape[-2], pool.shape[-1])
 
     @classmethod

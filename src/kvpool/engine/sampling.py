@@ -58,7 +58,9 @@ class SamplingParams:
                 f"top_k must be an int >= 0 (0 = no top-k), got {self.top_k!r}"
             )
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise InvalidArgumentError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+            raise InvalidArgumentError(
+                f"seed must be None or an int in [0, 2**63), got {self.seed!r}"
+            )
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidArgumentError(f"stop must be non-empty strings, got {self.stop!r}")
