@@ -15,7 +15,7 @@ from kvpool import __version__
 from kvpool.errors import KVPoolError
 
 # Subcommand modules under kvpool.commands, in the order --help lists them.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
