@@ -1,10 +1,19 @@
 """Tiny, seeded, random transformers models with a real byte-level tokenizer, saved to a
-directory, for the serving, loading and cluster tests (no weights are downloaded)."""
+directory, for the serving, loading and cluster tests (no weights are downloaded); ``kvpool``
+subprocesses and a small HTTP client for the tests that run real servers."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -52,3 +61,60 @@ def save_tiny_model(path: Path, *, seed: int = 0, with_tokenizer: bool = True) -
     if with_tokenizer:
         tokenizer.save_pretrained(path)
     return path
+
+
+class KvpoolProcess:
+    """A ``kvpool`` subprocess whose stdout lines are collected by a thread."""
+
+    def __init__(self, *args: str) -> None:
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self.errors: list[str] = []  # stderr, read so the pipe never fills up
+        for stream, sink in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors)):
+            threading.Thread(target=self._read, args=(stream, sink), daemon=True).start()
+
+    @staticmethod
+    def _read(stream: Any, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line.strip())
+
+    def wait_line(self, prefix: str, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if line.startswith(prefix):
+                    return line
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line {prefix!r}: {self.lines} {self.errors[-20:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def http_request(base: str, method: str, path: str, body: object = None
+          ) -> tuple[int, dict[str, str], Any]:
+    url = urlparse(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        payload = json.loads(raw) if "json" in resp.getheader("Content-Type", "") else raw
+        return resp.status, dict(resp.getheaders()), payload
+    finally:
+        conn.close()
