@@ -49,7 +49,7 @@ class Prefill:
 
     t0: int
     t1: int
-    rows: torch.Tensor  # [keys] layer-0 rows, K (V is ``tpb`` rows later)
+    rows: torch.Tensor  # [2·keys] layer-0 rows: K, then V (``tpb`` rows later)
     mask: torch.Tensor | None  # [1, 1, q, keys] bool; None = plain causal from key 0
 
 
@@ -58,8 +58,9 @@ class GroupStep:
     """A step's indices for one layer group."""
 
     write_rows: torch.Tensor  # [T] layer-0 K rows of the new tokens
-    decode_rows: torch.Tensor | None  # [decodes, keys]
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, keys] bool
+    decode_rows: torch.Tensor | None  # [decodes·2·keys]: per decode its K rows, then its V rows
+    decode_keys: int  # keys per decode (the longest; shorter ones are masked)
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, keys] bool; None = every key valid
     prefills: list[Prefill]
 
 
@@ -103,8 +104,10 @@ def _first_key(q: int, window: int | None) -> int:
 def _group_step(g: int, pool: PoolView, decodes: Sequence[ScheduledSeq],
                 prefills: Sequence[ScheduledSeq], device: torch.device) -> GroupStep:
     window = pool.window
+    tpb = pool.tpb
     writes: list[torch.Tensor] = []
     decode_rows = decode_mask = None
+    span = 0
     if decodes:
         ends = [s.end for s in decodes]
         starts = [_first_key(e - 1, window) for e in ends]
@@ -117,8 +120,9 @@ def _group_step(g: int, pool: PoolView, decodes: Sequence[ScheduledSeq],
         pos = first[:, None] + torch.arange(span, device=device)[None, :]
         valid = pos <= last[:, None]
         rows = _slot_rows(table, torch.where(valid, pos, first[:, None]), pool)
-        decode_rows = rows
-        decode_mask = valid[:, None, None, :]
+        decode_rows = torch.cat((rows, rows + tpb), dim=1).view(-1)
+        if len(set(e - s for s, e in zip(starts, ends, strict=True))) > 1:
+            decode_mask = valid[:, None, None, :]
         writes.append(_slot_rows(table, last[:, None], pool)[:, 0])
     chunks: list[Prefill] = []
     t = len(decodes)
@@ -136,10 +140,10 @@ def _group_step(g: int, pool: PoolView, decodes: Sequence[ScheduledSeq],
             if window is not None:
                 allowed &= keys[None, :] > q - window
             mask = allowed[None, None]
-        chunks.append(Prefill(t, t + n, rows, mask))
+        chunks.append(Prefill(t, t + n, torch.cat((rows, rows + tpb)), mask))
         t += n
     write_rows = torch.cat(writes) if len(writes) > 1 else writes[0]
-    return GroupStep(write_rows, decode_rows, decode_mask, chunks)
+    return GroupStep(write_rows, decode_rows, span, decode_mask, chunks)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -168,29 +172,28 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q_all = query[0].transpose(0, 1)  # [T, H, D]
     heads, dim = q_all.shape[1], q_all.shape[2]
     kv_heads = key.shape[1]
-    out = torch.empty_like(q_all)
     nd = batch.num_decodes
+    outs: list[torch.Tensor] = []
     if nd:
-        assert step.decode_rows is not None and step.decode_mask is not None
-        idx = step.decode_rows
-        span = idx.shape[1]
-        kv = torch.cat((idx, idx + tpb), dim=1).view(-1)
-        kv_rows = rows.index_select(0, kv).view(nd, 2, span, kv_heads, dim)
+        assert step.decode_rows is not None
+        span = step.decode_keys
+        kv_rows = rows.index_select(0, step.decode_rows).view(nd, 2, span, kv_heads, dim)
         k = kv_rows[:, 0].transpose(1, 2)  # [B, KVH, span, D]
         v = kv_rows[:, 1].transpose(1, 2)
+        # query heads h = kv·rep + r fold onto their KV head: [B, KVH, rep, D] (no repeated KV)
         q = q_all[:nd].reshape(nd, kv_heads, heads // kv_heads, dim)
         o = scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling)
-        out[:nd] = o.reshape(nd, heads, dim)
+        outs.append(o.reshape(nd, heads, dim))
     for p in step.prefills:
-        kv = torch.cat((p.rows, p.rows + tpb))
-        n_keys = p.rows.shape[0]
-        kv_rows = rows.index_select(0, kv).view(2, n_keys, kv_heads, dim)
+        n_keys = p.rows.shape[0] // 2
+        kv_rows = rows.index_select(0, p.rows).view(2, n_keys, kv_heads, dim)
         k = kv_rows[0].transpose(0, 1)[None]
         v = kv_rows[1].transpose(0, 1)[None]
         q = q_all[p.t0:p.t1].transpose(0, 1)[None]
         o = scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
                                          scale=scaling, enable_gqa=heads != kv_heads)
-        out[p.t0:p.t1] = o[0].transpose(0, 1)
+        outs.append(o[0].transpose(0, 1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[None], None
 
 

@@ -102,7 +102,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kw: Any) -> Engine:
         """An engine over ``kvpool.engine.models.load_model(name_or_path)``."""
-        from kvpool.engine.models import load_model  # type: ignore[import-not-found,unused-ignore]
+        from kvpool.engine.models import load_model
 
         model, tokenizer = load_model(name_or_path)
         return cls(model, tokenizer, **kw)
@@ -196,15 +196,15 @@ class Engine:
         with torch.inference_mode():
             logits, samplers = self._forward(sched)
             tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
-        for req, start, end in sched.prefills:
+        for req, _, end in sched.prefills:
             self.scheduler.computed(req, end)
-            del start
         for req in sched.decodes:
             self.scheduler.computed(req, req.seq_len)
         for i, (req, tok) in enumerate(zip(samplers, tokens, strict=True)):
             if req.logits is not None:
                 req.logits.append(logits[i].clone())
             outputs.append(self._append(req, tok))
+        self.manager.flush_iteration_events()
         return outputs
 
     def _forward(self, sched: Schedule) -> tuple[torch.Tensor, list[Request]]:
