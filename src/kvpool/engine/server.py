@@ -102,8 +102,7 @@ class EngineLoop(threading.Thread):
             if not engine.has_unfinished_requests():
                 continue
             try:
-                outputs = engine.step()
-                engine.manager.flush_iteration_events()
+                outputs = engine.step()  # flushes the step's KV events
             except Exception as exc:  # an engine bug: fail its requests, keep serving
                 logger.exception("engine step failed")
                 for rid, failed in list(self._sinks.items()):
