@@ -154,11 +154,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     of the step's new tokens; returns ``[1, T, H, D]``. Without a ``kvpool_batch`` (the model
     called outside the engine) it is transformers' own sdpa attention."""
     batch: StepBatch | None = kwargs.pop("kvpool_batch", None)
+    sinks: torch.Tensor | None = kwargs.get("s_aux")
     if batch is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        result: tuple[torch.Tensor, None] = _outside_engine(
+            module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        return result
     layer: int = module.layer_idx  # type: ignore[assignment]
     g = batch.layer_group[layer]
     pool = batch.pools[g]
@@ -183,6 +183,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         # query heads h = kv·rep + r fold onto their KV head: [B, KVH, rep, D] (no repeated KV)
         q = q_all[:nd].reshape(nd, kv_heads, heads // kv_heads, dim)
         o = scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling)
+        if sinks is not None:
+            o = o * _sink_factor(q, k, step.decode_mask, scaling, sinks.view(kv_heads, -1, 1))
         outs.append(o.reshape(nd, heads, dim))
     for p in step.prefills:
         n_keys = p.rows.shape[0] // 2
@@ -192,9 +194,45 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         q = q_all[p.t0:p.t1].transpose(0, 1)[None]
         o = scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
                                          scale=scaling, enable_gqa=heads != kv_heads)
+        if sinks is not None:
+            mask = p.mask
+            if mask is None:
+                mask = torch.ones(q.shape[2], n_keys, dtype=torch.bool, device=q.device).tril()
+            k_heads = k.repeat_interleave(heads // kv_heads, dim=1)
+            o = o * _sink_factor(q, k_heads, mask, scaling, sinks.view(heads, 1, 1))
         outs.append(o[0].transpose(0, 1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[None], None
+
+
+def _sink_factor(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                 scaling: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (gpt-oss): a per-head logit in the softmax's denominator with no value.
+    sdpa's output times ``sigmoid(lse - sink)`` is that softmax's output (lse: the
+    log-sum-exp of the query's visible scores)."""
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.sigmoid(lse - sinks.to(lse.dtype))
+
+
+def _outside_engine(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float | None, dropout: float, **kwargs: Any) -> Any:
+    """transformers' own attention for a call without the engine: sdpa, or the model's eager
+    attention where sdpa cannot express it (sinks)."""
+    if kwargs.get("s_aux") is not None:
+        import sys
+
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, scaling=scaling,
+                     dropout=dropout, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
 
 
 def register() -> None:
