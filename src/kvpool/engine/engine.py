@@ -192,6 +192,13 @@ class Engine:
         self._aborted.clear()
         sched = self.scheduler.schedule()
         if not sched:
+            stuck = self.scheduler.waiting and not (self.scheduler.running
+                                                    or self.scheduler.suspended)
+            if stuck:  # an empty cache cannot admit it: it never will (guards a loop forever)
+                req = self.scheduler.waiting[0]
+                self.scheduler.finish(req, "abort")
+                self._requests.pop(req.request_id, None)
+                outputs.append(self._output(req, []))
             return outputs
         with torch.inference_mode():
             logits, samplers = self._forward(sched)
