@@ -131,7 +131,9 @@ class EngineLoop(threading.Thread):
             if kind == "add" and sink is not None:
                 try:
                     self.engine.add_request(rid, prompt, params)
-                except (KVPoolError, ValueError) as exc:
+                except Exception as exc:  # refused: the request's error, the engine goes on
+                    if not isinstance(exc, KVPoolError | ValueError):
+                        logger.exception("add_request(%s) failed", rid)
                     sink(exc)
                     continue
                 self._sinks[rid] = sink
