@@ -32,9 +32,9 @@ GPU_BLOCKS = 24  # 384 tokens: far below the model's 4,096
 class Served:
     """An EngineServer running its own event loop in a thread."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, server: EngineServer | None = None) -> None:
         self.engine = engine
-        self.server = EngineServer(engine, model_name="tiny", port=0)
+        self.server = server or EngineServer(engine, model_name="tiny", port=0)
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -258,3 +258,35 @@ def test_serve_command_refuses_bad_options(
 
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
+    from kvpool.events import Stored, ZmqEventSubscriber, decode_vllm_batch
+
+    model, tokenizer = load_model(str(model_dir))
+    engine = Engine(model, tokenizer, cache={
+        "tokens_per_block": TPB, "gpu_blocks": GPU_BLOCKS, "event_buffer_max_size": 1000,
+        "event_hash_algo": "v2_sha256_64"})
+    server = EngineServer(engine, model_name="tiny", port=0,
+                          kv_events_endpoint="tcp://127.0.0.1:0",
+                          kv_events_replay_endpoint="tcp://127.0.0.1:0")
+    s = Served(engine, server)
+    assert server.publisher is not None
+    sub = ZmqEventSubscriber(server.publisher.endpoint, server.publisher.replay_endpoint)
+    try:
+        prompt = [i % 250 for i in range(3 * TPB + 5)]
+        assert s.post("/v1/completions", {"prompt": prompt, "max_tokens": 2})[0] == 200
+        stored: list[Stored] = []
+        deadline = time.monotonic() + 20
+        while sum(len(e.blocks) for e in stored) < 3 and time.monotonic() < deadline:
+            for batch in sub.recv(timeout_s=0.2) or sub.catch_up():
+                decoded = decode_vllm_batch(batch.payload, hash_algo="v2_sha256_64")
+                stored += [e.data for e in decoded.events if isinstance(e.data, Stored)]
+        blocks = [b for e in stored for b in e.blocks]
+        assert [list(b.tokens) for b in blocks[:3]] == [prompt[i:i + TPB]
+                                                       for i in range(0, 3 * TPB, TPB)]
+        cached = {h for h, _, tier in engine.manager.cached_blocks() if tier == 0}
+        assert {b.block_hash for b in blocks} <= cached
+    finally:
+        sub.close()
+        s.close()

@@ -159,12 +159,13 @@ class EventPublisherThread(threading.Thread):
 
     def run(self) -> None:
         manager = self.engine.manager
+        windowed = [g for g, w in enumerate(manager.config.window_sizes) if w is not None]
         while not self._stopping.is_set():
             events = manager.get_latest_events(0.1)
             if events:
-                self.publisher.publish(
-                    encode_vllm_batch(events, block_size=self.tokens_per_block)
-                )
+                self.publisher.publish(encode_vllm_batch(
+                    events, block_size=self.tokens_per_block, sliding_window_groups=windowed
+                ))
                 self.batches += 1
 
 
