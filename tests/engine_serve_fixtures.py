@@ -96,13 +96,20 @@ class KvpoolProcess:
         raise AssertionError(f"no line {prefix!r}: {self.lines} {self.errors[-20:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_all([self])
+
+
+def stop_all(procs: list[KvpoolProcess]) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL after 20 s)."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.terminate()
+    for p in procs:
+        try:
+            p.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait()
 
 
 def http_request(base: str, method: str, path: str, body: object = None

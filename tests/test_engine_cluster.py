@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_serve_fixtures import KvpoolProcess, http_request, save_tiny_model
+from engine_serve_fixtures import KvpoolProcess, http_request, save_tiny_model, stop_all
 
 TPB = 16
 PREFIX = 1024
@@ -60,8 +60,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
         base = router.wait_line("kvpool router listening on ").split()[-1]
         yield base, ["w0", "w1"]
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def _worker_blocks(router: str, worker: str) -> int:
