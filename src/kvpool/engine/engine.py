@@ -93,7 +93,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._eos = _eos_ids(model, tokenizer)
-        self._generated = 0
+        self._generate_calls = 0
 
     def _rows(self, g: int) -> torch.Tensor:
         pool: torch.Tensor = self.manager.tensors(g, 0)
@@ -256,7 +256,6 @@ class Engine:
     def _append(self, req: Request, token: int) -> RequestOutput:
         """Record a sampled token, check the stop conditions, report the request."""
         req.tokens.append(token)
-        self._generated += 1
         p = req.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
@@ -307,7 +306,8 @@ class Engine:
             raise InvalidArgumentError(
                 f"{len(params)} SamplingParams for {len(prompts)} prompts"
             )
-        ids = [f"generate-{self._generated}-{i}" for i in range(len(prompts))]
+        self._generate_calls += 1
+        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
         added: list[str] = []
         try:
             for rid, prompt, p in zip(ids, prompts, params, strict=True):
