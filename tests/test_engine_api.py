@@ -93,6 +93,15 @@ def test_request_larger_than_the_cache_is_refused_up_front() -> None:
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
 
 
+def test_cache_max_seq_len_bounds_requests() -> None:
+    engine = make_engine(cache={"gpu_blocks": 32, "tokens_per_block": 4, "max_seq_len": 40})
+    assert engine.max_model_len == 40
+    with pytest.raises(InvalidArgumentError, match="maximum length 40"):
+        engine.add_request("long", list(range(1, 35)), SamplingParams(max_tokens=8))
+    out = engine.generate([list(range(1, 33))], SamplingParams(max_tokens=8))[0]
+    assert len(out.token_ids) == 8
+
+
 def test_bad_engine_arguments() -> None:
     model = tiny_model()
     with pytest.raises(InvalidArgumentError, match="max_num_tokens"):

@@ -290,3 +290,12 @@ def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
     finally:
         sub.close()
         s.close()
+
+
+def test_chat_without_max_tokens_generates_up_to_what_the_cache_holds(served: Served) -> None:
+    body = {"messages": [{"role": "user", "content": "go on"}], "ignore_eos": True}
+    status, answer = served.post("/v1/chat/completions", body)
+    assert status == 200, answer  # not refused: the model's 4,096 tokens would not fit
+    usage = answer["usage"]
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert usage["total_tokens"] == GPU_BLOCKS * TPB

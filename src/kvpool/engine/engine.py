@@ -76,9 +76,9 @@ class Engine:
         param = next(model.parameters())
         self.device: torch.device = param.device
         self.layout: ModelLayout = model_layout(model.config, param.dtype)
-        self.max_model_len = self.layout.max_model_len
         config = cache_config(self.layout, cache, device=str(self.device),
                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
+        self.max_model_len = min(self.layout.max_model_len, config.max_seq_len)
         self.manager = KVCacheManager(config)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         register()

@@ -30,9 +30,12 @@ class ParsedRequest:
     include_usage: bool = False
 
 
-def parse_request(body: object, *, chat: bool, tokenizer: Any,
-                  max_model_len: int) -> ParsedRequest:
+def parse_request(body: object, *, chat: bool, tokenizer: Any, max_model_len: int,
+                  cache_tokens: int | None = None) -> ParsedRequest:
     """Validate a request body and turn it into token ids and sampling parameters.
+
+    A chat request without ``max_tokens`` may generate up to the model's length, or up to
+    ``cache_tokens`` (the most tokens one request's KV fits in) when that is smaller.
 
     Raises:
         InvalidArgumentError: the body is not an object, a field has the wrong type or value,
@@ -57,7 +60,10 @@ def parse_request(body: object, *, chat: bool, tokenizer: Any,
     if chat and max_tokens is None:
         max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
-        max_tokens = room if chat else min(room, _DEFAULT_COMPLETION_TOKENS)
+        limit = room
+        if cache_tokens is not None and cache_tokens > len(prompt):
+            limit = min(room, cache_tokens - len(prompt))
+        max_tokens = limit if chat else min(limit, _DEFAULT_COMPLETION_TOKENS)
     elif _is_int(max_tokens) and max_tokens >= 1 and len(prompt) + max_tokens > max_model_len:
         raise InvalidArgumentError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "

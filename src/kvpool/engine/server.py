@@ -266,6 +266,9 @@ class EngineServer:
             )
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
+        config = engine.manager.config
+        full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]
+        self._cache_tokens = min(full) * config.tokens_per_block if full else None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
@@ -341,7 +344,8 @@ class EngineServer:
             return self._reject(f"body is not JSON: {exc}")
         try:
             parsed = parse_request(body, chat=chat, tokenizer=self.engine.tokenizer,
-                            max_model_len=self.engine.max_model_len)
+                                   max_model_len=self.engine.max_model_len,
+                                   cache_tokens=self._cache_tokens)
         except InvalidArgumentError as exc:
             return self._reject(str(exc))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
