@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, ScheduledSeq, StepBatch, register
-from kvpool.engine.layout import ModelLayout, cache_config, model_layout
+from kvpool.engine.layout import ModelLayout, cache_config, model_layout, text_config
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
 from kvpool.errors import CapacityError, InvalidArgumentError
@@ -80,7 +80,7 @@ class Engine:
                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
         self.max_model_len = min(self.layout.max_model_len, config.max_seq_len)
         self.manager = KVCacheManager(config)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(text_config(model.config).vocab_size)
         register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.eval()
