@@ -11,7 +11,8 @@ a step computes ``[num_computed, end)``. Per step, in order:
    committing what it computed, and it waits again with its tokens so far as prompt);
 3. decodes (one token each) and prefill chunks share ``max_num_tokens``, oldest first;
 4. waiting requests are admitted with one ``add_sequence_batch`` (two-phase admission), as
-   many as fit the batch size, the remaining budget and the pool.
+   many as fit the batch size, the remaining budget and the pool: a batch the pool refuses
+   (``OutOfBlocksError``, the manager unchanged) is retried without its newest request.
 """
 
 from __future__ import annotations
