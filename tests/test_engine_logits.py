@@ -237,6 +237,18 @@ def test_step_mixes_chunked_prefills_and_decodes(model_name: str) -> None:
     assert chunked, "the long prompt was not chunked"
 
 
+def test_abort_mid_prefill_commits_only_computed_blocks(model_name: str) -> None:
+    pair = Pair(model_name, {"gpu_blocks": 64}, max_num_tokens=8)
+    engine = pair.engine
+    prompt = tokens(45, 23)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=4))
+    engine.step()  # computes 8 of 23 prompt tokens: two full blocks committed
+    engine.abort("a")
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    out = pair.run([prompt])[0]
+    assert out.cached_tokens == 8
+
+
 @pytest.mark.parametrize("name", SLIDING)
 def test_sliding_window_past_the_window(name: str) -> None:
     pair = Pair(name, {"gpu_blocks": 48})
