@@ -299,3 +299,22 @@ def test_chat_without_max_tokens_generates_up_to_what_the_cache_holds(served: Se
     usage = answer["usage"]
     assert answer["choices"][0]["finish_reason"] == "length"
     assert usage["total_tokens"] == GPU_BLOCKS * TPB
+
+
+def test_serve_memory_budgets_size_the_pools_through_the_planner(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from kvpool.cli import build_parser
+    from kvpool.commands.serve import cache_options
+
+    args = build_parser().parse_args([
+        "serve", "--model", str(model_dir), "--tokens-per-block", "16", "--gpu-mem", "4MiB",
+        "--host-mem", "2MiB", "--disk-mem", "8MiB", "--disk-path", str(tmp_path)])
+    model, tokenizer = load_model(str(model_dir))
+    engine = Engine(model, tokenizer, cache=cache_options(args))
+    config = model.config
+    block = (config.num_hidden_layers * 2 * 16 * config.num_key_value_heads
+             * (config.hidden_size // config.num_attention_heads) * 4)  # fp32 K and V
+    gpu, host, disk = (engine.manager.config.slots[t][0] for t in range(3))
+    for slots, budget in ((gpu, 4 << 20), (host, 2 << 20), (disk, 8 << 20)):
+        assert budget // 2 < slots * block <= budget
