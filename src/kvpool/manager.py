@@ -132,6 +132,20 @@ def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
 _FIRST = itemgetter(0)
 
 
+def _is_index(value: object, size: int) -> bool:
+    """Is ``value`` an int (not a bool) in [0, size)?"""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
+
+
+def _request_list(requests: Iterable[SequenceRequest]) -> list[SequenceRequest]:
+    """A batch as a list; a batch that is not a sequence of requests is refused."""
+    if isinstance(requests, SequenceRequest | str | bytes) or not isinstance(requests, Iterable):
+        raise InvalidArgumentError(
+            f"requests must be a sequence of SequenceRequest, got {requests!r:.80}"
+        )
+    return list(requests)
+
+
 class KVCacheManager:
     """Block manager for one engine (one model replica). Thread safe: calls serialize."""
 
@@ -212,6 +226,7 @@ class KVCacheManager:
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
+        self._copy_failure: str | None = None  # what made a copy fail after the checks
         self._stats = CacheStats()
         self._iter_base = CacheStats()
         if events is not None:
@@ -253,7 +268,7 @@ class KVCacheManager:
     def plan_batch(self, requests: Sequence[SequenceRequest]) -> BatchPlan:
         """What ``add_sequence_batch(requests)`` would reuse and allocate; changes nothing."""
         with self._lock:
-            return admission.plan(self, list(requests))
+            return admission.plan(self, _request_list(requests))
 
     def add_sequence(self, request: SequenceRequest) -> AdmitResult:
         """Admit one request (a batch of one)."""
@@ -268,10 +283,12 @@ class KVCacheManager:
         """Admit a scheduler step's new requests in two phases (see :mod:`kvpool.admission`).
 
         Raises :class:`OutOfBlocksError` with the deficit per (tier, layer group) when the
-        batch does not fit; the manager is then exactly as before.
+        batch does not fit, and :class:`StorageError` when it would copy blocks and the
+        storage cannot (closed, a disk file removed or truncated); the manager is then
+        exactly as before.
         """
         with self._lock:
-            plan = admission.plan(self, list(requests))
+            plan = admission.plan(self, _request_list(requests))
             if not plan.fits:
                 detail = ", ".join(
                     f"group {g}: need {plan.new_blocks[g]}, have {plan.available[g]}"
@@ -281,6 +298,8 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
+            if self._tiers > 1 or any(p.partial is not None for p in plan.requests):
+                self._check_storage()  # the batch may copy: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             takeovers = self._claim(plan)
             results = [self._allocate(p, takeovers) for p in plan.requests]
@@ -799,7 +818,31 @@ class KVCacheManager:
             copies = sorted((c for c in self._copies if c is not None), key=_stage)
             self._copies = []
             if copies:
-                self.storage.copy_blocks(copies)
+                self._copy(copies)
+
+    def _check_storage(self) -> None:
+        """Before changing anything in a call that may copy: raise StorageError if the copies
+        could not run (the storage closed, a disk file removed or truncated)."""
+        if self._copy_failure is not None:
+            raise StorageError(
+                f"an earlier copy failed ({self._copy_failure}); the blocks it was moving lost "
+                "their bytes, so this manager copies nothing more: build a new one"
+            )
+        self.storage.check()
+
+    def _copy(self, copies: list[BlockCopy]) -> None:
+        """Run a call's copies. The call checked the storage before changing anything, so a
+        failure here is one no check could see coming (a disk's I/O error, a file truncated
+        during the call): the call's bookkeeping is done but some blocks lack their bytes, so
+        every later call that may copy raises StorageError (no block whose bytes were lost is
+        ever served) and the engine builds a new manager."""
+        try:
+            self.storage.copy_blocks(copies)
+        except Exception as exc:
+            self._copy_failure = repr(exc)
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError(f"copying blocks failed: {exc!r}") from exc
 
     # ------------------------------------------------------------------ events
 
@@ -950,8 +993,9 @@ class KVCacheManager:
 
         Allocates a block at each block boundary (per beam), and releases blocks that left a
         sliding window (sink blocks stay) as seen from the first new token, whose KV the next
-        step computes. All or nothing: raises :class:`OutOfBlocksError`
-        with the manager unchanged when the pool cannot provide the blocks.
+        step computes. All or nothing: raises :class:`OutOfBlocksError` with the manager
+        unchanged when the pool cannot provide the blocks (and :class:`StorageError` when an
+        eviction would offload and the storage cannot copy).
         """
         with self._lock:
             seq = self._active(seq_id)
@@ -976,6 +1020,8 @@ class KVCacheManager:
                     + ", ".join(f"{v} slots in group {g}" for (_, g), v in sorted(deficit.items())),
                     deficit,
                 )
+            if self._tiers > 1:
+                self._check_storage()  # evictions may offload: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             for g in range(self.config.num_groups):
                 if g in self.config.cross_attention_groups:
@@ -1413,7 +1459,9 @@ class KVCacheManager:
 
         Blocks only this sequence holds move to the host tier (when there is one and it can
         make room) and stay held there: they are never evicted or dropped. Blocks shared with
-        other sequences stay on the GPU. Returns the GPU slots freed per layer group.
+        other sequences stay on the GPU. Returns the GPU slots freed per layer group. Raises
+        :class:`StorageError` (nothing changed) when there is a host tier and the storage
+        cannot copy.
         """
         with self._lock:
             seq = self._seq(seq_id)
@@ -1421,6 +1469,7 @@ class KVCacheManager:
                 raise SequenceStateError(f"sequence {seq_id!r} is already suspended")
             freed = dict.fromkeys(range(self.config.num_groups), 0)
             if self._tiers > 1:
+                self._check_storage()
                 for g in range(self.config.num_groups):
                     positions: dict[int, list[tuple[int, int]]] = {}
                     for b, tb in enumerate(seq.tables[g]):
@@ -1458,7 +1507,8 @@ class KVCacheManager:
     def resume(self, seq_id: int | str) -> None:
         """Bring a suspended sequence back: its moved blocks are copied up to the GPU.
 
-        Raises :class:`OutOfBlocksError` (nothing changed) when the GPU cannot take them.
+        Raises :class:`OutOfBlocksError` (nothing changed) when the GPU cannot take them, and
+        :class:`StorageError` (nothing changed) when the storage cannot copy them.
         """
         with self._lock:
             seq = self._seq(seq_id)
@@ -1475,6 +1525,8 @@ class KVCacheManager:
                     + ", ".join(f"{v} slots in group {g}" for (_, g), v in sorted(deficit.items())),
                     deficit,
                 )
+            if seq.moved:
+                self._check_storage()
             self._new_count = [0] * self.config.num_groups
             for (g, _), (t, h, pos) in seq.moved.items():
                 new = self._alloc(g)
@@ -1520,8 +1572,10 @@ class KVCacheManager:
         return tensors(layer_group, tier)
 
     def close(self) -> None:
-        """Release the storage (removes a disk tier's file)."""
-        self.storage.close()
+        """Release the storage (removes a disk tier's file). Calls that would copy blocks then
+        raise :class:`StorageError`; calls that move no data keep working on the metadata."""
+        with self._lock:  # not between a call's storage check and its copies
+            self.storage.close()
 
     def __enter__(self) -> KVCacheManager:
         return self
@@ -1549,9 +1603,9 @@ class KVCacheManager:
         """Beam ``beam``'s block table in ``layer_group`` (-1 = block not held)."""
         with self._lock:
             seq = self._seq(seq_id)
-            if not 0 <= layer_group < self.config.num_groups:
+            if not _is_index(layer_group, self.config.num_groups):
                 raise InvalidArgumentError(f"unknown layer group {layer_group!r}")
-            if not 0 <= beam < seq.beam_width:
+            if not _is_index(beam, seq.beam_width):
                 raise InvalidArgumentError(
                     f"beam {beam!r} out of range for beam width {seq.beam_width}"
                 )
@@ -1571,14 +1625,15 @@ class KVCacheManager:
     def num_free_blocks(self, layer_group: int = 0) -> int:
         """Free plus evictable GPU slots of a layer group."""
         with self._lock:
-            if not 0 <= layer_group < self.config.num_groups:
+            if not _is_index(layer_group, self.config.num_groups):
                 raise InvalidArgumentError(f"unknown layer group {layer_group!r}")
             return self.gpu_available(layer_group)
 
     def slot_usage(self, tier: int = 0, layer_group: int = 0) -> dict[str, int]:
         """used / free / evictable slots of one pool."""
         with self._lock:
-            if not 0 <= tier < self._tiers or not 0 <= layer_group < self.config.num_groups:
+            if not (_is_index(tier, self._tiers)
+                    and _is_index(layer_group, self.config.num_groups)):
                 raise InvalidArgumentError(f"unknown pool (tier {tier}, group {layer_group})")
             total = self.config.slots[tier][layer_group]
             free = len(self._free[tier][layer_group])
