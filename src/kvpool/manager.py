@@ -1679,8 +1679,15 @@ class KVCacheManager:
                 out.append((toks, [sl[j] for sl in r.slot], [tl[j] for tl in r.tier]))
             return out
 
+    def debug_state(self) -> dict[str, Any]:
+        """A comparable snapshot of everything a call may change: free lists, queues,
+        references, the tree, held colder-tier slots, the sequences and the stats. Two
+        snapshots are equal iff nothing observable changed between them; for tests and
+        debugging (O(everything))."""
+        return self._debug_state()
+
     def _debug_state(self) -> dict[str, Any]:
-        """A comparable snapshot of everything a call may change (tests use it)."""
+        """See :meth:`debug_state` (the existing tests call this name)."""
         with self._lock:
             tree = sorted(
                 ((rk, r.keys[j], tuple(sl[j] for sl in r.slot), tuple(tl[j] for tl in r.tier),
@@ -1692,11 +1699,13 @@ class KVCacheManager:
                 "queue": [[q.peek_order() for q in t] for t in self._queue],
                 "ref": [list(r) for r in self._ref],
                 "tree": tree,
+                "held": [[sorted(h) for h in t] for t in self._held],
                 "seqs": {
                     k: (list(s.tokens), [[list(b) for b in t] for t in s.tables],
-                        s.committed_blocks, s.suspended)
+                        s.committed_blocks, s.suspended, sorted(s.moved.items()))
                     for k, s in self.sequences.items()
                 },
+                "stats": self._stats.copy(),
             }
 
     def check_invariants(self) -> None:
