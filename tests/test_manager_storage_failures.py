@@ -420,7 +420,13 @@ os.kill(os.getpid(), 9)
 """
 
 LIVE_CHILD = """
+import signal
 m = manager(sys.argv[1])
+child = os.fork()  # a forked child inherits the pools and the SIGTERM handler
+if child == 0:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(3)
+assert os.waitpid(child, 0)[1] == signal.SIGTERM  # and dies of it, leaving our files alone
 print(json.dumps(m.storage.disk_files), flush=True)
 sys.stdin.read()
 """
@@ -434,29 +440,29 @@ def test_disk_files_of_dead_owners_are_reclaimed_live_ones_kept_and_sigterm_remo
     dead_files = json.loads(dead.stdout)
     assert dead_files and all(os.path.exists(f) for f in dead_files)  # SIGKILL leaves them
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    live = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(LIVE_CHILD), str(disk_dir)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        assert live.stdout is not None
-        live_files = json.loads(live.stdout.readline())
-        # the live child, starting, reclaimed the dead one's files
-        assert not any(os.path.exists(f) for f in dead_files)
-        cfg = CacheConfig(tokens_per_block=4, gpu_blocks=2, host_blocks=2, disk_blocks=2,
-                          layer_geometry=[GroupGeometry(1, 1, 64, "float32")], device="cpu",
-                          disk_path=str(disk_dir))
-        with KVCacheManager(cfg) as m:
-            mine = m.storage.disk_files  # type: ignore[attr-defined]
-            assert sorted(os.listdir(disk_dir)) == sorted(
-                os.path.basename(f) for f in [*live_files, *mine]
-            )
-        assert all(os.path.exists(f) for f in live_files)  # a live owner's files stay
-        live.terminate()
-        assert live.wait(timeout=60) == -15  # the default action still runs after cleanup
-    finally:
-        live.kill()
-        live.wait(timeout=60)
+    ) as live:
+        try:
+            assert live.stdout is not None
+            live_files = json.loads(live.stdout.readline())
+            # the live child, starting, reclaimed the dead one's files
+            assert not any(os.path.exists(f) for f in dead_files)
+            cfg = CacheConfig(tokens_per_block=4, gpu_blocks=2, host_blocks=2, disk_blocks=2,
+                              layer_geometry=[GroupGeometry(1, 1, 64, "float32")],
+                              device="cpu", disk_path=str(disk_dir))
+            with KVCacheManager(cfg) as m:
+                mine = m.storage.disk_files  # type: ignore[attr-defined]
+                assert sorted(os.listdir(disk_dir)) == sorted(
+                    os.path.basename(f) for f in [*live_files, *mine]
+                )
+            # a live owner's files stay (also when a child it forked got SIGTERM)
+            assert all(os.path.exists(f) for f in live_files)
+            live.terminate()
+            assert live.wait(timeout=60) == -15  # the default action still runs after cleanup
+        finally:
+            live.kill()
     assert os.listdir(disk_dir) == []  # SIGTERM removed the live child's files
 
 

@@ -20,7 +20,8 @@ SIGTERM: the first disk file of a process installs (from the main thread, when S
 has its default action or a Python handler) a handler that removes every disk file of the
 process and then does what the previous handler did (by default: the process dies of SIGTERM).
 The files stay readable and writable through their descriptors until closed, so a previous
-handler that shuts down gracefully still works with them.
+handler that shuts down gracefully still works with them. A forked child inherits the pools
+but never removes their files (only the creating process does, at close or on SIGTERM).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class DiskPool:
     """The disk-tier slots of one layer group: ``slots`` blocks of ``block_bytes`` in one file,
     slot i at offset ``i * block_bytes``."""
 
-    __slots__ = ("_fd", "_removed", "block_bytes", "path", "size", "slots")
+    __slots__ = ("_fd", "_removed", "block_bytes", "owner", "path", "size", "slots")
 
     def __init__(self, fd: int, path: str, slots: int, block_bytes: int) -> None:
         self._fd = fd
@@ -55,6 +56,7 @@ class DiskPool:
         self.slots = slots
         self.block_bytes = block_bytes
         self.size = slots * block_bytes
+        self.owner = os.getpid()  # a forked child inherits the pool but never removes the file
         self._removed = False  # the path was removed on purpose (close, SIGTERM)
 
     @property
@@ -109,8 +111,9 @@ class DiskPool:
             raise StorageError(f"cannot write the disk tier {self.path!r}: {exc}") from exc
 
     def remove(self) -> None:
-        """Remove the file's name (idempotent); the open descriptor keeps the data usable."""
-        if not self._removed:
+        """Remove the file's name (idempotent; only in the process that created it); the open
+        descriptor keeps the data usable."""
+        if not self._removed and os.getpid() == self.owner:
             self._removed = True
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
