@@ -332,3 +332,32 @@ def test_reuse_scopes_never_share_blocks_whatever_the_hash_algorithm(algo: str) 
     for salt, lora in [(None, None), ("b", 2), ("a", None), ("a", 3), (None, 2)]:
         assert m.count_reusable_tokens(toks, cache_salt=salt, lora_id=lora) == 0, (salt, lora)
     m.check_invariants()
+
+
+def test_bad_constructor_arguments_are_typed_errors() -> None:
+    from kvpool.errors import GeometryError, StorageError
+    from kvpool.storage import GroupGeometry, MetadataStorage, TorchStorage
+
+    cfg = CacheConfig(tokens_per_block=4, gpu_blocks=8)
+    with pytest.raises(InvalidArgumentError, match=r"events .* lacks on_all_cleared"):
+        KVCacheManager(cfg, events=object())  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"storage .* lacks block_bytes"):
+        KVCacheManager(cfg, storage="disk")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"RetentionConfig\.ranges must be a sequence"):
+        RetentionConfig(ranges=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="disk_path must be a path"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, disk_path=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="clock must be a callable"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, clock=5)  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="block_bytes_per_group must be a sequence"):
+        MetadataStorage(4, None)  # type: ignore[arg-type]
+    geometry = GroupGeometry(1, 1, 1)
+    for geometries, slots, match in [(None, [[1]], "geometries must be a sequence"),
+                                     ([geometry], None, "slots must be a sequence"),
+                                     ([geometry], [None], r"slots\[0\] must be a sequence")]:
+        with pytest.raises(GeometryError, match=match):
+            TorchStorage(4, geometries, slots, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match="disk_path must be a path"):
+        TorchStorage(4, [geometry], [[1], [1], [1]], device="cpu", disk_path=5)  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match="device"):
+        TorchStorage(4, [geometry], [[1]], device=2**70)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ naming the field and the value.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,7 +87,7 @@ class RetentionConfig:
     decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranges", tuple(self.ranges))
+        object.__setattr__(self, "ranges", _as_tuple("RetentionConfig.ranges", self.ranges))
         for r in self.ranges:
             if not isinstance(r, TokenRangeRetention):
                 raise InvalidArgumentError(f"RetentionConfig.ranges holds {r!r}")
@@ -267,6 +268,11 @@ class CacheConfig:
                     f"got {self.layer_geometry!r}"
                 )
             object.__setattr__(self, "layer_geometry", geoms)
+        if self.disk_path is not None and not isinstance(self.disk_path, str | os.PathLike):
+            raise InvalidArgumentError(f"disk_path must be a path, got {self.disk_path!r}")
+        if self.clock is not None and not callable(self.clock):
+            raise InvalidArgumentError(f"clock must be a callable returning seconds, "
+                                       f"got {self.clock!r}")
         if any(disk) and self.layer_geometry is not None and self.disk_path is None:
             raise InvalidArgumentError("a disk tier with real storage needs disk_path")
         if any(disk) and not any(host):

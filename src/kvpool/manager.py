@@ -137,6 +137,13 @@ def _is_index(value: object, size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
 
 
+def _check_hooks(name: str, obj: object, methods: tuple[str, ...]) -> None:
+    """``obj`` is None or has every method of its protocol."""
+    missing = [m for m in methods if not callable(getattr(obj, m, None))]
+    if obj is not None and missing:
+        raise InvalidArgumentError(f"{name} {obj!r:.60} lacks {', '.join(missing)}")
+
+
 def _request_list(requests: Iterable[SequenceRequest]) -> list[SequenceRequest]:
     """A batch as a list; a batch that is not a sequence of requests is refused."""
     if isinstance(requests, SequenceRequest | str | bytes) or not isinstance(requests, Iterable):
@@ -202,6 +209,9 @@ class KVCacheManager:
         self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[int | str, Seq] = {}
+        _check_hooks("storage", storage, ("block_bytes", "close", "copy_blocks", "stats"))
+        _check_hooks("events", events, ("on_all_cleared", "on_created", "on_removed",
+                                        "on_stored", "on_updated"))
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
 
@@ -828,7 +838,9 @@ class KVCacheManager:
                 f"an earlier copy failed ({self._copy_failure}); the blocks it was moving lost "
                 "their bytes, so this manager copies nothing more: build a new one"
             )
-        self.storage.check()
+        check = getattr(self.storage, "check", None)  # a storage written before check() existed
+        if check is not None:
+            check()
 
     def _copy(self, copies: list[BlockCopy]) -> None:
         """Run a call's copies. The call checked the storage before changing anything, so a

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import IntEnum
@@ -356,6 +356,12 @@ class MetadataStorage(_CopyEngine):
 
     def __init__(self, tokens_per_block: int, block_bytes_per_group: Sequence[int] = ()) -> None:
         super().__init__(tokens_per_block)
+        if isinstance(block_bytes_per_group, str | bytes) or not isinstance(
+            block_bytes_per_group, Iterable
+        ):
+            raise GeometryError(
+                f"block_bytes_per_group must be a sequence of ints, got {block_bytes_per_group!r}"
+            )
         sizes = tuple(block_bytes_per_group)
         for g, size in enumerate(sizes):
             if not _is_int(size) or size < 0:
@@ -421,8 +427,10 @@ class TorchStorage(_CopyEngine):
         import torch
 
         super().__init__(tokens_per_block)
-        self._geometries = tuple(geometries)
+        self._geometries: tuple[GroupGeometry, ...] = _sequence("geometries", geometries)
         self._slots = _check_layout(self._geometries, slots)
+        if disk_path is not None and not isinstance(disk_path, str | os.PathLike):
+            raise StorageError(f"disk_path must be a path, got {disk_path!r}")
         self._device = _resolve_device(device)
         self._cuda = self._device.type == "cuda"
         self._block_bytes = tuple(g.block_bytes(tokens_per_block) for g in self._geometries)
@@ -704,7 +712,8 @@ def _check_layout(
     for g, geometry in enumerate(geometries):
         if not isinstance(geometry, GroupGeometry):
             raise GeometryError(f"geometries[{g}] must be a GroupGeometry, got {geometry!r}")
-    table = tuple(tuple(row) for row in slots)
+    table = tuple(_sequence(f"slots[{tier}]", row) for tier, row in
+                  enumerate(_sequence("slots", slots)))
     if not 1 <= len(table) <= NUM_TIERS:
         raise GeometryError(f"slots must list 1 to {NUM_TIERS} tiers, got {len(table)}")
     for tier, row in enumerate(table):
@@ -718,6 +727,12 @@ def _check_layout(
     return table
 
 
+def _sequence(name: str, value: object) -> tuple[Any, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise GeometryError(f"{name} must be a sequence, got {value!r}")
+    return tuple(value)
+
+
 def _resolve_device(device: object) -> torch.device:
     import torch
 
@@ -725,7 +740,7 @@ def _resolve_device(device: object) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved: torch.device = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise StorageError(f"device {device!r} is not a torch device: {exc}") from exc
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
