@@ -11,7 +11,10 @@ State per layer group g and tier t:
 A GPU slot is in exactly one of: free, queued (cached, ref 0), referenced (ref > 0, cached or
 not). A colder-tier slot is free, queued, or claimed for onboarding during one call. Every
 public call takes the manager lock, checks everything it needs before changing anything, and
-so either completes or raises with the manager unchanged (and no event emitted).
+so either completes or raises with the manager unchanged (and no event emitted). A call that
+may copy blocks asks the storage first (``Storage.check``: closed, a disk file removed or
+truncated), since its copies run after its bookkeeping; a copy that still fails (a disk's I/O
+error during the call) leaves the call done and the manager refusing every later copy.
 """
 
 from __future__ import annotations
