@@ -252,8 +252,8 @@ def _install_sigterm_cleanup() -> None:
         if _installed or threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
-        if previous is signal.SIG_IGN:
-            return  # the process ignores SIGTERM: it will close its storages itself
+        if previous is not signal.SIG_DFL and not callable(previous):
+            return  # ignored, or a handler set outside Python (which we could not chain to)
         try:
             signal.signal(signal.SIGTERM, _on_sigterm)
         except (ValueError, OSError):  # pragma: no cover - not the main interpreter
@@ -268,6 +268,5 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     if callable(previous):
         previous(signum, frame)
         return
-    # the default action (or a handler set outside Python, which we cannot call): die of it
-    signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signum, signal.SIG_DFL)  # the default action: die of it
     os.kill(os.getpid(), signum)
