@@ -179,7 +179,10 @@ def _create_file(directory: str, group: int, slots: int, size: int) -> DiskPool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Reserve the blocks now: a sparse file could hit a full disk on a later write.
-        os.posix_fallocate(fd, 0, slots * size)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, slots * size)
+        else:  # pragma: no cover - macOS: sparse, so a full disk fails a later write instead
+            os.ftruncate(fd, slots * size)
     except BaseException:
         pool.close()
         raise
