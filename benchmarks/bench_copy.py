@@ -17,9 +17,11 @@ Run: ``python benchmarks/bench_copy.py`` (``--quick`` for 1,024 blocks and fewer
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +83,24 @@ def random_copies(
     return [BlockCopy(src_tier, s, dst_tier, d, 0) for s, d in zip(src, dst, strict=True)]
 
 
+def contiguous_copy(
+    storage: TorchStorage, src_tier: int, dst_tier: int, moved: int
+) -> Callable[[], object]:
+    """One contiguous copy of ``moved`` blocks between the two pools: a ``copy_`` in memory,
+    one ``pwrite``/``preadv`` of the whole range for the disk tier (the disk pool is a file)."""
+    if Tier.DISK not in (src_tier, dst_tier):
+        src = storage.tensors(0, src_tier)[:moved].view(-1)
+        dst = storage.tensors(0, dst_tier)[-moved:].view(-1)
+        return lambda: dst.copy_(src, non_blocking=True)
+    mem_tier = dst_tier if src_tier == Tier.DISK else src_tier
+    memory = storage.tensors(0, mem_tier)[:moved].view(torch.uint8).reshape(-1).numpy()
+    fd = os.open(storage.disk_files[0], os.O_RDWR)
+    weakref.finalize(storage, os.close, fd)
+    if dst_tier == Tier.DISK:
+        return lambda: os.pwrite(fd, memory, 0)
+    return lambda: os.preadv(fd, [memory], 0)
+
+
 def bench_storage(
     storage: TorchStorage,
     paths: Sequence[tuple[int, int, str]],
@@ -95,15 +115,12 @@ def bench_storage(
         moved = blocks // 2 if src_tier == dst_tier else blocks
         nbytes = moved * storage.block_bytes(0)
         copies = random_copies(src_tier, dst_tier, moved, gen)
-        src_pool = storage.tensors(0, src_tier)[:moved].view(-1)
-        dst_pool = storage.tensors(0, dst_tier)[-moved:].view(-1)
 
         def batched(copies: list[BlockCopy] = copies) -> None:
             storage.copy_blocks(copies)
             storage.synchronize()
 
-        def contiguous(src: torch.Tensor = src_pool, dst: torch.Tensor = dst_pool) -> None:
-            dst.copy_(src, non_blocking=True)
+        contiguous = contiguous_copy(storage, src_tier, dst_tier, moved)
 
         rows.append(
             row(

@@ -8,7 +8,9 @@ import pytest
 from kvpool.admission import PartialMode
 from kvpool.config import CacheConfig, RetentionConfig, SequenceRequest, TokenRangeRetention
 from kvpool.errors import (
+    DuplicateSequenceError,
     InvalidArgumentError,
+    InvalidTokenError,
     OutOfBlocksError,
     RewindError,
     UnknownSequenceError,
@@ -246,8 +248,11 @@ def test_typed_errors_for_bad_calls() -> None:
     with pytest.raises(UnknownSequenceError, match="nope"):
         m.add_tokens("nope", [1])
     m.add_sequence(SequenceRequest(1, [1, 2, 3]))
-    with pytest.raises(InvalidArgumentError, match="already in use"):
+    with pytest.raises(DuplicateSequenceError, match="already in use"):
         m.add_sequence(SequenceRequest(1, [1, 2, 3]))
+    with pytest.raises(DuplicateSequenceError, match="twice in this batch"):
+        m.add_sequence_batch([SequenceRequest(5, [1, 2]), SequenceRequest(5, [3, 4])])
+    assert 5 not in m.sequences
     with pytest.raises(RewindError, match="committed"):
         m.rewind_tokens(1, 1)
     with pytest.raises(InvalidArgumentError, match="tokens_per_block"):
@@ -262,6 +267,59 @@ def test_typed_errors_for_bad_calls() -> None:
     assert len(r.block_ids[1][0]) == 3
 
 
+BAD_CONFIGS = [
+    ({"window_sizes": None}, "window_sizes .*must be a sequence, got None"),
+    ({"window_sizes": 5}, "window_sizes .*must be a sequence, got 5"),
+    ({"cross_attention_groups": None}, "cross_attention_groups must be a sequence"),
+    ({"layer_geometry": 3}, "layer_geometry must be a sequence"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), BAD_CONFIGS)
+def test_config_fields_that_are_not_sequences_are_typed_errors(
+    kwargs: dict[str, object], match: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens", [[True], [5, False, 6], [7] * 70 + [True] + [0] * 10])
+def test_bool_token_ids_are_refused_everywhere(tokens: list[int]) -> None:
+    with pytest.raises(InvalidTokenError, match="bool"):
+        SequenceRequest(1, tokens)
+    m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=32))
+    m.add_sequence(SequenceRequest(1, [1, 2, 3]))
+    state = m.debug_state()
+    with pytest.raises(InvalidTokenError, match="bool"):
+        m.add_tokens(1, tokens)
+    with pytest.raises(InvalidTokenError, match="bool"):
+        m.count_reusable_tokens(tokens)
+    assert m.debug_state() == state
+    # the ids themselves are fine as ints (a long list with 0 and 1 among them too)
+    m.add_tokens(1, [int(t) for t in tokens])
+
+
+@pytest.mark.parametrize("batch", [None, 5, "abc", SequenceRequest(1, [1])])
+def test_a_batch_that_is_not_a_sequence_of_requests_is_a_typed_error(batch: object) -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=8))
+    with pytest.raises(InvalidArgumentError, match="sequence of SequenceRequest"):
+        m.add_sequence_batch(batch)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="sequence of SequenceRequest"):
+        m.plan_batch(batch)  # type: ignore[arg-type]
+    assert m.debug_state()["seqs"] == {}
+
+
+@pytest.mark.parametrize("bad", [0.0, True, "0", None, -1, 2])
+def test_pool_and_table_queries_refuse_what_is_not_an_index(bad: object) -> None:
+    m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=8, host_blocks=2))
+    m.add_sequence(SequenceRequest(1, [1, 2, 3]))
+    for query in (lambda: m.block_ids(1, bad), lambda: m.block_ids(1, 0, bad),  # type: ignore[arg-type]
+                  lambda: m.num_free_blocks(bad), lambda: m.slot_usage(bad),  # type: ignore[arg-type]
+                  lambda: m.slot_usage(0, bad)):  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            query()
+
+
 @pytest.mark.parametrize("algo", [a.value for a in HashAlgo])
 def test_reuse_scopes_never_share_blocks_whatever_the_hash_algorithm(algo: str) -> None:
     # v1 and vLLM keys mix the scope into the first block, so their root keys are equal
@@ -274,3 +332,32 @@ def test_reuse_scopes_never_share_blocks_whatever_the_hash_algorithm(algo: str) 
     for salt, lora in [(None, None), ("b", 2), ("a", None), ("a", 3), (None, 2)]:
         assert m.count_reusable_tokens(toks, cache_salt=salt, lora_id=lora) == 0, (salt, lora)
     m.check_invariants()
+
+
+def test_bad_constructor_arguments_are_typed_errors() -> None:
+    from kvpool.errors import GeometryError, StorageError
+    from kvpool.storage import GroupGeometry, MetadataStorage, TorchStorage
+
+    cfg = CacheConfig(tokens_per_block=4, gpu_blocks=8)
+    with pytest.raises(InvalidArgumentError, match=r"events .* lacks on_all_cleared"):
+        KVCacheManager(cfg, events=object())  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"storage .* lacks block_bytes"):
+        KVCacheManager(cfg, storage="disk")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"RetentionConfig\.ranges must be a sequence"):
+        RetentionConfig(ranges=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="disk_path must be a path"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, disk_path=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="clock must be a callable"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, clock=5)  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="block_bytes_per_group must be a sequence"):
+        MetadataStorage(4, None)  # type: ignore[arg-type]
+    geometry = GroupGeometry(1, 1, 1)
+    for geometries, slots, match in [(None, [[1]], "geometries must be a sequence"),
+                                     ([geometry], None, "slots must be a sequence"),
+                                     ([geometry], [None], r"slots\[0\] must be a sequence")]:
+        with pytest.raises(GeometryError, match=match):
+            TorchStorage(4, geometries, slots, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match="disk_path must be a path"):
+        TorchStorage(4, [geometry], [[1], [1], [1]], device="cpu", disk_path=5)  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match="device"):
+        TorchStorage(4, [geometry], [[1]], device=2**70)  # type: ignore[arg-type]

@@ -393,3 +393,21 @@ def test_plan_pools_rejects_bad_limits() -> None:
         plan_pools(SMALL, 4, 10_000, max_batch_size=0, max_num_tokens=8, max_seq_len=32)
     with pytest.raises(InvalidArgumentError, match="typical_step"):
         plan_pools(SMALL, 4, 10_000, typical_step=[], **LIMITS)
+
+
+def test_arguments_of_the_wrong_shape_are_typed_errors() -> None:
+    layer = LayerSpec(None, kv_heads=1, head_dim=8)
+    model = ModelSpec("m", (layer,), 64)
+    limits = {"max_batch_size": 2, "max_num_tokens": 16, "max_seq_len": 64}
+    with pytest.raises(InvalidArgumentError, match="layers must be a sequence"):
+        ModelSpec("m", 3, 64)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="unknown dtype"):
+        LayerSpec(None, kv_heads=1, head_dim=8, dtype=["bfloat16"])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="model must be a ModelSpec"):
+        plan_pools("m", 4, 1 << 20, **limits)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="max_batch_size must be <="):
+        plan_pools(model, 4, 1 << 20, max_batch_size=2**70, max_num_tokens=16, max_seq_len=64)
+    with pytest.raises(InvalidArgumentError, match=r"constraints\[0\] must be a sequence"):
+        plan_pools(model, 4, 1 << 20, constraints=[None], **limits)  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match="typical_step must be a sequence"):
+        plan_pools(model, 4, 1 << 20, typical_step=5, **limits)  # type: ignore[arg-type]

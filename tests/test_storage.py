@@ -66,7 +66,17 @@ def raw(tensor: torch.Tensor) -> bytes:
     return bytes(tensor.contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes())
 
 
+def disk_file(storage: TorchStorage, group: int) -> str:
+    (path,) = [f for f in storage.disk_files if f"-g{group}-" in os.path.basename(f)]
+    return path
+
+
 def write(storage: TorchStorage, tier: int, group: int, slot: int, payload: bytes) -> None:
+    if tier == DISK:  # the disk pool has no tensor: write the file at the slot's offset
+        with open(disk_file(storage, group), "r+b") as fh:
+            fh.seek(slot * storage.block_bytes(group))
+            fh.write(payload)
+        return
     target = storage.tensors(group, tier)[slot].view(torch.uint8).reshape(-1)
     target.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
@@ -211,7 +221,7 @@ def test_tensors_of_a_single_tier_storage_has_no_host_tier() -> None:
 # ---------------------------------------------------------------------------- disk tier
 
 
-def test_disk_files_are_sized_filled_through_the_map_and_removed_on_close(
+def test_disk_files_are_sized_written_at_slot_offsets_and_removed_on_close(
     disk_dir: Path,
 ) -> None:
     s = make_storage(disk_dir)
@@ -224,7 +234,8 @@ def test_disk_files_are_sized_filled_through_the_map_and_removed_on_close(
     payload = os.urandom(s.block_bytes(0))
     write(s, GPU, 0, 2, payload)
     s.copy_blocks([BlockCopy(GPU, 2, DISK, 1, 0)])
-    (path,) = [f for f in files if os.path.basename(f).startswith("kvpool-g0-")]
+    path = disk_file(s, 0)
+    assert os.path.basename(path).startswith(f"kvpool-{os.getpid()}-g0-")
     with open(path, "rb") as fh:
         fh.seek(s.block_bytes(0))
         assert fh.read(s.block_bytes(0)) == payload

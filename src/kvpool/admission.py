@@ -26,7 +26,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from kvpool.config import SequenceRequest
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
 from kvpool.hashing import BlockKey
 from kvpool.radix import NO_SLOT, Run, Segment, common_prefix, first_token, match_full
 
@@ -276,7 +276,8 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
         if not isinstance(r, SequenceRequest):
             raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
         if r.seq_id in seen or r.seq_id in mgr.sequences:
-            raise InvalidArgumentError(f"sequence id {r.seq_id!r} is already in use")
+            where = "twice in this batch" if r.seq_id in seen else "already in use"
+            raise DuplicateSequenceError(f"sequence id {r.seq_id!r} is {where}")
         seen.add(r.seq_id)
         if r.beam_width > cfg.max_beam_width:
             raise InvalidArgumentError(

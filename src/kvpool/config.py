@@ -7,7 +7,8 @@ naming the field and the value.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,13 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     if value < minimum:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def _as_tuple(name: str, value: object) -> tuple[Any, ...]:
+    """A sequence field as a tuple (a str, a mapping or a non-iterable is refused)."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be a sequence, got {value!r}")
+    return tuple(value)
 
 
 def _check_priority(name: str, value: object) -> int:
@@ -79,7 +87,7 @@ class RetentionConfig:
     decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranges", tuple(self.ranges))
+        object.__setattr__(self, "ranges", _as_tuple("RetentionConfig.ranges", self.ranges))
         for r in self.ranges:
             if not isinstance(r, TokenRangeRetention):
                 raise InvalidArgumentError(f"RetentionConfig.ranges holds {r!r}")
@@ -200,7 +208,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         tpb = _check_int("tokens_per_block", self.tokens_per_block, 1)
-        windows = tuple(self.window_sizes)
+        windows = _as_tuple("window_sizes (one entry per layer group: None or a window)",
+                            self.window_sizes)
         if not windows:
             raise InvalidArgumentError("window_sizes needs at least one layer group")
         for g, w in enumerate(windows):
@@ -225,7 +234,7 @@ class CacheConfig:
                     f"sink_tokens[{g}]={s} but layer group {g} is full attention"
                 )
         object.__setattr__(self, "sinks", sinks)
-        cross = tuple(self.cross_attention_groups)
+        cross = _as_tuple("cross_attention_groups", self.cross_attention_groups)
         for g in cross:
             if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < groups:
                 raise InvalidArgumentError(f"cross_attention_groups names unknown group {g!r}")
@@ -252,13 +261,18 @@ class CacheConfig:
         if self.layer_geometry is not None:
             from kvpool.storage import GroupGeometry
 
-            geoms = tuple(self.layer_geometry)
+            geoms = _as_tuple("layer_geometry", self.layer_geometry)
             if len(geoms) != groups or not all(isinstance(x, GroupGeometry) for x in geoms):
                 raise InvalidArgumentError(
                     f"layer_geometry needs one GroupGeometry per layer group ({groups}), "
                     f"got {self.layer_geometry!r}"
                 )
             object.__setattr__(self, "layer_geometry", geoms)
+        if self.disk_path is not None and not isinstance(self.disk_path, str | os.PathLike):
+            raise InvalidArgumentError(f"disk_path must be a path, got {self.disk_path!r}")
+        if self.clock is not None and not callable(self.clock):
+            raise InvalidArgumentError(f"clock must be a callable returning seconds, "
+                                       f"got {self.clock!r}")
         if any(disk) and self.layer_geometry is not None and self.disk_path is None:
             raise InvalidArgumentError("a disk tier with real storage needs disk_path")
         if any(disk) and not any(host):

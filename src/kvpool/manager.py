@@ -11,7 +11,10 @@ State per layer group g and tier t:
 A GPU slot is in exactly one of: free, queued (cached, ref 0), referenced (ref > 0, cached or
 not). A colder-tier slot is free, queued, or claimed for onboarding during one call. Every
 public call takes the manager lock, checks everything it needs before changing anything, and
-so either completes or raises with the manager unchanged (and no event emitted).
+so either completes or raises with the manager unchanged (and no event emitted). A call that
+may copy blocks asks the storage first (``Storage.check``: closed, a disk file removed or
+truncated), since its copies run after its bookkeeping; a copy that still fails (a disk's I/O
+error during the call) leaves the call done and the manager refusing every later copy.
 """
 
 from __future__ import annotations
@@ -132,6 +135,27 @@ def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
 _FIRST = itemgetter(0)
 
 
+def _is_index(value: object, size: int) -> bool:
+    """Is ``value`` an int (not a bool) in [0, size)?"""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
+
+
+def _check_hooks(name: str, obj: object, methods: tuple[str, ...]) -> None:
+    """``obj`` is None or has every method of its protocol."""
+    missing = [m for m in methods if not callable(getattr(obj, m, None))]
+    if obj is not None and missing:
+        raise InvalidArgumentError(f"{name} {obj!r:.60} lacks {', '.join(missing)}")
+
+
+def _request_list(requests: Iterable[SequenceRequest]) -> list[SequenceRequest]:
+    """A batch as a list; a batch that is not a sequence of requests is refused."""
+    if isinstance(requests, SequenceRequest | str | bytes) or not isinstance(requests, Iterable):
+        raise InvalidArgumentError(
+            f"requests must be a sequence of SequenceRequest, got {requests!r:.80}"
+        )
+    return list(requests)
+
+
 class KVCacheManager:
     """Block manager for one engine (one model replica). Thread safe: calls serialize."""
 
@@ -188,6 +212,9 @@ class KVCacheManager:
         self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[int | str, Seq] = {}
+        _check_hooks("storage", storage, ("block_bytes", "close", "copy_blocks", "stats"))
+        _check_hooks("events", events, ("on_all_cleared", "on_created", "on_removed",
+                                        "on_stored", "on_updated"))
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
 
@@ -212,6 +239,7 @@ class KVCacheManager:
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
+        self._copy_failure: str | None = None  # what made a copy fail after the checks
         self._stats = CacheStats()
         self._iter_base = CacheStats()
         if events is not None:
@@ -253,7 +281,7 @@ class KVCacheManager:
     def plan_batch(self, requests: Sequence[SequenceRequest]) -> BatchPlan:
         """What ``add_sequence_batch(requests)`` would reuse and allocate; changes nothing."""
         with self._lock:
-            return admission.plan(self, list(requests))
+            return admission.plan(self, _request_list(requests))
 
     def add_sequence(self, request: SequenceRequest) -> AdmitResult:
         """Admit one request (a batch of one)."""
@@ -268,10 +296,12 @@ class KVCacheManager:
         """Admit a scheduler step's new requests in two phases (see :mod:`kvpool.admission`).
 
         Raises :class:`OutOfBlocksError` with the deficit per (tier, layer group) when the
-        batch does not fit; the manager is then exactly as before.
+        batch does not fit, and :class:`StorageError` when it would copy blocks and the
+        storage cannot (closed, a disk file removed or truncated); the manager is then
+        exactly as before.
         """
         with self._lock:
-            plan = admission.plan(self, list(requests))
+            plan = admission.plan(self, _request_list(requests))
             if not plan.fits:
                 detail = ", ".join(
                     f"group {g}: need {plan.new_blocks[g]}, have {plan.available[g]}"
@@ -281,6 +311,8 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
+            if self._tiers > 1 or any(p.partial is not None for p in plan.requests):
+                self._check_storage()  # the batch may copy: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             takeovers = self._claim(plan)
             results = [self._allocate(p, takeovers) for p in plan.requests]
@@ -799,7 +831,33 @@ class KVCacheManager:
             copies = sorted((c for c in self._copies if c is not None), key=_stage)
             self._copies = []
             if copies:
-                self.storage.copy_blocks(copies)
+                self._copy(copies)
+
+    def _check_storage(self) -> None:
+        """Before changing anything in a call that may copy: raise StorageError if the copies
+        could not run (the storage closed, a disk file removed or truncated)."""
+        if self._copy_failure is not None:
+            raise StorageError(
+                f"an earlier copy failed ({self._copy_failure}); the blocks it was moving lost "
+                "their bytes, so this manager copies nothing more: build a new one"
+            )
+        check = getattr(self.storage, "check", None)  # a storage written before check() existed
+        if check is not None:
+            check()
+
+    def _copy(self, copies: list[BlockCopy]) -> None:
+        """Run a call's copies. The call checked the storage before changing anything, so a
+        failure here is one no check could see coming (a disk's I/O error, a file truncated
+        during the call): the call's bookkeeping is done but some blocks lack their bytes, so
+        every later call that may copy raises StorageError (no block whose bytes were lost is
+        ever served) and the engine builds a new manager."""
+        try:
+            self.storage.copy_blocks(copies)
+        except Exception as exc:
+            self._copy_failure = repr(exc)
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError(f"copying blocks failed: {exc!r}") from exc
 
     # ------------------------------------------------------------------ events
 
@@ -950,8 +1008,9 @@ class KVCacheManager:
 
         Allocates a block at each block boundary (per beam), and releases blocks that left a
         sliding window (sink blocks stay) as seen from the first new token, whose KV the next
-        step computes. All or nothing: raises :class:`OutOfBlocksError`
-        with the manager unchanged when the pool cannot provide the blocks.
+        step computes. All or nothing: raises :class:`OutOfBlocksError` with the manager
+        unchanged when the pool cannot provide the blocks (and :class:`StorageError` when an
+        eviction would offload and the storage cannot copy).
         """
         with self._lock:
             seq = self._active(seq_id)
@@ -976,6 +1035,8 @@ class KVCacheManager:
                     + ", ".join(f"{v} slots in group {g}" for (_, g), v in sorted(deficit.items())),
                     deficit,
                 )
+            if self._tiers > 1:
+                self._check_storage()  # evictions may offload: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             for g in range(self.config.num_groups):
                 if g in self.config.cross_attention_groups:
@@ -1413,7 +1474,9 @@ class KVCacheManager:
 
         Blocks only this sequence holds move to the host tier (when there is one and it can
         make room) and stay held there: they are never evicted or dropped. Blocks shared with
-        other sequences stay on the GPU. Returns the GPU slots freed per layer group.
+        other sequences stay on the GPU. Returns the GPU slots freed per layer group. Raises
+        :class:`StorageError` (nothing changed) when there is a host tier and the storage
+        cannot copy.
         """
         with self._lock:
             seq = self._seq(seq_id)
@@ -1421,6 +1484,7 @@ class KVCacheManager:
                 raise SequenceStateError(f"sequence {seq_id!r} is already suspended")
             freed = dict.fromkeys(range(self.config.num_groups), 0)
             if self._tiers > 1:
+                self._check_storage()
                 for g in range(self.config.num_groups):
                     positions: dict[int, list[tuple[int, int]]] = {}
                     for b, tb in enumerate(seq.tables[g]):
@@ -1458,7 +1522,8 @@ class KVCacheManager:
     def resume(self, seq_id: int | str) -> None:
         """Bring a suspended sequence back: its moved blocks are copied up to the GPU.
 
-        Raises :class:`OutOfBlocksError` (nothing changed) when the GPU cannot take them.
+        Raises :class:`OutOfBlocksError` (nothing changed) when the GPU cannot take them, and
+        :class:`StorageError` (nothing changed) when the storage cannot copy them.
         """
         with self._lock:
             seq = self._seq(seq_id)
@@ -1475,6 +1540,8 @@ class KVCacheManager:
                     + ", ".join(f"{v} slots in group {g}" for (_, g), v in sorted(deficit.items())),
                     deficit,
                 )
+            if seq.moved:
+                self._check_storage()
             self._new_count = [0] * self.config.num_groups
             for (g, _), (t, h, pos) in seq.moved.items():
                 new = self._alloc(g)
@@ -1520,8 +1587,10 @@ class KVCacheManager:
         return tensors(layer_group, tier)
 
     def close(self) -> None:
-        """Release the storage (removes a disk tier's file)."""
-        self.storage.close()
+        """Release the storage (removes a disk tier's file). Calls that would copy blocks then
+        raise :class:`StorageError`; calls that move no data keep working on the metadata."""
+        with self._lock:  # not between a call's storage check and its copies
+            self.storage.close()
 
     def __enter__(self) -> KVCacheManager:
         return self
@@ -1549,9 +1618,9 @@ class KVCacheManager:
         """Beam ``beam``'s block table in ``layer_group`` (-1 = block not held)."""
         with self._lock:
             seq = self._seq(seq_id)
-            if not 0 <= layer_group < self.config.num_groups:
+            if not _is_index(layer_group, self.config.num_groups):
                 raise InvalidArgumentError(f"unknown layer group {layer_group!r}")
-            if not 0 <= beam < seq.beam_width:
+            if not _is_index(beam, seq.beam_width):
                 raise InvalidArgumentError(
                     f"beam {beam!r} out of range for beam width {seq.beam_width}"
                 )
@@ -1571,14 +1640,15 @@ class KVCacheManager:
     def num_free_blocks(self, layer_group: int = 0) -> int:
         """Free plus evictable GPU slots of a layer group."""
         with self._lock:
-            if not 0 <= layer_group < self.config.num_groups:
+            if not _is_index(layer_group, self.config.num_groups):
                 raise InvalidArgumentError(f"unknown layer group {layer_group!r}")
             return self.gpu_available(layer_group)
 
     def slot_usage(self, tier: int = 0, layer_group: int = 0) -> dict[str, int]:
         """used / free / evictable slots of one pool."""
         with self._lock:
-            if not 0 <= tier < self._tiers or not 0 <= layer_group < self.config.num_groups:
+            if not (_is_index(tier, self._tiers)
+                    and _is_index(layer_group, self.config.num_groups)):
                 raise InvalidArgumentError(f"unknown pool (tier {tier}, group {layer_group})")
             total = self.config.slots[tier][layer_group]
             free = len(self._free[tier][layer_group])
@@ -1624,8 +1694,15 @@ class KVCacheManager:
                 out.append((toks, [sl[j] for sl in r.slot], [tl[j] for tl in r.tier]))
             return out
 
+    def debug_state(self) -> dict[str, Any]:
+        """A comparable snapshot of everything a call may change: free lists, queues,
+        references, the tree, held colder-tier slots, the sequences and the stats. Two
+        snapshots are equal iff nothing observable changed between them; for tests and
+        debugging (O(everything))."""
+        return self._debug_state()
+
     def _debug_state(self) -> dict[str, Any]:
-        """A comparable snapshot of everything a call may change (tests use it)."""
+        """See :meth:`debug_state` (the existing tests call this name)."""
         with self._lock:
             tree = sorted(
                 ((rk, r.keys[j], tuple(sl[j] for sl in r.slot), tuple(tl[j] for tl in r.tier),
@@ -1637,11 +1714,13 @@ class KVCacheManager:
                 "queue": [[q.peek_order() for q in t] for t in self._queue],
                 "ref": [list(r) for r in self._ref],
                 "tree": tree,
+                "held": [[sorted(h) for h in t] for t in self._held],
                 "seqs": {
                     k: (list(s.tokens), [[list(b) for b in t] for t in s.tables],
-                        s.committed_blocks, s.suspended)
+                        s.committed_blocks, s.suspended, sorted(s.moved.items()))
                     for k, s in self.sequences.items()
                 },
+                "stats": self._stats.copy(),
             }
 
     def check_invariants(self) -> None:

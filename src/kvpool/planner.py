@@ -103,6 +103,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _as_tuple(name: str, value: object) -> tuple[Any, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{name} must be a sequence, got {value!r}")
+    return tuple(value)
+
+
+MAX_BATCH_SIZE: Final = 1 << 20
+"""The largest ``max_batch_size`` the planner takes (its constraints list every sequence)."""
+
+
 # --------------------------------------------------------------------------- model geometry
 
 
@@ -135,7 +145,7 @@ class LayerSpec:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise InvalidArgumentError(
                 f"unknown dtype {self.dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}"
             )
@@ -175,6 +185,7 @@ class ModelSpec:
     max_seq_len: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", _as_tuple(f"model {self.name!r}: layers", self.layers))
         if not self.layers:
             raise InvalidArgumentError(f"model {self.name!r} has no layers")
         if not all(isinstance(layer, LayerSpec) for layer in self.layers):
@@ -649,13 +660,19 @@ def plan_pools(
     ):
         if not _is_int(value) or value < low:
             raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+    if max_batch_size > MAX_BATCH_SIZE:
+        raise InvalidArgumentError(
+            f"max_batch_size must be <= {MAX_BATCH_SIZE:,}, got {max_batch_size:,}"
+        )
+    if not isinstance(model, ModelSpec):
+        raise InvalidArgumentError(f"model must be a ModelSpec, got {model!r:.80}")
     tpb = tokens_per_block
     groups = model.layer_groups()
     bpb = [g.bytes_per_block(tpb) for g in groups]
     chunk = min(max_num_tokens, max_seq_len)
 
     def named(name: str, description: str, batch: Iterable[KVCacheDesc]) -> BatchConstraint:
-        items = tuple(batch)
+        items = _as_tuple(name, batch)
         for desc in items:
             if not isinstance(desc, KVCacheDesc):
                 raise InvalidArgumentError(f"{name}: expected KVCacheDesc items, got {desc!r}")
@@ -679,7 +696,8 @@ def plan_pools(
             (KVCacheDesc(chunk, 0),),
         ),
     ]
-    for i, batch in enumerate(tuple(b) for b in constraints):
+    for i, batch in enumerate(_as_tuple(f"constraints[{i}]", b)
+                              for i, b in enumerate(_as_tuple("constraints", constraints))):
         all_constraints.append(
             named(f"constraint[{i}]", f"caller constraint {i} ({len(batch)} sequences)", batch)
         )
@@ -695,9 +713,8 @@ def plan_pools(
             ),
         )
     else:
-        typical = named(
-            "typical_step", f"caller typical step ({len(typical_step)} sequences)", typical_step
-        )
+        steps = _as_tuple("typical_step", typical_step)
+        typical = named("typical_step", f"caller typical step ({len(steps)} sequences)", steps)
         if not typical.batch or any(d.capacity < 1 for d in typical.batch):
             raise InvalidArgumentError(
                 "typical_step must hold at least one sequence and every capacity must be >= 1"

@@ -7,8 +7,10 @@ The block manager decides which slot of which tier and layer group holds each bl
   one, for simulation, routing and tests. It never imports torch.
 * :class:`TorchStorage` holds one tensor per (tier, layer group), shaped
   ``[slots, num_layers, 2 (K, V), tokens_per_block, kv_heads, head_dim]``: tier 0 on the
-  compute device, tier 1 in host memory (pinned when tier 0 is a CUDA device), tier 2 in a
-  memory-mapped file. torch is imported only when one is built.
+  compute device, tier 1 in host memory (pinned when tier 0 is a CUDA device), tier 2 in one
+  file per layer group, read and written with ``pread``/``pwrite`` (:mod:`kvpool.diskfile`:
+  never memory-mapped, so a truncated file is an error, not SIGBUS). torch is imported only
+  when one is built.
 
 Copy contract (:meth:`Storage.copy_blocks`), shared by both:
 
@@ -18,29 +20,30 @@ Copy contract (:meth:`Storage.copy_blocks`), shared by both:
 * Each key runs as ONE batched operation, never one call per block.
 * Within one key no destination slot is also a source slot (an internal invariant of the
   caller, asserted) and no destination slot appears twice (a :class:`BlockCopyError`).
-* Everything is validated before anything moves: a call that raises copies nothing.
+* Everything is validated before anything moves, the disk files included (closed, removed or
+  truncated: :meth:`Storage.check`): a call that raises that way copies nothing.
 * Bytes survive any round trip bit for bit (copies never convert or compute; NaN payloads stay).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import cache
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, NamedTuple, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_checkable
 
+from kvpool.diskfile import DiskPool, close_pools, create_pools
 from kvpool.errors import BlockCopyError, GeometryError, StorageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 
@@ -158,6 +161,11 @@ class Storage(Protocol):
         """Blocks and bytes moved per (src_tier, dst_tier), and batched operations issued."""
         ...
 
+    def check(self) -> None:
+        """Raise :class:`StorageError` if a copy could not run now (closed, a disk file removed
+        or truncated). The manager calls it before changing anything in a call that may copy."""
+        ...
+
     def close(self) -> None:
         """Release memory and files. Idempotent; later copies raise :class:`StorageError`."""
         ...
@@ -217,6 +225,7 @@ class _CopyEngine:
         """
         self._check_open()
         plan = self.plan(copies)
+        self._check_plan(plan)
         for key, (src, dst) in plan.items():
             self._run(key, src, dst)
             tiers, blocks = (key[0], key[1]), len(src)
@@ -260,6 +269,13 @@ class _CopyEngine:
                 "a source and a destination of one batched copy"
             )
         return plan
+
+    def check(self) -> None:
+        """Raise :class:`StorageError` once closed."""
+        self._check_open()
+
+    def _check_plan(self, plan: CopyPlan) -> None:
+        """Raise :class:`StorageError` if a pool the plan touches cannot be used now."""
 
     def stats(self) -> StorageStats:
         return StorageStats(
@@ -340,6 +356,12 @@ class MetadataStorage(_CopyEngine):
 
     def __init__(self, tokens_per_block: int, block_bytes_per_group: Sequence[int] = ()) -> None:
         super().__init__(tokens_per_block)
+        if isinstance(block_bytes_per_group, str | bytes) or not isinstance(
+            block_bytes_per_group, Iterable
+        ):
+            raise GeometryError(
+                f"block_bytes_per_group must be a sequence of ints, got {block_bytes_per_group!r}"
+            )
         sizes = tuple(block_bytes_per_group)
         for g, size in enumerate(sizes):
             if not _is_int(size) or size < 0:
@@ -365,21 +387,15 @@ class MetadataStorage(_CopyEngine):
         return None
 
 
-def _remove_files(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-    paths.clear()
-
-
 class TorchStorage(_CopyEngine):
     """KV pools as torch tensors, one per (tier, layer group), and the batched copy engine.
 
     ``slots[tier][group]`` is the slot count of each pool; ``len(slots)`` tiers (1 to 3) exist.
     Tier 0 lives on ``device`` (default: ``"cuda"`` if available, else ``"cpu"``); tier 1 in
-    host memory, pinned when tier 0 is a CUDA device; tier 2 in one memory-mapped file per
-    layer group under ``disk_path`` (created and sized here, removed by :meth:`close`). Every
-    pool starts zeroed, so unused slots never feed NaNs to a kernel.
+    host memory, pinned when tier 0 is a CUDA device; tier 2 in one file per layer group under
+    ``disk_path`` (:mod:`kvpool.diskfile`: created, sized and locked here, removed by
+    :meth:`close`, on SIGTERM and by the next storage built there after a crash). Every pool
+    starts zeroed, so unused slots never feed NaNs to a kernel.
 
     Copies: each key is one ``torch._foreach_copy_`` over per-slot views, one pass over the
     bytes (measured on CPU to beat ``index_select`` + ``index_copy_``, which reads and writes
@@ -390,7 +406,10 @@ class TorchStorage(_CopyEngine):
     stream and that the current stream then waits for, so kernels on either side of a
     ``copy_blocks`` see a consistent pool. CPU-side reads of host or disk pools (a host↔disk
     key, :meth:`tensors` for tier ≥ 1, :meth:`synchronize`) wait for those copies to finish.
-    Device→device keys stay on the current stream.
+    Device→device keys stay on the current stream. A disk key is one ``pread``/``pwrite`` per
+    block between the file and host memory (split over the same workers when large), after an
+    ``fstat`` of the file: a removed or truncated file raises :class:`StorageError` before
+    anything moves.
 
     Raises :class:`GeometryError` for a bad layout and :class:`StorageError` for a device or
     disk that cannot hold the pools (missing, unwritable, too small).
@@ -408,29 +427,29 @@ class TorchStorage(_CopyEngine):
         import torch
 
         super().__init__(tokens_per_block)
-        self._geometries = tuple(geometries)
+        self._geometries: tuple[GroupGeometry, ...] = _sequence("geometries", geometries)
         self._slots = _check_layout(self._geometries, slots)
+        if disk_path is not None and not isinstance(disk_path, str | os.PathLike):
+            raise StorageError(f"disk_path must be a path, got {disk_path!r}")
         self._device = _resolve_device(device)
         self._cuda = self._device.type == "cuda"
         self._block_bytes = tuple(g.block_bytes(tokens_per_block) for g in self._geometries)
-        disk_bytes = (
-            [n * b for n, b in zip(self._slots[Tier.DISK], self._block_bytes, strict=True)]
+        layout = (
+            {g: (n, self._block_bytes[g]) for g, n in enumerate(self._slots[Tier.DISK]) if n}
             if len(self._slots) > Tier.DISK
-            else []
+            else {}
         )
-        self._disk_files: dict[int, str] = (
-            _create_disk_files(disk_path, disk_bytes) if any(disk_bytes) else {}
-        )
-        self._files = list(self._disk_files.values())  # emptied once removed
-        self._finalizer = weakref.finalize(self, _remove_files, self._files)
+        self._disk: dict[int, DiskPool] = create_pools(disk_path, layout) if layout else {}
+        self._finalizer = weakref.finalize(self, close_pools, list(self._disk.values()))
         try:
             self._pools = [
                 [self._allocate(tier, g) for g in range(len(self._geometries))]
-                for tier in range(len(self._slots))
+                for tier in range(min(len(self._slots), Tier.DISK))
             ]
         except (RuntimeError, MemoryError) as exc:
             self._finalizer()
             raise StorageError(f"cannot allocate the KV pools {self._slots}: {exc}") from exc
+        self._raws: dict[tuple[int, int], memoryview] = {}
         self._views: list[list[tuple[torch.Tensor, ...] | None]] = [
             [None] * len(self._geometries) for _ in self._slots
         ]
@@ -451,15 +470,7 @@ class TorchStorage(_CopyEngine):
         shape = (self._slots[tier][group], *geometry.block_shape(self.tokens_per_block))
         if tier == Tier.GPU:
             return torch.zeros(shape, dtype=dtype, device=self._device)
-        if tier == Tier.HOST:
-            return torch.zeros(shape, dtype=dtype, pin_memory=self._cuda)
-        nbytes = shape[0] * self._block_bytes[group]
-        if nbytes == 0:
-            return torch.zeros(shape, dtype=dtype)
-        path = self._disk_files[group]
-        # shared=True maps the file itself (MAP_SHARED): writes land in the file, not in a copy.
-        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        return raw.view(dtype).view(shape)
+        return torch.zeros(shape, dtype=dtype, pin_memory=self._cuda)
 
     # -- the public surface
 
@@ -480,7 +491,7 @@ class TorchStorage(_CopyEngine):
     @property
     def disk_files(self) -> tuple[str, ...]:
         """Paths of the disk-tier files (empty once closed)."""
-        return tuple(self._files)
+        return tuple(p.path for p in self._disk.values() if not p.closed)
 
     def block_bytes(self, layer_group: int) -> int:
         return self._block_bytes[self._check_group(layer_group)]
@@ -491,13 +502,24 @@ class TorchStorage(_CopyEngine):
         Slot i of the pool is the block the manager calls slot i. For tier ≥ 1 this first waits
         for pending host↔device copies, so the returned tensor can be read or written from the
         CPU; a tensor kept across later :meth:`copy_blocks` calls needs :meth:`synchronize`.
+        The disk tier (2) has no tensor: its pool comes back as a copy of the file, in host
+        memory (writing to it does not change the file).
         """
         self._check_open()
         tier = self._check_tier(tier)
         group = self._check_group(layer_group)
         if tier != Tier.GPU:
             self.synchronize()
+        if tier == Tier.DISK:
+            return self._read_disk(group)
         return self._pools[tier][group]
+
+    def check(self) -> None:
+        """Raise :class:`StorageError` if closed, or if a disk-tier file was removed or
+        truncated under the running storage (one ``fstat`` per file)."""
+        self._check_open()
+        for pool in self._disk.values():
+            pool.check()
 
     def synchronize(self) -> None:
         """Wait until every host↔device copy issued so far has finished (no-op without CUDA)."""
@@ -515,6 +537,7 @@ class TorchStorage(_CopyEngine):
             self._workers = None
         self._pools = []
         self._views = []
+        self._raws = {}
         self._finalizer()
         super().close()
 
@@ -540,44 +563,110 @@ class TorchStorage(_CopyEngine):
         import torch
 
         src_tier, dst_tier, group = key
+        if Tier.DISK in (src_tier, dst_tier):
+            self._run_disk(key, src, dst)
+            return
         src_views, dst_views = self._slot_views(src_tier, group), self._slot_views(dst_tier, group)
         sources = [src_views[s] for s in src]
         targets = [dst_views[d] for d in dst]
         on_device = (self._cuda and src_tier == Tier.GPU, self._cuda and dst_tier == Tier.GPU)
         if on_device[0] != on_device[1]:
-            host_tier = dst_tier if on_device[0] else src_tier
-            self._copy_across(sources, targets, pinned=host_tier == Tier.HOST)
+            self._copy_across(sources, targets)
             return
         if on_device[0]:
             torch._foreach_copy_(targets, sources)
             return
         # CPU memcpy into or out of host memory a DMA may still be reading or writing.
         self.synchronize()
+        self._split(torch._foreach_copy_, targets, sources, self._block_bytes[group])
+
+    def _split(self, fn: Callable[[Any, Any], object], a: list[Any], b: list[Any],
+               block_bytes: int) -> None:
+        """``fn(a, b)``, a large batch split in chunks over the copy workers."""
         workers = self._num_workers
-        if (
-            workers < 2
-            or len(targets) < 2
-            or len(targets) * self._block_bytes[group] < _SPLIT_BYTES
-        ):
-            torch._foreach_copy_(targets, sources)
+        if workers < 2 or len(a) < 2 or len(a) * block_bytes < _SPLIT_BYTES:
+            fn(a, b)
             return
         if self._workers is None:
             self._workers = ThreadPoolExecutor(
                 workers, thread_name_prefix="kvpool-copy", initializer=_serial_torch_thread
             )
         # A few chunks per worker: a worker the OS preempts leaves its share to the others.
-        step = -(-len(targets) // (workers * _CHUNKS_PER_WORKER))
+        step = -(-len(a) // (workers * _CHUNKS_PER_WORKER))
         futures = [
-            self._workers.submit(torch._foreach_copy_, targets[i : i + step], sources[i : i + step])
-            for i in range(0, len(targets), step)
+            self._workers.submit(fn, a[i : i + step], b[i : i + step])
+            for i in range(0, len(a), step)
         ]
         wait(futures)  # all of them, even if one failed: none may still write after we return
         for future in futures:
             future.result()
 
-    def _copy_across(
-        self, sources: list[torch.Tensor], targets: list[torch.Tensor], *, pinned: bool
-    ) -> None:
+    def _check_plan(self, plan: CopyPlan) -> None:
+        for src_tier, dst_tier, group in plan:
+            if Tier.DISK in (src_tier, dst_tier):
+                self._disk[group].check()
+
+    def _raw(self, tier: int, group: int) -> memoryview:
+        """The bytes of a host-memory pool (tier 1, or tier 0 on the CPU), writable."""
+        import torch
+
+        raw = self._raws.get((tier, group))
+        if raw is None:
+            flat = self._pools[tier][group].view(torch.uint8).reshape(-1)
+            raw = self._raws[tier, group] = flat.numpy().data
+        return raw
+
+    def _run_disk(self, key: CopyKey, src: list[int], dst: list[int]) -> None:
+        """One key to or from the disk tier: ``pread``/``pwrite`` straight between the file
+        and host memory; a CUDA tier 0 goes through a pinned staging buffer."""
+        import torch
+
+        src_tier, dst_tier, group = key
+        size = self._block_bytes[group]
+        self.synchronize()  # host memory a DMA may still be reading or writing
+        if src_tier == dst_tier:  # disk to disk, through memory
+            buffer = memoryview(bytearray(len(src) * size))
+            chunks = [buffer[i * size : (i + 1) * size] for i in range(len(src))]
+            self._disk[group].read(src, chunks)
+            self._disk[group].write(dst, chunks)
+            return
+        to_disk = dst_tier == Tier.DISK
+        pool = self._disk[group]
+        mem_tier, mem_slots, disk_slots = (src_tier, src, dst) if to_disk else (dst_tier, dst, src)
+        if not (self._cuda and mem_tier == Tier.GPU):
+            raw = self._raw(mem_tier, group)
+            chunks = [raw[s * size : (s + 1) * size] for s in mem_slots]
+            self._split(pool.write if to_disk else pool.read, disk_slots, chunks, size)
+            return
+        stage = torch.empty((len(mem_slots), size), dtype=torch.uint8, pin_memory=True)
+        staged = list(stage.unbind(0))
+        views = self._slot_views(Tier.GPU, group)
+        device = [views[s].view(torch.uint8).reshape(-1) for s in mem_slots]
+        flat = stage.numpy().data
+        chunks = [flat[i * size : (i + 1) * size] for i in range(len(mem_slots))]
+        if to_disk:
+            torch._foreach_copy_(staged, device)  # synchronous: the host waits for the bytes
+            self._split(pool.write, disk_slots, chunks, size)
+        else:
+            self._split(pool.read, disk_slots, chunks, size)
+            torch._foreach_copy_(device, staged)
+
+    def _read_disk(self, group: int) -> torch.Tensor:
+        import torch
+
+        geometry = self._geometries[group]
+        shape = (self._slots[Tier.DISK][group], *geometry.block_shape(self.tokens_per_block))
+        out = torch.zeros(shape, dtype=getattr(torch, geometry.dtype))
+        pool = self._disk.get(group)
+        if pool is not None:
+            pool.check()
+            size = pool.block_bytes
+            flat = out.view(torch.uint8).reshape(-1).numpy().data
+            pool.read(range(pool.slots), [flat[i * size : (i + 1) * size]
+                                          for i in range(pool.slots)])
+        return out
+
+    def _copy_across(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         import torch
 
         assert self._side_stream is not None
@@ -586,8 +675,7 @@ class TorchStorage(_CopyEngine):
         # must wait for the kernels still reading the old contents.
         self._side_stream.wait_stream(current)
         with torch.cuda.stream(self._side_stream):
-            # Pageable (disk) memory cannot be copied asynchronously; pinned host memory can.
-            torch._foreach_copy_(targets, sources, non_blocking=pinned)
+            torch._foreach_copy_(targets, sources, non_blocking=True)  # host memory is pinned
         # Later kernels on the current stream see onboarded blocks and don't overwrite
         # offloaded sources before the DMA has read them.
         current.wait_stream(self._side_stream)
@@ -624,7 +712,8 @@ def _check_layout(
     for g, geometry in enumerate(geometries):
         if not isinstance(geometry, GroupGeometry):
             raise GeometryError(f"geometries[{g}] must be a GroupGeometry, got {geometry!r}")
-    table = tuple(tuple(row) for row in slots)
+    table = tuple(_sequence(f"slots[{tier}]", row) for tier, row in
+                  enumerate(_sequence("slots", slots)))
     if not 1 <= len(table) <= NUM_TIERS:
         raise GeometryError(f"slots must list 1 to {NUM_TIERS} tiers, got {len(table)}")
     for tier, row in enumerate(table):
@@ -638,6 +727,12 @@ def _check_layout(
     return table
 
 
+def _sequence(name: str, value: object) -> tuple[Any, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise GeometryError(f"{name} must be a sequence, got {value!r}")
+    return tuple(value)
+
+
 def _resolve_device(device: object) -> torch.device:
     import torch
 
@@ -645,7 +740,7 @@ def _resolve_device(device: object) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved: torch.device = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise StorageError(f"device {device!r} is not a torch device: {exc}") from exc
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
@@ -655,41 +750,3 @@ def _resolve_device(device: object) -> torch.device:
     elif resolved.type != "cpu":
         raise StorageError(f"device {device!r} is not supported (use 'cpu' or 'cuda[:N]')")
     return resolved
-
-
-def _create_disk_files(path: str | os.PathLike[str] | None, sizes: list[int]) -> dict[int, str]:
-    """Create and size one file per layer group with disk slots; all or none are left."""
-    total = sum(sizes)
-    if path is None:
-        raise StorageError(f"the disk tier has {total} bytes of slots but disk_path is None")
-    directory = os.fspath(path)
-    if not os.path.isdir(directory):
-        what = "is not a directory" if os.path.exists(directory) else "does not exist"
-        raise StorageError(f"disk_path {directory!r} {what}")
-    free = shutil.disk_usage(directory).free
-    if free < total:
-        raise StorageError(
-            f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
-        )
-    created: dict[int, str] = {}
-    try:
-        for group, size in enumerate(sizes):
-            if size == 0:
-                continue
-            fd, name = tempfile.mkstemp(prefix=f"kvpool-g{group}-", suffix=".kv", dir=directory)
-            created[group] = name
-            try:
-                # Reserve the blocks now: a sparse file could hit a full disk on a later write,
-                # which a memory map reports as SIGBUS instead of an error.
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, size)
-                else:  # pragma: no cover - non-Linux
-                    os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-    except OSError as exc:
-        _remove_files(list(created.values()))
-        raise StorageError(
-            f"cannot create the disk tier ({total} bytes) under {directory!r}: {exc}"
-        ) from exc
-    return created

@@ -1,0 +1,275 @@
+"""The disk tier's files: one per layer group under ``disk_path``, read and written with
+``pread``/``pwrite`` (never memory-mapped), locked by their owner, removed at close and on
+SIGTERM, and reclaimed from dead owners when a storage starts.
+
+Why no memory map: a mapped file truncated under a running process turns the next access into
+SIGBUS, which kills the process, and the GPU and host KV with it. Through ``pread``/``pwrite``
+a truncated file is a short read or write, and :meth:`DiskPool.check` (one ``fstat`` before
+every batch) sees a truncated or removed file before anything moves: both are a
+:class:`StorageError`. The blocks are reserved at creation (``posix_fallocate``), so a disk
+that fills up later cannot fail a write: a full disk is refused when the files are created.
+
+Ownership: several processes may share one ``disk_path``. Each file is named after its owner
+(``kvpool-<pid>-g<group>-<random>.kv``) and holds an exclusive ``flock`` for as long as its
+owner keeps it open; the kernel drops the lock when the process dies, SIGKILL included.
+Files are created under an exclusive lock of ``disk_path/.kvpool.lock`` (removed again when
+released); under the same lock every ``kvpool-*.kv`` whose lock can be taken, whose owner is
+therefore gone, is removed first.
+
+SIGTERM: the first disk file of a process installs (from the main thread, when SIGTERM still
+has its default action or a Python handler) a handler that removes every disk file of the
+process and then does what the previous handler did (by default: the process dies of SIGTERM).
+The files stay readable and writable through their descriptors until closed, so a previous
+handler that shuts down gracefully still works with them. A forked child inherits the pools
+but never removes their files (only the creating process does, at close or on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+from kvpool.errors import StorageError
+
+LOCK_NAME = ".kvpool.lock"
+PREFIX = "kvpool-"
+SUFFIX = ".kv"
+
+
+class DiskPool:
+    """The disk-tier slots of one layer group: ``slots`` blocks of ``block_bytes`` in one file,
+    slot i at offset ``i * block_bytes``."""
+
+    __slots__ = ("_fd", "_removed", "block_bytes", "owner", "path", "size", "slots")
+
+    def __init__(self, fd: int, path: str, slots: int, block_bytes: int) -> None:
+        self._fd = fd
+        self.path = path
+        self.slots = slots
+        self.block_bytes = block_bytes
+        self.size = slots * block_bytes
+        self.owner = os.getpid()  # a forked child inherits the pool but never removes the file
+        self._removed = False  # the path was removed on purpose (close, SIGTERM)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def check(self) -> None:
+        """Raise :class:`StorageError` if the file was closed, removed or truncated."""
+        if self._fd < 0:
+            raise StorageError(f"disk-tier file {self.path!r} is closed")
+        try:
+            st = os.fstat(self._fd)
+        except OSError as exc:
+            raise StorageError(f"disk-tier file {self.path!r} cannot be read: {exc}") from exc
+        if st.st_nlink == 0 and not self._removed:
+            raise StorageError(
+                f"disk-tier file {self.path!r} was removed while in use; the disk tier is "
+                "lost (close the storage and build a new one)"
+            )
+        if st.st_size < self.size:
+            raise StorageError(
+                f"disk-tier file {self.path!r} was truncated to {st.st_size} bytes while in use "
+                f"(the tier needs {self.size}); close the storage and build a new one"
+            )
+
+    def read(self, slots: Sequence[int], buffers: Sequence[memoryview]) -> None:
+        """Read slot ``slots[i]`` into ``buffers[i]`` (each ``block_bytes`` long)."""
+        fd, size = self._fd, self.block_bytes
+        try:
+            for slot, buf in zip(slots, buffers, strict=True):
+                got = os.preadv(fd, [buf], slot * size)
+                if got != size:
+                    raise StorageError(
+                        f"disk-tier file {self.path!r} ends inside slot {slot} (read {got} of "
+                        f"{size} bytes): it was truncated while in use"
+                    )
+        except OSError as exc:
+            raise StorageError(f"cannot read the disk tier {self.path!r}: {exc}") from exc
+
+    def write(self, slots: Sequence[int], buffers: Sequence[memoryview]) -> None:
+        """Write ``buffers[i]`` (each ``block_bytes`` long) to slot ``slots[i]``."""
+        fd, size = self._fd, self.block_bytes
+        try:
+            for slot, buf in zip(slots, buffers, strict=True):
+                done = os.pwrite(fd, buf, slot * size)
+                if done != size:
+                    raise StorageError(
+                        f"disk-tier file {self.path!r}: wrote {done} of {size} bytes of slot "
+                        f"{slot} (file size limit or disk full)"
+                    )
+        except OSError as exc:
+            raise StorageError(f"cannot write the disk tier {self.path!r}: {exc}") from exc
+
+    def remove(self) -> None:
+        """Remove the file's name (idempotent; only in the process that created it); the open
+        descriptor keeps the data usable."""
+        if not self._removed and os.getpid() == self.owner:
+            self._removed = True
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+    def close(self) -> None:
+        """Remove the file and close it. Idempotent."""
+        self.remove()
+        _LIVE.pop(id(self), None)
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def close_pools(pools: list[DiskPool]) -> None:
+    """Close and remove every pool of the list, and empty it (a storage's finalizer)."""
+    for pool in pools:
+        pool.close()
+    pools.clear()
+
+
+def create_pools(
+    path: str | os.PathLike[str] | None, layout: dict[int, tuple[int, int]]
+) -> dict[int, DiskPool]:
+    """One file per layer group of ``layout`` (group -> (slots, block bytes)), sized and
+    locked, after removing the files of dead owners; all or none are left."""
+    total = sum(slots * size for slots, size in layout.values())
+    if path is None:
+        raise StorageError(f"the disk tier has {total} bytes of slots but disk_path is None")
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise StorageError(f"disk_path {directory!r} {what}")
+    pools: dict[int, DiskPool] = {}
+    try:
+        with _directory_lock(directory):
+            reclaim(directory)
+            free = shutil.disk_usage(directory).free
+            if free < total:
+                raise StorageError(
+                    f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
+                )
+            for group, (slots, size) in layout.items():
+                pools[group] = _create_file(directory, group, slots, size)
+    except OSError as exc:
+        close_pools(list(pools.values()))
+        raise StorageError(
+            f"cannot create the disk tier ({total} bytes) under {directory!r}: {exc}"
+        ) from exc
+    except BaseException:
+        close_pools(list(pools.values()))
+        raise
+    for pool in pools.values():
+        _LIVE[id(pool)] = pool
+    _install_sigterm_cleanup()
+    return pools
+
+
+def _create_file(directory: str, group: int, slots: int, size: int) -> DiskPool:
+    name = f"{PREFIX}{os.getpid()}-g{group}-{secrets.token_hex(4)}{SUFFIX}"
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    pool = DiskPool(fd, path, slots, size)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Reserve the blocks now: a sparse file could hit a full disk on a later write.
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, slots * size)
+        else:  # pragma: no cover - macOS: sparse, so a full disk fails a later write instead
+            os.ftruncate(fd, slots * size)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+def reclaim(directory: str) -> list[str]:
+    """Remove the disk-tier files in ``directory`` whose owner is gone (their lock is free);
+    returns their paths. Call with the directory lock held."""
+    removed: list[str] = []
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not a file we can open: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live owner holds it
+        finally:
+            os.close(fd)  # also drops the lock if we got it
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+            removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str) -> Iterator[None]:
+    """Hold ``directory/.kvpool.lock`` exclusively; the file is removed on release (a waiter
+    that locked a removed file sees it and takes the new one)."""
+    path = os.path.join(directory, LOCK_NAME)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            mine = os.fstat(fd)
+            current = os.stat(path)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if (mine.st_dev, mine.st_ino) == (current.st_dev, current.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        os.close(fd)
+
+
+# -- SIGTERM: every open pool of this process, and the handler that removes their files
+
+_LIVE: dict[int, DiskPool] = {}
+_handler_lock = threading.Lock()
+_previous: Any = None
+_installed = False
+
+
+def _install_sigterm_cleanup() -> None:
+    global _previous, _installed
+    with _handler_lock:
+        if _installed or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is not signal.SIG_DFL and not callable(previous):
+            return  # ignored, or a handler set outside Python (which we could not chain to)
+        try:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+            return
+        _previous, _installed = previous, True
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    for pool in list(_LIVE.values()):
+        pool.remove()
+    previous = _previous
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action: die of it
+    os.kill(os.getpid(), signum)

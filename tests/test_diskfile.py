@@ -1,0 +1,118 @@
+"""The disk tier's files (kvpool.diskfile) without torch: locks, reclaim, checks, SIGTERM."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvpool.diskfile import close_pools, create_pools, reclaim
+from kvpool.errors import StorageError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_pools_are_named_after_their_owner_sized_and_removed_on_close(tmp_path: Path) -> None:
+    pools = create_pools(tmp_path, {0: (3, 64), 2: (1, 128)})
+    assert sorted(pools) == [0, 2]
+    for group, pool in pools.items():
+        name = os.path.basename(pool.path)
+        assert name.startswith(f"kvpool-{os.getpid()}-g{group}-") and name.endswith(".kv")
+        assert os.path.getsize(pool.path) == pool.size
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p.path) for p in pools.values())
+    pools[0].write([2, 0], [memoryview(b"a" * 64), memoryview(b"b" * 64)])
+    out = [memoryview(bytearray(64)) for _ in range(3)]
+    pools[0].read([0, 1, 2], out)
+    assert [bytes(b) for b in out] == [b"b" * 64, bytes(64), b"a" * 64]
+    close_pools(list(pools.values()))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(StorageError, match="closed"):
+        pools[0].check()
+
+
+def test_reclaim_removes_unlocked_files_and_keeps_locked_ones(tmp_path: Path) -> None:
+    orphan = tmp_path / "kvpool-1-g0-dead.kv"
+    orphan.write_bytes(b"x")
+    other = tmp_path / "notes.kv"  # not a kvpool name: never touched
+    other.write_bytes(b"x")
+    pools = create_pools(tmp_path, {0: (1, 8)})  # reclaims first
+    assert not orphan.exists() and other.exists()
+    # a file whose lock is held (here by another open file description) belongs to a live
+    # owner and stays
+    assert reclaim(str(tmp_path)) == []
+    assert os.path.exists(pools[0].path)
+    stale = tmp_path / "kvpool-2-g0-old.kv"
+    stale.write_bytes(b"x")
+    fd = os.open(stale, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert reclaim(str(tmp_path)) == []
+    finally:
+        os.close(fd)
+    assert reclaim(str(tmp_path)) == [str(stale)]
+    close_pools(list(pools.values()))
+    assert sorted(os.listdir(tmp_path)) == ["notes.kv"]
+
+
+def test_check_sees_a_truncated_or_removed_file(tmp_path: Path) -> None:
+    pools = create_pools(tmp_path, {0: (4, 16), 1: (4, 16)})
+    truncated, removed = pools[0], pools[1]
+    truncated.check()
+    os.truncate(truncated.path, 16 * 3 + 1)
+    with pytest.raises(StorageError, match="truncated to 49 bytes"):
+        truncated.check()
+    with pytest.raises(StorageError, match="ends inside slot 3"):
+        truncated.read([3], [memoryview(bytearray(16))])
+    os.remove(removed.path)
+    with pytest.raises(StorageError, match="removed while in use"):
+        removed.check()
+    close_pools(list(pools.values()))
+
+
+def test_a_full_or_missing_directory_is_refused_before_any_file(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="does not exist"):
+        create_pools(tmp_path / "missing", {0: (1, 8)})
+    with pytest.raises(StorageError, match="disk_path is None"):
+        create_pools(None, {0: (1, 8)})
+    with pytest.raises(StorageError, match="bytes free"):
+        create_pools(tmp_path, {0: (1, 1 << 62)})
+    assert os.listdir(tmp_path) == []
+
+
+GRACEFUL = """
+import os, signal, sys
+from kvpool.diskfile import create_pools
+stopped = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+pools = create_pools(sys.argv[1], {0: (2, 8)})
+pool = pools[0]
+os.kill(os.getpid(), signal.SIGTERM)
+# the graceful handler ran after ours: the name is gone, the data still usable till close
+assert stopped == [signal.SIGTERM], stopped
+assert os.listdir(sys.argv[1]) == []
+pool.check()
+pool.write([1], [memoryview(b"z" * 8)])
+out = memoryview(bytearray(8))
+pool.read([1], [out])
+assert bytes(out) == b"z" * 8
+pool.close()
+print("ok")
+"""
+
+
+def test_sigterm_chains_to_a_graceful_handler_and_the_files_stay_usable(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(GRACEFUL), str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok"]
+
