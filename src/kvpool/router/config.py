@@ -2,7 +2,11 @@
 
 Shape (every key optional unless marked)::
 
-    listen: {host: 127.0.0.1, port: 8000}          # port 0: any free port
+    listen:
+      host: 127.0.0.1
+      port: 8000                                  # 0: any free port
+      max_body_bytes: 1245184                     # request bodies past it get 413
+      auth_token_env: KVPOOL_ROUTER_TOKEN         # bearer token's variable (default: no auth)
     router:                                       # Router options (kvpool.router.scoring)
       mode: cost                                  # cost | trtllm
       tier_weights: [1.0, 0.75, 0.25]
@@ -48,11 +52,13 @@ from typing import Any
 
 import yaml
 
+from kvpool.config import DEFAULT_MAX_SEQ_LEN
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
 from kvpool.hashing import hash_algo as parse_hash_algo
 
 __all__ = [
     "IngestOptions",
+    "ListenOptions",
     "RouterOptions",
     "ServiceConfig",
     "WorkerConfig",
@@ -104,6 +110,16 @@ class IngestOptions:
     health_interval_s: float = 2.0
 
 
+DEFAULT_MAX_BODY_BYTES = DEFAULT_MAX_SEQ_LEN * 9 + 65536
+"""A ``/route`` body of the longest default prompt with 7-digit ids (``"1234567, "``), and room."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenOptions:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    auth_token_env: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     workers: tuple[WorkerConfig, ...]
@@ -112,6 +128,7 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     proxy: bool = False
+    listen: ListenOptions = field(default_factory=ListenOptions)
 
 
 def load_config(path: str | Path) -> ServiceConfig:
@@ -133,11 +150,16 @@ def parse_config(obj: object) -> ServiceConfig:
     top = _mapping(obj, "config")
     _only(top, "config", {"listen", "router", "ingest", "proxy", "workers"})
     listen = _mapping(top.get("listen", {}), "listen")
-    _only(listen, "listen", {"host", "port"})
+    _only(listen, "listen", {"host", "port", "max_body_bytes", "auth_token_env"})
     host = _str(listen.get("host", "127.0.0.1"), "listen.host")
     port = _int(listen.get("port", 8000), "listen.port", lo=0)
     if port > 65535:
         raise ConfigError(f"listen.port: {port} is not a TCP port")
+    options = ListenOptions(
+        _int(listen.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES), "listen.max_body_bytes",
+             lo=1024),
+        _opt_str(listen.get("auth_token_env"), "listen.auth_token_env"),
+    )
     router = _router(_mapping(top.get("router", {}), "router"))
     ingest = _ingest(_mapping(top.get("ingest", {}), "ingest"))
     proxy = _bool(top.get("proxy", False), "proxy")
@@ -152,7 +174,7 @@ def parse_config(obj: object) -> ServiceConfig:
             raise ConfigError(f"workers[{i}].id: {w.id!r} is used twice")
         seen.add(w.id)
         workers.append(w)
-    return ServiceConfig(tuple(workers), router, ingest, host, port, proxy)
+    return ServiceConfig(tuple(workers), router, ingest, host, port, proxy, options)
 
 
 # ------------------------------------------------------------------------------ sections
