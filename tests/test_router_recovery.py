@@ -320,7 +320,8 @@ def test_worker_never_reached_is_unknown_and_gets_no_route() -> None:
             async with aiohttp.ClientSession() as s:
                 view = await _view(s, base)
                 assert view["ghost"]["ingest"]["state"] == "unknown"
-                assert not view["ghost"]["healthy"]
+                assert not view["ghost"]["healthy"] and not view["ghost"]["routable"]
+                assert view["ghost"]["state"] == "unknown" and view["fed"]["state"] == "healthy"
                 assert "nothing to probe" in view["ghost"]["ingest"]["reason"]
                 for _ in range(10):
                     status, d = await post(s, f"{base}/route", {"token_ids": prompt})

@@ -10,15 +10,17 @@ Endpoints
 ``POST /finished``
     ``{"request_id": str}`` → ``{"request_id": ..., "finished": bool}`` (false: not active).
 ``GET /workers``
-    Per worker: health (and why not), algorithm, tokens per block, blocks per tier, events
-    applied / malformed / anomalies, lag (seconds since its last event and batch), transport
-    counters (sequence gaps, replays, restarts), active requests and pending prefill tokens.
+    Per worker: health state (``unknown``, ``healthy``, ``degraded``, ``unhealthy``; see
+    :mod:`kvpool.router.ingest`) and why, whether it is routed to, algorithm, tokens per block,
+    blocks per tier, events applied / malformed / anomalies, lag (seconds since its last event
+    and batch), transport counters (sequence gaps, replays, snapshots, restarts, decode errors
+    and the last one), active requests and pending prefill tokens.
 ``GET /metrics``
-    Prometheus text: routes, hit blocks per tier, events applied / malformed, anomalies, gaps,
-    replays, missed batches, restarts, poll errors, a decision-latency histogram and per-worker
-    gauges.
+    Prometheus text (:mod:`kvpool.router.metrics`): routes, hit blocks per tier, events applied
+    / malformed, anomalies, gaps, replays, missed batches, snapshots, restarts, poll and decode
+    errors, a decision-latency histogram and per-worker gauges.
 ``GET /health``
-    200 while at least one worker is healthy, else 503.
+    200 while at least one worker may be routed to, else 503.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (with ``proxy: true``)
     Requests carrying ``prompt_token_ids`` (or, for completions, a ``prompt`` of token ids) are
     routed and forwarded unchanged to the chosen worker's ``http_base_url``; the answer,
@@ -26,6 +28,10 @@ Endpoints
     ``x-kvpool-worker`` response header names the worker.
 
 The service listens where its config says (loopback by default; port 0 picks a free port).
+Request bodies over ``listen.max_body_bytes`` get 413; every error status (400, 401, 404, 405,
+413, 500, 502, 503) comes with a JSON body ``{"error": "..."}``. With ``listen.auth_token_env``
+set, every endpoint but ``/health`` requires ``Authorization: Bearer <token>``, the token being
+the value of that environment variable (401 otherwise).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from kvpool.errors import (
 from kvpool.events.decoding import INPUT_FAULTS
 from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
-from kvpool.router.ingest import Ingest
+from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpool.router.scoring import Router
 
@@ -252,10 +258,14 @@ class RouterService:
         out: list[dict[str, Any]] = []
         for info in self.index.workers():
             cfg = self._workers.get(info.worker_id)
+            status = self.ingest.status(info.worker_id)
             out.append({
                 "id": info.worker_id,
                 "kind": cfg.kind.value if cfg is not None else None,
-                "healthy": info.healthy,
+                "healthy": status.state == HEALTHY,
+                "state": status.state,
+                "reason": status.reason,
+                "routable": info.healthy,
                 "hash_algo": info.hash_algo,
                 "tokens_per_block": info.tokens_per_block,
                 "match_by_tokens": info.match_by_tokens,
@@ -274,7 +284,7 @@ class RouterService:
                 ),
                 "active_requests": self.router.active_requests(info.worker_id),
                 "pending_prefill_tokens": self.router.pending_prefill_tokens(info.worker_id),
-                "ingest": self.ingest.status(info.worker_id).as_dict(),
+                "ingest": status.as_dict(),
             })
         return web.json_response({"workers": out})
 

@@ -143,7 +143,7 @@ class ZmqReader(threading.Thread):
         grace = time.monotonic() + min(0.25, self.options.health_interval_s / 4)
         while (sub.expected_seq or 0) < status.next_seq and time.monotonic() < grace:
             self._handle(sub, sub.recv(timeout_s=0.02))
-        if (sub.expected_seq or 0) != status.next_seq:
+        if (sub.expected_seq or 0) < status.next_seq:  # (ahead: batches came after the probe)
             logger.warning("worker %s: publisher at seq %d, reader at %s: snapshot", self.w.id,
                            status.next_seq, sub.expected_seq)
             self._resync(sub)
