@@ -8,10 +8,11 @@ HTTP clients (default 32, one aiohttp session) send ``--routes`` ``POST /route``
 prompt families whose first half each worker may hold. Every answer must be a 200 with a worker;
 anything else (status, timeout, connection error) counts as an error.
 
-The table: throughput (routes/s over the whole run), latency per request as the client sees it
-(p50, p99, max), errors, and the router process's resident memory before the load (after the
-workers' blocks were indexed) and after it. Targets: >= 3,000 routes/s, p99 <= 20 ms, 0 errors.
-The machine may be shared: the load average (``os.getloadavg``) at start and end is reported.
+The table: throughput (routes/s over the whole run; and per CPU second of the router process,
+the rate a core of its own would give), latency per request as the client sees it (p50, p99,
+max), errors, and the router process's resident memory before the load (after the workers'
+blocks were indexed) and after it. Targets: >= 3,000 routes/s, p99 <= 20 ms, 0 errors. The
+machine may be shared: the load average (``os.getloadavg``) at start and end is reported.
 
     .venv/bin/python benchmarks/bench_router_service.py [--routes 20000] [--clients 32]
 """
@@ -84,6 +85,12 @@ def _prompt(rng: random.Random, family: int, tokens: int) -> list[int]:
     return prefix + [rng.randrange(100_000, 200_000) for _ in range(tokens - half)]
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -91,7 +98,9 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-async def _start_router(workers: list[Worker], cfg_dir: Path) -> tuple[Any, str]:
+async def _start_router(
+    workers: list[Worker], cfg_dir: Path, pythonpath: str | None
+) -> tuple[Any, str]:
     lines = ["listen: {host: 127.0.0.1, port: 0}",
              "router: {request_timeout_s: 5}",
              "ingest: {health_interval_s: 1.0, http_timeout_s: 2.0}",
@@ -102,9 +111,12 @@ async def _start_router(workers: list[Worker], cfg_dir: Path) -> tuple[Any, str]
                      f"hash_algo: {ALGO.value}}}")
     cfg = cfg_dir / "router.yaml"
     cfg.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if pythonpath is not None:  # another checkout's router, for a comparison
+        env["PYTHONPATH"] = pythonpath
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvpool.cli", "router", "--config", str(cfg), "--log-level",
-        "WARNING", stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        "WARNING", stdout=asyncio.subprocess.PIPE, env=env,
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
@@ -159,18 +171,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
               .encode() for _ in range(args.routes)]
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        proc, base = await _start_router(workers, Path(tmp))
+        proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath)
         publisher = threading.Thread(target=keep_serving, daemon=True)
         try:
             async with aiohttp.ClientSession() as s, s.get(f"{base}/workers") as resp:
                 view = await resp.json()
             indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
-            rss_before = _rss_kib(proc.pid)
+            rss_before, cpu_before = _rss_kib(proc.pid), _cpu_s(proc.pid)
             publisher.start()
             latencies, errors, wall = await _load(base, bodies, args.clients)
             stop.set()
             publisher.join()
-            rss_after = _rss_kib(proc.pid)
+            rss_after, cpu = _rss_kib(proc.pid), _cpu_s(proc.pid) - cpu_before
         finally:
             stop.set()
             proc.terminate()
@@ -184,6 +196,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "routes": len(lat),
         "clients": args.clients,
         "routes/s": rps,
+        "per router cpu s": len(lat) / cpu,
         "p50 ms": _pct(lat, 0.50) * 1000,
         "p99 ms": p99,
         "max ms": lat[-1] * 1000,
@@ -205,6 +218,8 @@ def main() -> None:
     parser.add_argument("--publish-every-s", type=float, default=0.02,
                         help="a worker serves (and publishes) one prompt this often")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--router-pythonpath", default=None,
+                        help="PYTHONPATH of the router process (to compare another checkout)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     row = asyncio.run(run(args))
