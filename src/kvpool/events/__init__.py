@@ -25,6 +25,7 @@ from kvpool.events.trtllm_json import (
     to_trtllm_dicts,
     to_trtllm_json,
 )
+from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import VllmEventBatch, decode_vllm_batch, encode_vllm_batch
 from kvpool.events.zmq import SubscribedBatch, ZmqEventPublisher, ZmqEventSubscriber
 
@@ -39,6 +40,7 @@ __all__ = [
     "EventIndex",
     "EventManager",
     "KVCacheEvent",
+    "PublishedState",
     "Removed",
     "Stored",
     "StoredBlock",

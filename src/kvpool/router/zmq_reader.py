@@ -136,17 +136,21 @@ class ZmqReader(threading.Thread):
             return
         if self.epoch is None:
             self.epoch = status.epoch
-        if status.epoch != self.epoch:
-            self._resync(sub)
-            return
-        # Batches published before the probe may still be on their way: a short grace.
-        grace = time.monotonic() + min(0.25, self.options.health_interval_s / 4)
-        while (sub.expected_seq or 0) < status.next_seq and time.monotonic() < grace:
-            self._handle(sub, sub.recv(timeout_s=0.02))
-        if (sub.expected_seq or 0) < status.next_seq:  # (ahead: batches came after the probe)
-            logger.warning("worker %s: publisher at seq %d, reader at %s: snapshot", self.w.id,
-                           status.next_seq, sub.expected_seq)
-            self._resync(sub)
+        behind = status.epoch != self.epoch
+        if not behind:
+            # Batches published before the probe may still be on their way: a short grace.
+            grace = time.monotonic() + min(0.25, self.options.health_interval_s / 4)
+            while (sub.expected_seq or 0) < status.next_seq and time.monotonic() < grace:
+                self._handle(sub, sub.recv(timeout_s=0.02))
+            # (ahead is fine: batches that came after the probe)
+            behind = (sub.expected_seq or 0) < status.next_seq
+        if behind:
+            logger.warning("worker %s: publisher at seq %d (epoch %s), reader at %s: snapshot",
+                           self.w.id, status.next_seq, status.epoch.hex() if status.epoch else
+                           None, sub.expected_seq)
+            if not self._resync(sub):  # a kvpool publisher without snapshots: replay it is
+                self.epoch = status.epoch
+                self._handle(sub, sub.catch_up())
 
     def _resync(self, sub: ZmqEventSubscriber, before: Delivery | None = None) -> bool:
         """Replace the worker's blocks by the publisher's snapshot (after ``before``, which
