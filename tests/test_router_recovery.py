@@ -335,3 +335,42 @@ def test_worker_never_reached_is_unknown_and_gets_no_route() -> None:
             await svc.stop()
 
     run(main())
+
+
+def test_trtllm_poller_that_fails_is_restarted_and_shown_degraded(monkeypatch: Any) -> None:
+    async def main() -> None:
+        engine = FakeTrtllm("v1_block_key")
+        await engine.start()
+        svc = RouterService(config([{"id": "t", "kind": "trtllm", "http_base_url": engine.url,
+                                     "tokens_per_block": 16}], ingest=INGEST))
+        real = svc.ingest.feed_trtllm
+        failures = {"left": 1}
+
+        def flaky(worker_id: str, text: str | bytes) -> int:
+            if failures["left"]:
+                failures["left"] -= 1
+                raise RuntimeError("injected poller failure")
+            return real(worker_id, text)
+
+        monkeypatch.setattr(svc.ingest, "feed_trtllm", flaky)
+        await svc.start()
+        states: list[str] = []
+        try:
+            async def restarted() -> bool:
+                st = svc.ingest.status("t")
+                states.append(st.state)
+                return st.transport_restarts == 1 and st.state == "healthy"
+
+            await eventually(restarted)
+            assert "degraded" in states
+            engine.queue += chain(list(range(300, 365)), 16, "v1_block_key", 3)
+
+            async def indexed() -> bool:
+                return svc.index.worker_info("t").blocks_per_tier[0] == 3
+
+            await eventually(indexed)
+        finally:
+            await svc.stop()
+            await engine.stop()
+
+    run(main())

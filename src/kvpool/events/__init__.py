@@ -19,13 +19,13 @@ from kvpool.events.model import (
     TokenIds,
     Updated,
 )
+from kvpool.events.snapshot import PublishedState
 from kvpool.events.trtllm_json import (
     parse_trtllm_dicts,
     parse_trtllm_json,
     to_trtllm_dicts,
     to_trtllm_json,
 )
-from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import VllmEventBatch, decode_vllm_batch, encode_vllm_batch
 from kvpool.events.zmq import SubscribedBatch, ZmqEventPublisher, ZmqEventSubscriber
 
