@@ -122,13 +122,15 @@ async def _in_sync(svc: RouterService, wid: str, w: Worker, timeout: float = 10.
 
 def test_worker_that_published_garbage_keeps_being_ingested() -> None:
     async def main() -> None:
-        vllm_like, kvpool_like = Worker(snapshots=False), Worker()
-        svc = RouterService(config([vllm_like.spec("v", "vllm"), kvpool_like.spec("k")],
-                                   ingest=INGEST))
+        # a vLLM worker, a kvpool worker with snapshots, one whose publisher has none
+        vllm_like, kvpool_like, plain = Worker(snapshots=False), Worker(), Worker(snapshots=False)
+        workers = {"v": vllm_like, "k": kvpool_like, "p": plain}
+        svc = RouterService(config([vllm_like.spec("v", "vllm"), kvpool_like.spec("k"),
+                                    plain.spec("p")], ingest=INGEST))
         port = await svc.start()
         base = f"http://127.0.0.1:{port}"
         try:
-            for wid, w in (("v", vllm_like), ("k", kvpool_like)):
+            for wid, w in workers.items():
                 w.serve(100)
                 await _in_sync(svc, wid, w)
                 w.pub.publish(b"\xa1\x8c")  # a map whose key is invalid UTF-8
@@ -140,19 +142,20 @@ def test_worker_that_published_garbage_keeps_being_ingested() -> None:
                 view = await _view(s, base)
                 async with s.get(f"{base}/metrics") as resp:
                     m = samples(await resp.text())
-            for wid in ("v", "k"):
+            for wid in workers:
                 ingest = view[wid]["ingest"]
                 assert ingest["decode_errors"] == 1, ingest
                 assert "UnicodeDecodeError" in ingest["last_error"]
                 assert ingest["state"] == "healthy" and view[wid]["healthy"]
                 assert m[f'kvpool_router_worker_decode_errors_total{{worker="{wid}"}}'] == 1
-            assert m["kvpool_router_decode_errors_total"] == 2
+            assert m["kvpool_router_decode_errors_total"] == 3
             # the kvpool worker was re-synchronised from a snapshot after the bad batch
             assert view["k"]["ingest"]["snapshots"] >= 2 and view["v"]["ingest"]["snapshots"] == 0
+            assert view["p"]["ingest"]["snapshots"] == 0
         finally:
             await svc.stop()
-            vllm_like.pub.close()
-            kvpool_like.pub.close()
+            for w in workers.values():
+                w.pub.close()
 
     run(main())
 

@@ -153,26 +153,26 @@ class ZmqReader(threading.Thread):
                 self._handle(sub, sub.catch_up())
 
     def _resync(self, sub: ZmqEventSubscriber, before: Delivery | None = None) -> bool:
-        """Replace the worker's blocks by the publisher's snapshot (after ``before``, which
-        is posted either way); False when there is none."""
-        d = before if before is not None else Delivery()
+        """Replace the worker's blocks by the publisher's snapshot, after ``before`` (posted
+        with it); False when the publisher has none (nothing posted)."""
         snap = sub.snapshot()
-        if snap is not None:
-            try:
-                events = decode_vllm(snap.payload, self.algo, 0, self.tokens)
-            except EventFormatError as exc:
-                d.error = f"snapshot: {exc}"
-                d.batches.append((snap.seq - 1, None))
-            else:
-                self.next_id = len(events)
-                self.epoch = snap.epoch
-                d.resets.append(len(d.batches))
-                d.batches.append((snap.seq - 1, events))
-                d.snapshots += 1
+        if snap is None:
+            return False  # ``before`` stays the caller's to post
+        d = before if before is not None else Delivery()
+        try:
+            events = decode_vllm(snap.payload, self.algo, 0, self.tokens)
+        except EventFormatError as exc:
+            d.error = f"snapshot: {exc}"
+            d.batches.append((snap.seq - 1, None))
+        else:
+            self.next_id = len(events)
+            self.epoch = snap.epoch
+            d.resets.append(len(d.batches))
+            d.batches.append((snap.seq - 1, events))
+            d.snapshots += 1
         self.resume_seq = sub.expected_seq or 0
-        if d.batches or d.error is not None:
-            self._post(self.ingest._deliver, self.w.id, d)
-        return snap is not None
+        self._post(self.ingest._deliver, self.w.id, d)
+        return True
 
     def _handle(self, sub: ZmqEventSubscriber, batches: list[SubscribedBatch]) -> None:
         counters = (sub.gaps, sub.replayed, sub.missed, sub.restarts)
