@@ -63,7 +63,8 @@ class Worker:
         self.lock = threading.Lock()
 
     def _snapshot(self) -> bytes:
-        return encode_vllm_batch(self.state.events(), block_size=TPB)
+        # partial_blocks: seeded blocks carry no tokens (they were whole when announced)
+        return encode_vllm_batch(self.state.events(), block_size=TPB, partial_blocks=True)
 
     def serve(self, tokens: list[int]) -> None:
         with self.lock:

@@ -62,7 +62,8 @@ class Worker:
                                  snapshot=snapshot)
 
     def _snapshot(self) -> bytes:
-        return encode_vllm_batch(self.state.events(), block_size=TPB)
+        # partial_blocks: seeded blocks carry no tokens (they were whole when announced)
+        return encode_vllm_batch(self.state.events(), block_size=TPB, partial_blocks=True)
 
     def serve(self, first_token: int, n_blocks: int = 3, *, lose: bool = False) -> None:
         """Cache one prompt's blocks and publish the step (``lose``: not sent on PUB)."""

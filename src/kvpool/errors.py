@@ -120,3 +120,8 @@ class GeometryError(StorageError, InvalidArgumentError):
 class BlockCopyError(StorageError, InvalidArgumentError):
     """A block copy names a tier, layer group or slot that does not exist, or writes one slot
     twice in one batch."""
+
+
+class ModelLoadError(KVPoolError):
+    """A model cannot be loaded: an unknown name, a path that is not a model, a checkpoint
+    transformers refuses, or a failed install of the built-in model's package."""

@@ -16,10 +16,15 @@ lock its snapshot requests take, so a snapshot is always tagged with the sequenc
 current at::
 
     state = PublishedState()
-    pub = ZmqEventPublisher(..., snapshot=lambda: encode_vllm_batch(state.events()))
+    pub = ZmqEventPublisher(..., snapshot=lambda: encode_vllm_batch(
+        state.events(), block_size=tpb, partial_blocks=True))
     ...
     events = manager.get_latest_events()
-    pub.publish(encode_vllm_batch(events), update=lambda: state.apply(events))
+    pub.publish(encode_vllm_batch(events, block_size=tpb), update=lambda: state.apply(events))
+
+(``partial_blocks=True`` for the snapshot: seeded blocks carry no tokens, and the whole-block
+filter would take them for partial ones. A manager that caches partial blocks then names them in
+snapshots though its stream leaves them out; a consumer matches them like any other block.)
 
 A publisher restarted under a live cache starts from :meth:`PublishedState.seed` with the
 blocks the event manager announced (:meth:`kvpool.events.manager.EventManager.announced_blocks`);
