@@ -115,7 +115,8 @@ def test_replay_socket_speaks_the_dealer_protocol(publisher: ZmqEventPublisher) 
         assert replies[:-1] == [
             [b"", b"kv", i.to_bytes(8, "big"), b"batch-%d" % i] for i in range(2, 5)
         ]
-        assert replies[-1] == [b"", b"", b"\xff" * 8, b""]
+        # kvpool's end marker carries the next seq and the publisher's epoch
+        assert replies[-1] == [b"", b"", b"\xff" * 8, (5).to_bytes(8, "big") + publisher.epoch]
     finally:
         dealer.close()
 
@@ -345,3 +346,29 @@ def test_running_out_of_sockets_is_a_transport_error() -> None:
     assert out.startswith("TransportError"), out
     count = int(out.split()[1])
     assert 100 <= count < 200 and "socket limit" in out  # 1,023 sockets, 6 per publisher
+
+
+def test_one_bogus_sequence_number_is_not_counted_as_missed_batches() -> None:
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sub = ZmqEventSubscriber(f"tcp://127.0.0.1:{port}", None, start_seq=0)
+    try:
+        got: list[SubscribedBatch] = []
+        seq = 0
+        deadline = time.monotonic() + 10
+        while not got:  # until the SUB socket has joined
+            assert time.monotonic() < deadline
+            sock.send_multipart([b"", seq.to_bytes(8, "big"), b"first"])
+            got = sub.recv(timeout_s=0.05)
+        seq = got[-1].seq
+        for bogus in ((1 << 63) - 5, (1 << 64) - 2):
+            sock.send_multipart([b"", bogus.to_bytes(8, "big"), b"garbage"])
+            sock.send_multipart([b"", (seq + 1).to_bytes(8, "big"), b"next"])
+            seq += 1
+            batches = collect(sub, 1)
+            assert [(b.seq, b.payload, b.restart) for b in batches] == [(seq, b"next", False)]
+        assert (sub.missed, sub.restarts, sub.malformed) == (0, 0, 2)
+    finally:
+        sub.close()
+        sock.close()

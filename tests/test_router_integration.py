@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.events.vllm_msgpack import encode_vllm_batch
@@ -122,10 +123,9 @@ def test_router_subprocess_routes_kvpool_and_trtllm_workers(tmp_path: Path) -> N
                     assert await routes(family, family, 4), family
 
                 async with s.get(f"{base}/metrics") as resp:
-                    metrics = await resp.text()
-                replayed = next(x for x in metrics.splitlines()
-                                if x.startswith("kvpool_router_replayed_batches_total "))
-                assert int(replayed.split()[1]) >= 1
+                    metrics = text_string_to_metric_families(await resp.text())
+                replayed = next(f for f in metrics if f.name == "kvpool_router_replayed_batches")
+                assert replayed.samples[0].value >= 1
 
                 # kv1's engine restarts (empty cache) on the same endpoints
                 endpoint, replay = w1.pub.endpoint, w1.pub.replay_endpoint

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.errors import ConfigError, TransportError
 from kvpool.events.model import Created, KVCacheEvent, Removed, Stored, StoredBlock
@@ -38,6 +39,17 @@ def chain(tokens: list[int], tpb: int, algo: str, n: int | None = None, *, first
         StoredBlock(h, tuple(tokens[i * tpb:(i + 1) * tpb]), tier) for i, h in enumerate(hashes)
     )
     return [KVCacheEvent(first_id, Stored(None, blocks), 4096, hash_algo=algo)]
+
+
+def samples(text: str) -> dict[str, float]:
+    """Every sample of a ``/metrics`` text, parsed by prometheus_client's own parser, as
+    ``name{label="value",...}`` (labels sorted) -> value."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
 
 
 def run(coro: Awaitable[None]) -> None:
@@ -198,12 +210,15 @@ def test_route_finished_workers_metrics_and_health_over_http() -> None:
                 assert w["a"]["events_applied"] == 0
 
                 async with s.get(f"{base}/metrics") as resp:
-                    text = await resp.text()
-                assert "kvpool_router_routes_total 1\n" in text
-                assert 'kvpool_router_hit_blocks_total{tier="0"} 3\n' in text
-                assert "kvpool_router_events_applied_total 1\n" in text
-                assert 'kvpool_router_decision_latency_seconds_bucket{le="+Inf"} 1\n' in text
-                assert 'kvpool_router_worker_blocks{worker="b",tier="0"} 3\n' in text
+                    assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                    m = samples(await resp.text())
+                assert m["kvpool_router_routes_total"] == 1
+                assert m['kvpool_router_hit_blocks_total{tier="0"}'] == 3
+                assert m["kvpool_router_events_applied_total"] == 1
+                assert m['kvpool_router_decision_latency_seconds_bucket{le="+Inf"}'] == 1
+                assert m["kvpool_router_decision_latency_seconds_count"] == 1
+                assert m['kvpool_router_worker_blocks{tier="0",worker="b"}'] == 3
+                assert m['kvpool_router_worker_state{state="healthy",worker="b"}'] == 1
 
                 assert await post(s, f"{base}/finished", {"request_id": "r1"}) == (
                     200, {"request_id": "r1", "finished": True})
@@ -273,7 +288,7 @@ def test_fake_trtllm_worker_is_polled_and_marked_unhealthy_when_it_stops() -> No
                 assert d["worker_id"] == "other"
                 assert [c["worker_id"] for c in d["candidates"]] == ["other"]
                 async with s.get(f"{base}/metrics") as resp:
-                    assert "kvpool_router_poll_errors_total 0\n" not in await resp.text()
+                    assert samples(await resp.text())["kvpool_router_poll_errors_total"] > 0
 
                 await engine.start(engine.port)  # back on the same port: healthy again
 
@@ -372,11 +387,9 @@ def test_vllm_worker_over_zmq_with_gap_replay_and_restart() -> None:
                 status, d = await post(s, f"{base}/route", {"token_ids": PROMPT})
                 assert (status, d["worker_id"], d["matched_blocks"]) == (200, "vllm", [3, 0, 0])
 
-                async def metric(name: str) -> int:
+                async def metric(name: str) -> float:
                     async with s.get(f"{base}/metrics") as resp:
-                        text = await resp.text()
-                    line = next(x for x in text.splitlines() if x.startswith(name + " "))
-                    return int(line.split()[1])
+                        return samples(await resp.text())[name]
 
                 async def counted() -> bool:
                     return (await metric("kvpool_router_replayed_batches_total") >= 1
@@ -559,3 +572,69 @@ def test_kvpool_router_command_reports_config_errors(tmp_path: Path) -> None:
         assert "workers[0].zmq_endpoint" in err.decode()
 
     run(main())
+
+
+def test_bad_bodies_limits_and_errors_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_TEST_ROUTER_TOKEN", "s3cret")
+    cfg = config([{"id": "a", "kind": "kvpool"}],
+                 listen={"host": LOCAL, "port": 0, "max_body_bytes": 4096,
+                         "auth_token_env": "KVPOOL_TEST_ROUTER_TOKEN"})
+
+    async def main() -> None:
+        svc = RouterService(cfg)
+        port = await svc.start()
+        base = f"http://{LOCAL}:{port}"
+        auth = {"Authorization": "Bearer s3cret"}
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def call(method: str, path: str, data: bytes = b"",
+                               headers: dict[str, str] | None = None) -> tuple[int, Any]:
+                    async with s.request(method, base + path, data=data,
+                                         headers=headers) as resp:
+                        assert resp.content_type == "application/json", (path, resp.status)
+                        return resp.status, await resp.json()
+
+                # auth: every endpoint but /health
+                assert (await call("GET", "/health"))[0] == 200
+                for method, path in (("GET", "/workers"), ("GET", "/metrics"),
+                                     ("POST", "/route")):
+                    status, err = await call(method, path, b"{}")
+                    assert status == 401 and "bearer token" in err["error"]
+                status, _ = await call("GET", "/workers", headers={"Authorization": "Bearer no"})
+                assert status == 401
+                # invalid UTF-8 inside a JSON string: 400, not 500
+                status, err = await call(
+                    "POST", "/route", b'{"token_ids": [1, 2], "cache_salt": "\xe9"}', auth)
+                assert status == 400 and "UnicodeDecodeError" in err["error"]
+                status, err = await call("POST", "/route", b"[" * 3000, auth)
+                assert status == 400
+                # over listen.max_body_bytes: 413 with a JSON body naming the limit
+                big = json.dumps({"token_ids": list(range(2000))}).encode()
+                status, err = await call("POST", "/route", big, auth)
+                assert status == 413 and "max_body_bytes (4096" in err["error"]
+                status, err = await call("GET", "/nowhere", headers=auth)
+                assert status == 404 and err["error"]
+                status, err = await call("GET", "/route", headers=auth)
+                assert status == 405 and err["error"]
+                status, d = await call("POST", "/route", b'{"token_ids": [1, 2, 3]}', auth)
+                assert status == 200 and d["worker_id"] == "a"
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
+def test_auth_token_variable_must_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOOL_TEST_ROUTER_TOKEN", raising=False)
+    cfg = config([{"id": "a", "kind": "kvpool"}],
+                 listen={"host": LOCAL, "port": 0, "auth_token_env": "KVPOOL_TEST_ROUTER_TOKEN"})
+    with pytest.raises(ConfigError, match="KVPOOL_TEST_ROUTER_TOKEN"):
+        RouterService(cfg)
+
+
+def test_default_body_limit_takes_the_longest_default_prompt() -> None:
+    limit = config([{"id": "a", "kind": "kvpool"}]).listen.max_body_bytes
+    longest = json.dumps({"token_ids": [9_999_999] * 131_072, "request_id": "r" * 64})
+    assert len(longest) < limit
+    with pytest.raises(ConfigError, match=r"listen\.max_body_bytes"):
+        config([{"id": "a", "kind": "kvpool"}], listen={"max_body_bytes": "1 MiB"})

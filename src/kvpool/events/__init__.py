@@ -19,6 +19,7 @@ from kvpool.events.model import (
     TokenIds,
     Updated,
 )
+from kvpool.events.snapshot import PublishedState
 from kvpool.events.trtllm_json import (
     parse_trtllm_dicts,
     parse_trtllm_json,
@@ -40,6 +41,7 @@ __all__ = [
     "EventIndex",
     "EventManager",
     "KVCacheEvent",
+    "PublishedState",
     "Removed",
     "Stored",
     "StoredBlock",

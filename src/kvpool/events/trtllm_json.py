@@ -27,6 +27,7 @@ from typing import Annotated, Any, cast
 import msgspec
 
 from kvpool.errors import EventFormatError
+from kvpool.events.decoding import format_errors
 from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredKeys, hex_keys, normalize_hashes
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
@@ -123,6 +124,7 @@ def _data_to_dict(data: EventData) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ decode
 
 
+@format_errors("KV event JSON")
 def parse_trtllm_json(text: str | bytes, *, tokens: bool = True) -> list[KVCacheEvent]:
     """Parse an event list; raises :class:`EventFormatError` naming the first bad value.
 
@@ -140,6 +142,7 @@ def parse_trtllm_json(text: str | bytes, *, tokens: bool = True) -> list[KVCache
     return _parse_checked(text)
 
 
+@format_errors("KV event JSON")
 def parse_trtllm_keys(text: str | bytes) -> list[KeyedEvent]:
     """Parse an event list for a consumer keyed by block hashes (the router's index).
 
@@ -421,6 +424,7 @@ def _keys(hashes: list[Any]) -> list[int] | None:
         return None
 
 
+@format_errors("KV event JSON")
 def parse_trtllm_dicts(obj: Any) -> list[KVCacheEvent]:
     """Parse already-decoded JSON (a list of event objects). Unknown keys are ignored."""
     if not isinstance(obj, list):

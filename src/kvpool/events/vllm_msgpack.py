@@ -51,6 +51,7 @@ import msgspec
 
 from kvpool import jit
 from kvpool.errors import EventFormatError, InvalidArgumentError
+from kvpool.events.decoding import format_errors
 from kvpool.events.keyed import (
     KeyedEvent,
     RemovedKeys,
@@ -363,6 +364,7 @@ class VllmEventBatch:
     data_parallel_rank: int | None
 
 
+@format_errors("vLLM event batch")
 def decode_vllm_batch(
     payload: bytes,
     *,
@@ -411,6 +413,7 @@ def decode_vllm_batch(
     return VllmEventBatch(batch.ts, decoder.events(), batch.data_parallel_rank)
 
 
+@format_errors("vLLM event batch")
 def decode_vllm_keys(
     payload: bytes,
     *,

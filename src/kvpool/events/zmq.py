@@ -6,8 +6,16 @@ Wire protocol:
   at 0 per publisher and grows by one per batch, so a smaller seq means the publisher restarted.
 * Replay ROUTER: the last ``buffer_steps`` batches. A DEALER sends ``[b"", start_seq (8B BE)]``
   and receives ``[b"", topic, seq, payload]`` for every buffered batch with seq >= start_seq,
-  then the end marker ``[b"", b"", b"\\xff" * 8, b""]``. (vLLM's own publisher leaves the topic
-  out of replies; the subscriber accepts both.)
+  then the end marker ``[b"", b"", b"\\xff" * 8, status]``. (vLLM's own publisher leaves the
+  topic out of replies and sends an empty status; the subscriber accepts both.)
+* kvpool additions, which a vLLM publisher answers with a bare end marker: the end marker's
+  ``status`` is the publisher's next seq (8B BE) and its epoch (8 random bytes, new per
+  publisher), so a liveness probe tells a consumer that it is behind or that the publisher
+  restarted; and a **snapshot request** ``[b"", b"kvpool-snapshot"]`` (15 bytes: read as a
+  start seq, it is past anything buffered) is answered, by a publisher given a ``snapshot``
+  source, with ``[b"", topic, seq (8B BE), payload]``: one batch holding the state of every
+  batch before ``seq`` (an all-cleared event, then every cached block as stored events; see
+  :mod:`kvpool.events.snapshot`), then the end marker.
 
 :class:`ZmqEventPublisher` never blocks its caller: :meth:`~ZmqEventPublisher.publish` numbers
 the payload, keeps it for replay and queues it on an unbounded inproc pipe; a background thread
@@ -30,18 +38,33 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
 import zmq
 
 from kvpool.errors import InvalidArgumentError, TransportError
 
-__all__ = ["END_SEQ", "SubscribedBatch", "ZmqEventPublisher", "ZmqEventSubscriber"]
+__all__ = [
+    "END_SEQ",
+    "SNAPSHOT_REQUEST",
+    "PublisherStatus",
+    "Snapshot",
+    "SubscribedBatch",
+    "ZmqEventPublisher",
+    "ZmqEventSubscriber",
+]
 
 logger = logging.getLogger(__name__)
 
 END_SEQ: Final = b"\xff" * 8
 """The seq frame of the replay end marker (-1 as a signed 8-byte big-endian int)."""
+
+SNAPSHOT_REQUEST: Final = b"kvpool-snapshot"
+"""The replay request for a snapshot (a kvpool publisher's addition)."""
+
+_PROBE_SEQ: Final = (1 << 63).to_bytes(8, "big")  # past anything a publisher buffers
+_MAX_SEQ: Final = (1 << 63) - 1  # seqs are signed 8-byte ints on the wire (END_SEQ is -1)
 
 _INPROC_IDS = itertools.count()  # names of each publisher's inproc pipes
 
@@ -104,6 +127,12 @@ class ZmqEventPublisher:
         topic: the first frame of every message (subscribers filter on its prefix).
         buffer_steps: how many recent batches the replay socket can serve.
         hwm: PUB send high-water mark (messages past it are dropped by ZeroMQ, never blocked).
+        snapshot: what answers snapshot requests: a callable returning one batch payload that
+            holds the state of every batch published so far. It is called under the lock
+            :meth:`publish` takes, so the state it returns is exactly that of the batches
+            before :attr:`next_seq` when each batch's change is applied to it through
+            :meth:`publish`'s ``update`` (see :class:`kvpool.events.snapshot.PublishedState`).
+            None: snapshot requests get the bare end marker, as from a vLLM publisher.
 
     Raises:
         InvalidArgumentError: ``buffer_steps`` < 1.
@@ -118,6 +147,7 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         *,
         hwm: int = 100_000,
+        snapshot: Callable[[], bytes] | None = None,
     ) -> None:
         if buffer_steps < 1:
             raise InvalidArgumentError(f"buffer_steps must be >= 1, got {buffer_steps}")
@@ -154,6 +184,9 @@ class ZmqEventPublisher:
                 sock.close(linger=0)
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._snapshot = snapshot
+        self.epoch = os.urandom(8)
+        """Random per publisher: a consumer that sees it change knows the publisher restarted."""
         self._skip: set[int] = set()
         self._next_seq = 0
         self._parts_sent = 0  # frames handed to the forwarder
@@ -176,12 +209,18 @@ class ZmqEventPublisher:
         """The seq the next published batch gets."""
         return self._next_seq
 
-    def publish(self, payload: bytes) -> None:
+    def publish(self, payload: bytes, *, update: Callable[[], object] | None = None) -> None:
         """Hand one batch to the sending thread; returns at once. Raises TransportError after
-        :meth:`close`."""
+        :meth:`close`.
+
+        ``update`` (called first, under the lock snapshots take) applies the batch to the
+        publisher's snapshot source, so that no snapshot sees the batch's change without its
+        seq or the other way round."""
         with self._lock:
             if self._closing:
                 raise TransportError("publish() on a closed ZmqEventPublisher")
+            if update is not None:
+                update()
             seq = self._next_seq
             self._next_seq = seq + 1
             self._buffer.append((seq, payload))
@@ -282,16 +321,45 @@ class ZmqEventPublisher:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            if len(frames) != 3 or frames[1] != b"":
                 logger.warning("ignoring a malformed replay request of %d frames", len(frames))
                 continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            identity, request = frames[0], frames[2]
             topic = self._topic
+            snapshot: bytes | None = None
             with self._lock:
-                batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+                if request == SNAPSHOT_REQUEST and self._snapshot is not None:
+                    snapshot = self._snapshot()
+                    batches = [(self._next_seq, snapshot)]
+                elif len(request) == 8 or request == SNAPSHOT_REQUEST:
+                    start = int.from_bytes(request, "big")
+                    batches = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+                else:
+                    logger.warning("ignoring a replay request of %d bytes", len(request))
+                    continue
+                status = self._next_seq.to_bytes(8, "big") + self.epoch
             for seq, payload in batches:
                 router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"), payload))
-            router.send_multipart((identity, b"", b"", END_SEQ, b""))
+            router.send_multipart((identity, b"", b"", END_SEQ, status))
+
+
+class PublisherStatus(NamedTuple):
+    """A replay socket's answer to a liveness probe.
+
+    ``next_seq`` and ``epoch`` come from a kvpool publisher's end marker; a vLLM publisher
+    answers without them (None).
+    """
+
+    next_seq: int | None
+    epoch: bytes | None
+
+
+class Snapshot(NamedTuple):
+    """A publisher's state: ``payload`` (one batch) holds every batch before ``seq``."""
+
+    seq: int
+    payload: bytes
+    epoch: bytes | None
 
 
 class SubscribedBatch(NamedTuple):
@@ -320,6 +388,10 @@ class ZmqEventSubscriber:
       incremented, delivery restarts from seq 0 of the new publisher (replaying what the SUB
       socket missed), and the first batch delivered carries ``restart=True``.
     * otherwise (``seq < expected``): a duplicate of a replayed batch, dropped.
+    * a seq past ``2**63 - 1`` (not a seq), or more than ``max_gap`` past the last seq seen
+      on SUB, is held as suspect and counted in ``malformed``: one corrupt seq must not count
+      quintillions of batches as missed nor make every later batch look like a restart. If the
+      next message continues it (suspect + 1), the jump was real and delivery goes on from there.
 
     ``start_seq`` is the first seq expected (0: a subscriber started before or with its
     publisher gets everything still buffered); None accepts whatever seq arrives first.
@@ -340,6 +412,7 @@ class ZmqEventSubscriber:
         start_seq: int | None = 0,
         replay_timeout_s: float = 2.0,
         hwm: int = 100_000,
+        max_gap: int = 1 << 24,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -363,6 +436,8 @@ class ZmqEventSubscriber:
         self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
         self._expected = start_seq
         self._sub_last: int | None = None
+        self._suspect: int | None = None
+        self._max_gap = max_gap
         self._restart_pending = False
         self._closed = False
         self.restarts = 0
@@ -415,6 +490,60 @@ class ZmqEventSubscriber:
         self._replay_into(0 if self._expected is None else self._expected, out)
         return out
 
+    def snapshot(self) -> Snapshot | None:
+        """Ask the replay socket for the publisher's snapshot; None when it has none (a vLLM
+        publisher, a kvpool one without a snapshot source) or did not answer in time.
+
+        On success delivery continues from the snapshot's seq: the consumer replaces what it
+        held of the publisher by the snapshot's payload (it starts with an all-cleared event)
+        and then applies the batches :meth:`recv` delivers.
+        """
+        if self._dealer is None:
+            return None
+        got: list[tuple[int, bytes]] = []
+        status = self._request(SNAPSHOT_REQUEST, got)
+        if status is None or not got:
+            return None
+        seq, payload = got[0]
+        self._expected = seq
+        self._sub_last = None  # SUB may still hold older batches: duplicates, not a restart
+        self._suspect = None
+        self._restart_pending = False
+        return Snapshot(seq, payload, status.epoch)
+
+    def fetch(self, seq: int) -> bytes | None:
+        """Batch ``seq`` fetched again from the replay socket (what is delivered is unchanged):
+        None when it is not buffered any more, or no answer came."""
+        if self._dealer is None:
+            return None
+        got: list[tuple[int, bytes]] = []
+        if self._request(seq.to_bytes(8, "big"), got) is None:
+            return None
+        return next((payload for s, payload in got if s == seq), None)
+
+    def probe(self, timeout_s: float) -> PublisherStatus | None:
+        """Liveness probe on a fresh socket: a replay request past anything buffered, which a
+        live publisher answers with its end marker at once. None when no answer came within
+        ``timeout_s`` (or there is no replay socket)."""
+        if self.replay_endpoint is None:
+            return None
+        dealer = _socket(self._ctx, zmq.DEALER, [])
+        try:
+            dealer.connect(self.replay_endpoint)
+            dealer.send_multipart((b"", _PROBE_SEQ))
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not dealer.poll(int(left * 1000) + 1):
+                    break
+                frames = dealer.recv_multipart()
+                if len(frames) >= 3 and frames[-2] == END_SEQ:
+                    return _status(frames[-1])
+            return None
+        except zmq.ZMQError:
+            return None
+        finally:
+            dealer.close(linger=0)
+
     def close(self) -> None:
         """Close both sockets. Idempotent."""
         if self._closed:
@@ -449,7 +578,14 @@ class ZmqEventSubscriber:
         self._expected = seq + 1
 
     def _on_message(self, seq: int, payload: bytes, out: list[SubscribedBatch]) -> None:
-        if self._sub_last is not None and seq <= self._sub_last:
+        last = self._sub_last
+        if seq > _MAX_SEQ or (last is not None and seq - last > self._max_gap
+                              and seq != (self._suspect or 0) + 1):
+            self.malformed += 1
+            self._suspect = seq
+            return
+        self._suspect = None
+        if last is not None and seq <= last:
             self.restarts += 1
             self._restart_pending = True
             self._expected = 0
@@ -468,16 +604,34 @@ class ZmqEventSubscriber:
 
     def _replay_into(self, start: int, out: list[SubscribedBatch]) -> None:
         """Request batches >= start and deliver the ones at or after the expected seq."""
+        got: list[tuple[int, bytes]] = []
+        status = self._request(start.to_bytes(8, "big"), got)
+        top = None if status is None else status.next_seq
+        for seq, payload in got:
+            expected = start if self._expected is None else self._expected
+            if seq < expected:
+                continue
+            if seq > _MAX_SEQ or (top is not None and seq >= top):  # not a seq it published
+                self.malformed += 1
+                continue
+            if seq > expected:
+                self.missed += seq - expected
+            self.replayed += 1
+            self._deliver(seq, payload, out)
+
+    def _request(self, request: bytes, got: list[tuple[int, bytes]]) -> PublisherStatus | None:
+        """Send one replay request and collect its (seq, payload) answers up to the end
+        marker; the end marker's status, or None when the answer timed out."""
         dealer = self._dealer
         assert dealer is not None
-        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        dealer.send_multipart((b"", request))
         while True:
             if not dealer.poll(self._replay_timeout_ms):
                 logger.warning("replay from %s timed out", self.replay_endpoint)
                 # A late answer must not be mistaken for the next request's: new socket.
                 dealer.close(linger=0)
                 self._dealer = self._new_dealer()
-                return
+                return None
             frames = dealer.recv_multipart()
             if len(frames) == 4:  # [b"", topic, seq, payload] (COMPATIBILITY §3)
                 seq_bytes, payload = frames[2], frames[3]
@@ -487,15 +641,15 @@ class ZmqEventSubscriber:
                 self.malformed += 1
                 continue
             if seq_bytes == END_SEQ:
-                return
+                return _status(payload)
             if len(seq_bytes) != 8:
                 self.malformed += 1
                 continue
-            seq = int.from_bytes(seq_bytes, "big")
-            expected = start if self._expected is None else self._expected
-            if seq < expected:
-                continue
-            if seq > expected:
-                self.missed += seq - expected
-            self.replayed += 1
-            self._deliver(seq, payload, out)
+            got.append((int.from_bytes(seq_bytes, "big"), payload))
+
+
+def _status(frame: bytes) -> PublisherStatus:
+    """The status an end marker carries (kvpool: next seq and epoch; vLLM: nothing)."""
+    if len(frame) == 16:
+        return PublisherStatus(int.from_bytes(frame[:8], "big"), frame[8:])
+    return PublisherStatus(None, None)

@@ -4,9 +4,10 @@
   :class:`~kvpool.events.model.KVCacheEvent` objects.
 * :class:`Router` (``scoring``): hashes a request once per hashing group, walks the index and
   chooses a worker (``cost`` or ``trtllm`` mode); returns a :class:`RouteDecision`.
-* :class:`Ingest` (``ingest``): ZMQ subscribers (vLLM format), TensorRT-LLM HTTP pollers and
-  in-process feeds.
-* :class:`RouterService` (``service``): the HTTP API, configured by :func:`load_config`.
+* :class:`Ingest` (``ingest``): ZMQ readers (vLLM format, ``zmq_reader``; snapshots for kvpool
+  workers), TensorRT-LLM HTTP pollers and in-process feeds; worker health states.
+* :class:`RouterService` (``service``): the HTTP API, configured by :func:`load_config`, with
+  its Prometheus metrics (``metrics``).
 """
 
 from kvpool.router.config import ServiceConfig, WorkerConfig, load_config, parse_config

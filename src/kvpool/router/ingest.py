@@ -9,9 +9,14 @@
   which alone touches the index. Events are numbered per worker from 0, consecutively, so the
   index can order them; a publisher restart resets the worker and the numbering. Liveness: a
   replay request for a sequence number past anything buffered must be answered (with the end
-  marker) within ``http_timeout_s``, every ``health_interval_s``; without a replay socket,
-  ``GET {http_base_url}/health`` is probed if a base URL is configured; a worker with neither
-  is taken as healthy.
+  marker) within ``http_timeout_s``, every ``health_interval_s``, and is followed by a replay
+  request from the next expected batch (a lost last batch of an idle worker comes back);
+  without a replay socket, ``GET {http_base_url}/health`` is probed if a base URL is
+  configured; a worker with neither is ``unknown`` until its first batch arrives.
+* **kvpool workers over ZMQ** are bootstrapped from a snapshot (:mod:`kvpool.events.snapshot`)
+  when the reader starts, when the publisher restarted (its epoch changed, or its sequence
+  went back), when a liveness probe shows batches the reader never got, and after a payload
+  that could not be decoded: the index then equals the publisher's cache, whatever was lost.
 * **TensorRT-LLM workers**: an asyncio task per worker reads ``GET {base}/server_info`` once for
   ``kv_cache_hash_algo`` (when not configured), then ``POST {base}/kv_cache_events`` every
   ``poll_interval_s`` (the call returns the engine's queued events as a JSON list and drains
@@ -23,8 +28,16 @@
   objects from a kvpool manager directly; :meth:`Ingest.feed_vllm` and
   :meth:`Ingest.feed_trtllm` decode wire payloads (for tests, benchmarks and bridges).
 
-Malformed payloads are counted (``decode_errors`` here, ``events_malformed`` in the index) and
-skipped; nothing an engine sends can stop ingestion.
+Malformed payloads are counted (``decode_errors`` per worker and in total, ``events_malformed``
+in the index), reported (``last_error``) and skipped; a ZMQ batch that does not decode is fetched
+once more from the replay socket (a kvpool worker is re-bootstrapped from a snapshot instead).
+Nothing an engine sends can stop ingestion: a reader thread or poller that fails unexpectedly is
+restarted with backoff (from the last good sequence number), the worker ``degraded`` meanwhile.
+
+Health states (``GET /workers``, ``/metrics``): ``unknown`` (never reached), ``healthy``,
+``degraded`` (its reader is restarting) and ``unhealthy`` (a probe or poll failed). Healthy
+workers get the traffic; unknown and degraded ones only while no worker is healthy; unhealthy
+ones never. In-process feeds are healthy from the start.
 """
 
 from __future__ import annotations
@@ -32,31 +45,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 import aiohttp
-import zmq
 
 from kvpool import jit
 from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
 from kvpool.events.keyed import KeyedEvent
 from kvpool.events.model import KVCacheEvent
 from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
-from kvpool.events.vllm_msgpack import decode_vllm_keys
-from kvpool.events.zmq import END_SEQ, SubscribedBatch, ZmqEventSubscriber
 from kvpool.hashing import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 from kvpool.router.index import HOLE_WINDOW, KvIndex
+from kvpool.router.zmq_reader import Delivery, ZmqReader, decode_vllm, next_backoff
 
-__all__ = ["Ingest", "IngestCounters", "TransportStatus"]
+__all__ = ["WORKER_STATES", "Ingest", "IngestCounters", "TransportStatus"]
 
 logger = logging.getLogger(__name__)
 
-_PROBE_SEQ = (1 << 63).to_bytes(8, "big")  # past anything a publisher buffers
+UNKNOWN, HEALTHY, DEGRADED, UNHEALTHY = "unknown", "healthy", "degraded", "unhealthy"
+WORKER_STATES: Final = (UNKNOWN, HEALTHY, DEGRADED, UNHEALTHY)
 
 
 @dataclass(slots=True)
@@ -73,6 +84,8 @@ class IngestCounters:
     polls: int = 0
     poll_errors: int = 0
     probe_failures: int = 0
+    snapshots: int = 0
+    transport_restarts: int = 0
 
 
 @dataclass(slots=True)
@@ -91,7 +104,11 @@ class TransportStatus:
     restarts: int = 0
     decode_errors: int = 0
     poll_errors: int = 0
-    unhealthy_reason: str | None = None
+    snapshots: int = 0
+    transport_restarts: int = 0
+    state: str = UNKNOWN
+    reason: str | None = "not reached yet"
+    last_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -109,20 +126,13 @@ class TransportStatus:
             "restarts": self.restarts,
             "decode_errors": self.decode_errors,
             "poll_errors": self.poll_errors,
-            "unhealthy_reason": self.unhealthy_reason,
+            "snapshots": self.snapshots,
+            "transport_restarts": self.transport_restarts,
+            "state": self.state,
+            "reason": self.reason,
+            "unhealthy_reason": None if self.state == HEALTHY else self.reason,
+            "last_error": self.last_error,
         }
-
-
-@dataclass(slots=True)
-class _Delivery:
-    """What a ZMQ reader thread hands to the event loop for one recv."""
-
-    resets: list[int] = field(default_factory=list)  # positions in ``batches`` after a restart
-    batches: list[tuple[int, list[KeyedEvent] | None]] = field(default_factory=list)
-    gaps: int = 0
-    replayed: int = 0
-    missed: int = 0
-    restarts: int = 0
 
 
 class Ingest:
@@ -137,7 +147,7 @@ class Ingest:
         self._status: dict[str, TransportStatus] = {}
         self._next_id: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._readers: list[_ZmqReader] = []
+        self._readers: list[ZmqReader] = []
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -155,18 +165,23 @@ class Ingest:
         if self.index.uses_tokens(worker.id):
             jit.backend()
         if worker.zmq_endpoint is not None:
-            self._status[worker.id] = TransportStatus("zmq", worker.zmq_endpoint)
+            status = TransportStatus("zmq", worker.zmq_endpoint)
+            if worker.replay_endpoint is None and worker.http_base_url is None:
+                status.reason = ("no batch received yet, and nothing to probe (no "
+                                 "replay_endpoint or http_base_url)")
         elif worker.kind is WorkerKind.TRTLLM:
-            self._status[worker.id] = TransportStatus("http", worker.http_base_url)
+            status = TransportStatus("http", worker.http_base_url)
         else:
-            self._status[worker.id] = TransportStatus("feed")
+            status = TransportStatus("feed", state=HEALTHY, reason=None)
+        self._status[worker.id] = status
+        self._refresh_routing()
 
     def status(self, worker_id: str) -> TransportStatus:
         status = self._status.get(worker_id)
         if status is None:
             if not self.index.has_worker(worker_id):
                 raise UnknownWorkerError(f"unknown worker {worker_id!r}")
-            status = self._status[worker_id] = TransportStatus("feed")
+            status = self._status[worker_id] = TransportStatus("feed", state=HEALTHY, reason=None)
         return status
 
     async def start(self) -> None:
@@ -176,7 +191,7 @@ class Ingest:
         self._session = aiohttp.ClientSession(timeout=timeout)
         for w in self._workers.values():
             if w.zmq_endpoint is not None:
-                reader = _ZmqReader(self, self._loop, w)
+                reader = ZmqReader(self, self._loop, w)
                 self._readers.append(reader)
                 reader.start()
                 if w.replay_endpoint is None and w.http_base_url is not None:
@@ -185,6 +200,11 @@ class Ingest:
                 self._tasks.append(asyncio.create_task(self._poll_trtllm(w)))
             elif w.http_base_url is not None:
                 self._tasks.append(asyncio.create_task(self._probe_http(w)))
+        # A router that starts after its workers knows what they hold before its first route:
+        # wait (up to the replay timeout) for every reader's first snapshot or replay.
+        if self._readers:
+            await asyncio.to_thread(_wait_ready, self._readers, self.options.http_timeout_s + 0.5)
+            await asyncio.sleep(0)  # the deliveries they posted run before start() returns
 
     async def stop(self) -> None:
         """Stop every transport and wait for them."""
@@ -220,9 +240,9 @@ class Ingest:
         algo = (cfg.hash_algo if cfg is not None else None) or HashAlgo.VLLM_SHA256_CBOR.value
         first = self._next_id.get(worker_id, 0)
         try:
-            events = _decode_vllm(payload, algo, first, self.index.uses_tokens(worker_id))
-        except EventFormatError:
-            self._malformed(worker_id, status)
+            events = decode_vllm(payload, algo, first, self.index.uses_tokens(worker_id))
+        except EventFormatError as exc:
+            self._malformed(worker_id, status, str(exc))
             return 0
         self._next_id[worker_id] = first + len(events)
         applied = self.index.apply_many(worker_id, events)
@@ -240,8 +260,8 @@ class Ingest:
                 events = list(parse_trtllm_json(text, tokens=True))
             else:
                 events = parse_trtllm_keys(text)
-        except EventFormatError:
-            self._malformed(worker_id, status)
+        except EventFormatError as exc:
+            self._malformed(worker_id, status, str(exc))
             return 0
         self._detect_id_restart(worker_id, status, events)
         applied = self.index.apply_many(worker_id, events)
@@ -256,21 +276,46 @@ class Ingest:
         self.counters.batches += 1
         self.counters.events += n_events
 
-    def _malformed(self, worker_id: str, status: TransportStatus) -> None:
+    def _malformed(self, worker_id: str, status: TransportStatus, error: str | None) -> None:
         status.decode_errors += 1
+        status.last_error = error
         self.counters.decode_errors += 1
         self.index.note_malformed(worker_id)
+        logger.warning("worker %s sent a payload that does not decode: %s", worker_id, error)
 
     def _set_health(self, worker_id: str, healthy: bool, reason: str | None = None) -> None:
+        self._set_state(worker_id, HEALTHY if healthy else UNHEALTHY, reason)
+
+    def _set_state(self, worker_id: str, state: str, reason: str | None = None) -> None:
+        """Record a worker's health state, then which workers may be routed to."""
         if not self.index.has_worker(worker_id):
             return
-        was = self.index.is_healthy(worker_id)
-        self.index.set_healthy(worker_id, healthy)
-        self.status(worker_id).unhealthy_reason = None if healthy else reason
-        if was and not healthy:
-            logger.warning("worker %s is unhealthy: %s", worker_id, reason)
-        elif healthy and not was:
-            logger.info("worker %s is healthy again", worker_id)
+        status = self.status(worker_id)
+        was = status.state
+        status.state = state
+        status.reason = None if state == HEALTHY else reason
+        if state != was:
+            if state == HEALTHY:
+                logger.info("worker %s is healthy", worker_id)
+            else:
+                logger.warning("worker %s is %s: %s", worker_id, state, reason)
+            self._refresh_routing()
+
+    def _reader_failed(self, worker_id: str, reason: str) -> None:
+        status = self.status(worker_id)
+        status.transport_restarts += 1
+        self.counters.transport_restarts += 1
+        self._set_state(worker_id, DEGRADED, reason)
+
+    def _refresh_routing(self) -> None:
+        """Healthy workers are routed to; unknown and degraded ones only while none is
+        healthy; unhealthy ones never."""
+        states = {wid: st.state for wid, st in self._status.items() if self.index.has_worker(wid)}
+        fallback = HEALTHY not in states.values()
+        for wid, state in states.items():
+            routable = state == HEALTHY or (fallback and state in (UNKNOWN, DEGRADED))
+            if self.index.is_healthy(wid) != routable:
+                self.index.set_healthy(wid, routable)
 
     def _detect_id_restart(
         self, worker_id: str, status: TransportStatus, events: list[KeyedEvent]
@@ -285,7 +330,7 @@ class Ingest:
             self.index.reset_worker(worker_id)
         status.last_event_id = max(e.event_id for e in events)
 
-    def _deliver(self, worker_id: str, delivery: _Delivery) -> None:
+    def _deliver(self, worker_id: str, delivery: Delivery) -> None:
         """Runs on the event loop: apply what a ZMQ reader decoded."""
         if not self.index.has_worker(worker_id):
             return
@@ -294,7 +339,9 @@ class Ingest:
         status.replayed += delivery.replayed
         status.missed += delivery.missed
         status.restarts += delivery.restarts
+        status.snapshots += delivery.snapshots
         c = self.counters
+        c.snapshots += delivery.snapshots
         c.gaps += delivery.gaps
         c.replayed += delivery.replayed
         c.missed += delivery.missed
@@ -304,12 +351,12 @@ class Ingest:
             if pos in resets:
                 self.index.reset_worker(worker_id)
             if events is None:
-                self._malformed(worker_id, status)
+                self._malformed(worker_id, status, delivery.error)
                 continue
             self.index.apply_many(worker_id, events)
             status.last_seq = seq
             self._account(worker_id, status, len(events))
-        if delivery.batches and not self.index.is_healthy(worker_id):
+        if delivery.batches and status.state != HEALTHY:
             self._set_health(worker_id, True)
 
     async def _poll_trtllm(self, w: WorkerConfig) -> None:
@@ -317,6 +364,7 @@ class Ingest:
         session, base = self._session, w.http_base_url
         status = self.status(w.id)
         need_algo = w.hash_algo is None
+        backoff = 0.0
         while True:
             try:
                 if need_algo:
@@ -328,10 +376,17 @@ class Ingest:
                 self.counters.polls += 1
                 self._set_health(w.id, True)
                 self.feed_trtllm(w.id, body)
+                backoff = 0.0
             except (aiohttp.ClientError, TimeoutError, TransportError) as exc:
                 status.poll_errors += 1
                 self.counters.poll_errors += 1
                 self._set_health(w.id, False, f"event poll failed: {exc or type(exc).__name__}")
+            except Exception as exc:  # never silently dead: report, wait, poll again
+                backoff = next_backoff(backoff)
+                logger.exception("event poller of worker %s failed", w.id)
+                self._reader_failed(w.id, f"event poller failed ({exc!r}); polling again in "
+                                          f"{backoff:.2f} s")
+                await asyncio.sleep(backoff)
             await asyncio.sleep(self.options.poll_interval_s)
 
     async def _read_server_info(
@@ -370,104 +425,7 @@ class Ingest:
             await asyncio.sleep(self.options.health_interval_s)
 
 
-def _decode_vllm(payload: bytes, algo: str, first_id: int, tokens: bool) -> list[KeyedEvent]:
-    """One vLLM batch as the index reads it: keyed records, with the stored blocks' tokens when
-    it needs them."""
-    return decode_vllm_keys(payload, hash_algo=algo, first_event_id=first_id, tokens=tokens)
-
-
-class _ZmqReader(threading.Thread):
-    """Owns one worker's ZMQ sockets (ZeroMQ sockets stay on the thread that made them)."""
-
-    def __init__(self, ingest: Ingest, loop: asyncio.AbstractEventLoop, w: WorkerConfig) -> None:
-        super().__init__(name=f"kvpool-router-zmq-{w.id}", daemon=True)
-        self.ingest = ingest
-        self.loop = loop
-        self.w = w
-        self.algo = w.hash_algo or HashAlgo.VLLM_SHA256_CBOR.value
-        self.tokens = ingest.index.uses_tokens(w.id)  # read here, on the event loop's thread
-        self.options = ingest.options
-        self.stop_event = threading.Event()
-        self.next_id = 0
-        self._seen = (0, 0, 0, 0)  # subscriber counters already reported
-
-    def run(self) -> None:
-        w = self.w
-        assert w.zmq_endpoint is not None
-        try:
-            sub = ZmqEventSubscriber(
-                w.zmq_endpoint,
-                w.replay_endpoint,
-                w.topic,
-                start_seq=0,
-                replay_timeout_s=self.options.http_timeout_s,
-            )
-        except TransportError as exc:
-            self._post_health(False, str(exc))
-            return
-        with sub:
-            try:
-                self._handle(sub, sub.catch_up())
-                next_probe = time.monotonic()
-                while not self.stop_event.is_set():
-                    self._handle(sub, sub.recv(timeout_s=0.05))
-                    if w.replay_endpoint is not None and time.monotonic() >= next_probe:
-                        ok = self._probe(w.replay_endpoint)
-                        self._post_health(ok, "replay socket did not answer a liveness probe")
-                        next_probe = time.monotonic() + self.options.health_interval_s
-            except Exception:  # a dead reader would silently freeze this worker's index
-                logger.exception("ZMQ reader of worker %s failed", w.id)
-                self._post_health(False, "event reader failed")
-
-    def _handle(self, sub: ZmqEventSubscriber, batches: list[SubscribedBatch]) -> None:
-        counters = (sub.gaps, sub.replayed, sub.missed, sub.restarts)
-        if not batches and counters == self._seen:
-            return
-        d = _Delivery()
-        d.gaps, d.replayed, d.missed, d.restarts = (
-            now - before for now, before in zip(counters, self._seen, strict=True)
-        )
-        self._seen = counters
-        for b in batches:
-            if b.restart:
-                self.next_id = 0
-                d.resets.append(len(d.batches))
-            try:
-                events = _decode_vllm(b.payload, self.algo, self.next_id, self.tokens)
-            except EventFormatError as exc:
-                logger.debug("worker %s sent a malformed batch %d: %s", self.w.id, b.seq, exc)
-                d.batches.append((b.seq, None))
-                continue
-            self.next_id += len(events)
-            d.batches.append((b.seq, events))
-        self._post(self.ingest._deliver, self.w.id, d)
-
-    def _probe(self, endpoint: str) -> bool:
-        dealer: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(endpoint)
-            dealer.send_multipart((b"", _PROBE_SEQ))
-            deadline = time.monotonic() + self.options.http_timeout_s
-            while (left := deadline - time.monotonic()) > 0:
-                if not dealer.poll(int(left * 1000) + 1):
-                    break
-                if END_SEQ in dealer.recv_multipart():  # [b"", b"", END_SEQ, b""]
-                    return True
-            return False
-        except zmq.ZMQError:
-            return False
-        finally:
-            dealer.close(linger=0)
-
-    def _post_health(self, ok: bool, reason: str) -> None:
-        if not ok:
-            self._post(self._count_probe_failure)
-        self._post(self.ingest._set_health, self.w.id, ok, reason)
-
-    def _count_probe_failure(self) -> None:
-        self.ingest.counters.probe_failures += 1
-
-    def _post(self, fn: Any, *args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed while we were stopping
-            self.loop.call_soon_threadsafe(fn, *args)
+def _wait_ready(readers: list[ZmqReader], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    for reader in readers:
+        reader.ready.wait(max(0.0, end - time.monotonic()))

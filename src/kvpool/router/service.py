@@ -10,15 +10,17 @@ Endpoints
 ``POST /finished``
     ``{"request_id": str}`` → ``{"request_id": ..., "finished": bool}`` (false: not active).
 ``GET /workers``
-    Per worker: health (and why not), algorithm, tokens per block, blocks per tier, events
-    applied / malformed / anomalies, lag (seconds since its last event and batch), transport
-    counters (sequence gaps, replays, restarts), active requests and pending prefill tokens.
+    Per worker: health state (``unknown``, ``healthy``, ``degraded``, ``unhealthy``; see
+    :mod:`kvpool.router.ingest`) and why, whether it is routed to, algorithm, tokens per block,
+    blocks per tier, events applied / malformed / anomalies, lag (seconds since its last event
+    and batch), transport counters (sequence gaps, replays, snapshots, restarts, decode errors
+    and the last one), active requests and pending prefill tokens.
 ``GET /metrics``
-    Prometheus text: routes, hit blocks per tier, events applied / malformed, anomalies, gaps,
-    replays, missed batches, restarts, poll errors, a decision-latency histogram and per-worker
-    gauges.
+    Prometheus text (:mod:`kvpool.router.metrics`): routes, hit blocks per tier, events applied
+    / malformed, anomalies, gaps, replays, missed batches, snapshots, restarts, poll and decode
+    errors, a decision-latency histogram and per-worker gauges.
 ``GET /health``
-    200 while at least one worker is healthy, else 503.
+    200 while at least one worker may be routed to, else 503.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (with ``proxy: true``)
     Requests carrying ``prompt_token_ids`` (or, for completions, a ``prompt`` of token ids) are
     routed and forwarded unchanged to the chosen worker's ``http_base_url``; the answer,
@@ -26,27 +28,39 @@ Endpoints
     ``x-kvpool-worker`` response header names the worker.
 
 The service listens where its config says (loopback by default; port 0 picks a free port).
+Request bodies over ``listen.max_body_bytes`` get 413; every error status (400, 401, 404, 405,
+413, 500, 502, 503) comes with a JSON body ``{"error": "..."}``. With ``listen.auth_token_env``
+set, every endpoint but ``/health`` requires ``Authorization: Bearer <token>``, the token being
+the value of that environment variable (401 otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
-import json
 import logging
-from collections.abc import Callable
-from typing import Any
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from kvpool.errors import InvalidArgumentError, KVPoolError, NoWorkerAvailableError
+from kvpool.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    KVPoolError,
+    NoWorkerAvailableError,
+)
+from kvpool.events.decoding import INPUT_FAULTS
 from kvpool.router.config import ServiceConfig, WorkerConfig
-from kvpool.router.index import TIERS, KvIndex
-from kvpool.router.ingest import Ingest
-from kvpool.router.scoring import LATENCY_BUCKETS_S, Router
+from kvpool.router.index import KvIndex
+from kvpool.router.ingest import HEALTHY, Ingest
+from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvpool.router.scoring import Router
 
-__all__ = ["RouterService", "serve"]
+__all__ = ["RouterService", "parse_finished_body", "parse_route_body", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +80,29 @@ class _FinishedBody(msgspec.Struct):
 
 _ROUTE_DECODER = msgspec.json.Decoder(_RouteBody)
 _FINISHED_DECODER = msgspec.json.Decoder(_FinishedBody)
+_ANY_DECODER = msgspec.json.Decoder()
+_T = TypeVar("_T")
+
+
+def parse_route_body(raw: bytes) -> _RouteBody:
+    """A ``/route`` body; raises :class:`InvalidArgumentError` (the service's 400) for
+    anything else: bad JSON, invalid UTF-8, nesting past the recursion limit, wrong types."""
+    return _parse(_ROUTE_DECODER, raw, "/route")
+
+
+def parse_finished_body(raw: bytes) -> _FinishedBody:
+    """A ``/finished`` body; raises :class:`InvalidArgumentError` as :func:`parse_route_body`."""
+    return _parse(_FINISHED_DECODER, raw, "/finished")
+
+
+def _parse(decoder: msgspec.json.Decoder[_T], raw: bytes, what: str) -> _T:
+    try:
+        return decoder.decode(raw)
+    except INPUT_FAULTS as exc:
+        raise InvalidArgumentError(f"bad {what} body ({type(exc).__name__}): {exc}") from None
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class RouterService:
@@ -104,12 +141,16 @@ class RouterService:
         self._runner: web.AppRunner | None = None
         self._proxy_session: ClientSession | None = None
         self._proxy_ids = itertools.count()
+        self.metrics = RouterMetrics(self.router, self.index, self.ingest)
+        self._token = _auth_token(config.listen.auth_token_env)
         self.port: int | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(
+            client_max_size=self.config.listen.max_body_bytes, middlewares=[self._guard]
+        )
         app.router.add_post("/route", self._route)
         app.router.add_post("/finished", self._finished)
         app.router.add_get("/workers", self._workers_view)
@@ -158,11 +199,40 @@ class RouterService:
 
     # ------------------------------------------------------------------------------ handlers
 
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Bearer-token check (every endpoint but ``/health``) and JSON bodies for every error
+        status: aiohttp's own (404, 405, 413) and an unexpected failure's 500."""
+        if self._token is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self._token
+            ):
+                resp = _error(401, "missing or wrong bearer token (Authorization: Bearer ...)")
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = exc.text or exc.reason
+            if exc.status == 413:
+                message = (f"request body is over listen.max_body_bytes "
+                           f"({self.config.listen.max_body_bytes} bytes)")
+            return _error(exc.status, message)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.path)
+            return _error(500, f"internal error in {request.path} (logged by the router)")
+
     async def _route(self, request: web.Request) -> web.Response:
         try:
-            body = _ROUTE_DECODER.decode(await request.read())
-        except msgspec.MsgspecError as exc:
-            return _error(400, f"bad /route body: {exc}")
+            body = parse_route_body(await request.read())
+        except InvalidArgumentError as exc:
+            return _error(400, str(exc))
         try:
             decision = self.router.route(
                 body.token_ids,
@@ -178,9 +248,9 @@ class RouterService:
 
     async def _finished(self, request: web.Request) -> web.Response:
         try:
-            body = _FINISHED_DECODER.decode(await request.read())
-        except msgspec.MsgspecError as exc:
-            return _error(400, f"bad /finished body: {exc}")
+            body = parse_finished_body(await request.read())
+        except InvalidArgumentError as exc:
+            return _error(400, str(exc))
         done = self.router.request_finished(body.request_id)
         return web.json_response({"request_id": body.request_id, "finished": done})
 
@@ -188,10 +258,14 @@ class RouterService:
         out: list[dict[str, Any]] = []
         for info in self.index.workers():
             cfg = self._workers.get(info.worker_id)
+            status = self.ingest.status(info.worker_id)
             out.append({
                 "id": info.worker_id,
                 "kind": cfg.kind.value if cfg is not None else None,
-                "healthy": info.healthy,
+                "healthy": status.state == HEALTHY,
+                "state": status.state,
+                "reason": status.reason,
+                "routable": info.healthy,
                 "hash_algo": info.hash_algo,
                 "tokens_per_block": info.tokens_per_block,
                 "match_by_tokens": info.match_by_tokens,
@@ -210,7 +284,7 @@ class RouterService:
                 ),
                 "active_requests": self.router.active_requests(info.worker_id),
                 "pending_prefill_tokens": self.router.pending_prefill_tokens(info.worker_id),
-                "ingest": self.ingest.status(info.worker_id).as_dict(),
+                "ingest": status.as_dict(),
             })
         return web.json_response({"workers": out})
 
@@ -224,93 +298,14 @@ class RouterService:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics_text().encode(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-        )
-
-    def metrics_text(self) -> str:
-        """The Prometheus exposition of the router's counters and gauges."""
-        st = self.router.stats
-        ic = self.index.counters
-        gc = self.ingest.counters
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{labels} {_num(value)}")
-
-        metric("kvpool_router_routes_total", "counter", "Routing decisions made.",
-               [("", st.routes_total)])
-        metric("kvpool_router_hit_blocks_total", "counter",
-               "Prefix blocks matched on the chosen worker, by tier (0 GPU, 1 host, 2 disk).",
-               [(f'{{tier="{t}"}}', st.hit_blocks[t]) for t in range(TIERS)])
-        metric("kvpool_router_prompt_tokens_total", "counter", "Prompt tokens routed.",
-               [("", st.prompt_tokens)])
-        metric("kvpool_router_matched_tokens_total", "counter",
-               "Prompt tokens found cached on the chosen worker.", [("", st.matched_tokens)])
-        metric("kvpool_router_requests_finished_total", "counter",
-               "Requests reported finished.", [("", st.finished_total)])
-        metric("kvpool_router_requests_expired_total", "counter",
-               "Requests dropped after request_timeout_s without a finish.",
-               [("", st.expired_total)])
-        metric("kvpool_router_events_applied_total", "counter", "KV events applied to the index.",
-               [("", ic.events_applied)])
-        metric("kvpool_router_events_malformed_total", "counter",
-               "KV events or payloads that could not be applied (skipped).",
-               [("", ic.events_malformed)])
-        metric("kvpool_router_event_anomalies_total", "counter",
-               "Events about blocks the index did not hold (late, reordered or lost).",
-               [("", ic.anomalies)])
-        metric("kvpool_router_blocks_stored_total", "counter", "Blocks stored, all workers.",
-               [("", ic.blocks_stored)])
-        metric("kvpool_router_blocks_removed_total", "counter", "Blocks removed, all workers.",
-               [("", ic.blocks_removed)])
-        metric("kvpool_router_event_batches_total", "counter", "Event batches received.",
-               [("", gc.batches)])
-        metric("kvpool_router_sequence_gaps_total", "counter",
-               "Sequence gaps seen on ZMQ streams.", [("", gc.gaps)])
-        metric("kvpool_router_replayed_batches_total", "counter",
-               "Batches recovered through replay sockets.", [("", gc.replayed)])
-        metric("kvpool_router_missed_batches_total", "counter",
-               "Batches lost (not replayable).", [("", gc.missed)])
-        metric("kvpool_router_publisher_restarts_total", "counter",
-               "Publisher or engine restarts detected (the worker was reset).",
-               [("", gc.restarts)])
-        metric("kvpool_router_poll_errors_total", "counter",
-               "Failed TensorRT-LLM event polls.", [("", gc.poll_errors)])
-        metric("kvpool_router_probe_failures_total", "counter",
-               "Failed liveness probes.", [("", gc.probe_failures)])
-        # histogram: cumulative buckets
-        name = "kvpool_router_decision_latency_seconds"
-        lines.append(f"# HELP {name} Time to make one routing decision.")
-        lines.append(f"# TYPE {name} histogram")
-        cumulative = 0
-        for bound, count in zip(LATENCY_BUCKETS_S, st.latency_buckets, strict=False):
-            cumulative += count
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {sum(st.latency_buckets)}')
-        lines.append(f"{name}_sum {_num(st.latency_sum_s)}")
-        lines.append(f"{name}_count {sum(st.latency_buckets)}")
-        infos = self.index.workers()
-        metric("kvpool_router_worker_healthy", "gauge", "1 while the worker may be routed to.",
-               [(f'{{worker="{_label(i.worker_id)}"}}', int(i.healthy)) for i in infos])
-        metric("kvpool_router_worker_blocks", "gauge", "Blocks the index holds per worker, tier.",
-               [(f'{{worker="{_label(i.worker_id)}",tier="{t}"}}', i.blocks_per_tier[t])
-                for i in infos for t in range(TIERS)])
-        metric("kvpool_router_worker_active_requests", "gauge", "Routed, unfinished requests.",
-               [(f'{{worker="{_label(i.worker_id)}"}}',
-                 self.router.active_requests(i.worker_id)) for i in infos])
-        return "\n".join(lines) + "\n"
+        return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            return _error(400, f"body is not JSON: {exc}")
+            obj = _ANY_DECODER.decode(raw)
+        except INPUT_FAULTS as exc:
+            return _error(400, f"body is not JSON ({type(exc).__name__}): {exc}")
         tokens = obj.get("prompt_token_ids") if isinstance(obj, dict) else None
         if tokens is None and isinstance(obj, dict) and request.path == "/v1/completions":
             prompt = obj.get("prompt")
@@ -359,12 +354,16 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+def _auth_token(variable: str | None) -> bytes | None:
+    """The bearer token held by the environment variable ``variable`` (None: no auth)."""
+    if variable is None:
+        return None
+    token = os.environ.get(variable, "").strip()
+    if not token:
+        raise ConfigError(
+            f"listen.auth_token_env: the environment variable {variable!r} is not set or empty"
+        )
+    return token.encode()
 
 
 async def serve(config: ServiceConfig, on_ready: Callable[[int], None] | None = None) -> None:

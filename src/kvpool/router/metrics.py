@@ -1,0 +1,147 @@
+"""The router service's ``/metrics``: its counters as Prometheus metrics (``prometheus_client``).
+
+Each service has its own :class:`~prometheus_client.CollectorRegistry` holding one collector
+that reads the router's, index's and ingest's counters when scraped (they stay plain ints on
+the hot paths; nothing is counted twice). Totals are counters (``_total``), per-worker values
+are labelled by ``worker``; the decision latency is a histogram. The text is Prometheus's
+exposition format 0.0.4, written by ``prometheus_client.generate_latest``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvpool.router.index import TIERS, KvIndex
+from kvpool.router.ingest import WORKER_STATES, Ingest
+from kvpool.router.scoring import LATENCY_BUCKETS_S, Router
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class RouterMetrics(Collector):
+    """The metrics of one router service, in a registry of their own."""
+
+    def __init__(self, router: Router, index: KvIndex, ingest: Ingest) -> None:
+        self.router = router
+        self.index = index
+        self.ingest = ingest
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def text(self) -> bytes:
+        """The exposition of every metric, as ``GET /metrics`` returns it."""
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.router.stats
+        ic = self.index.counters
+        gc = self.ingest.counters
+
+        def total(name: str, help_: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, help_, value=value)
+
+        yield total("kvpool_router_routes", "Routing decisions made.", st.routes_total)
+        hits = CounterMetricFamily(
+            "kvpool_router_hit_blocks",
+            "Prefix blocks matched on the chosen worker, by tier (0 GPU, 1 host, 2 disk).",
+            labels=["tier"],
+        )
+        for t in range(TIERS):
+            hits.add_metric([str(t)], st.hit_blocks[t])
+        yield hits
+        yield total("kvpool_router_prompt_tokens", "Prompt tokens routed.", st.prompt_tokens)
+        yield total("kvpool_router_matched_tokens",
+                    "Prompt tokens found cached on the chosen worker.", st.matched_tokens)
+        yield total("kvpool_router_requests_finished", "Requests reported finished.",
+                    st.finished_total)
+        yield total("kvpool_router_requests_expired",
+                    "Requests dropped after request_timeout_s without a finish.",
+                    st.expired_total)
+        yield total("kvpool_router_events_applied", "KV events applied to the index.",
+                    ic.events_applied)
+        yield total("kvpool_router_events_malformed",
+                    "KV events or payloads that could not be applied (skipped).",
+                    ic.events_malformed)
+        yield total("kvpool_router_event_anomalies",
+                    "Events about blocks the index did not hold (late, reordered or lost).",
+                    ic.anomalies)
+        yield total("kvpool_router_blocks_stored", "Blocks stored, all workers.",
+                    ic.blocks_stored)
+        yield total("kvpool_router_blocks_removed", "Blocks removed, all workers.",
+                    ic.blocks_removed)
+        yield total("kvpool_router_event_batches", "Event batches received.", gc.batches)
+        yield total("kvpool_router_decode_errors",
+                    "Payloads that could not be decoded (skipped).", gc.decode_errors)
+        yield total("kvpool_router_sequence_gaps", "Sequence gaps seen on ZMQ streams.", gc.gaps)
+        yield total("kvpool_router_replayed_batches",
+                    "Batches recovered through replay sockets.", gc.replayed)
+        yield total("kvpool_router_missed_batches", "Batches lost (not replayable).",
+                    gc.missed)
+        yield total("kvpool_router_snapshots", "Workers bootstrapped from a snapshot.",
+                    gc.snapshots)
+        yield total("kvpool_router_publisher_restarts",
+                    "Publisher or engine restarts detected (the worker was reset).",
+                    gc.restarts)
+        yield total("kvpool_router_poll_errors", "Failed TensorRT-LLM event polls.",
+                    gc.poll_errors)
+        yield total("kvpool_router_probe_failures", "Failed liveness probes.",
+                    gc.probe_failures)
+        yield total("kvpool_router_transport_restarts",
+                    "Event readers or pollers restarted after an unexpected failure.",
+                    gc.transport_restarts)
+        yield self._latency()
+        yield from self._per_worker()
+
+    def _latency(self) -> HistogramMetricFamily:
+        st = self.router.stats
+        buckets: list[tuple[str, float]] = []
+        cumulative = 0
+        for bound, count in zip(LATENCY_BUCKETS_S, st.latency_buckets, strict=False):
+            cumulative += count
+            buckets.append((repr(float(bound)), cumulative))
+        buckets.append(("+Inf", sum(st.latency_buckets)))
+        return HistogramMetricFamily(
+            "kvpool_router_decision_latency_seconds", "Time to make one routing decision.",
+            buckets=buckets, sum_value=st.latency_sum_s,
+        )
+
+    def _per_worker(self) -> Iterator[Metric]:
+        infos = self.index.workers()
+        routable = GaugeMetricFamily(
+            "kvpool_router_worker_healthy", "1 while the worker may be routed to.",
+            labels=["worker"])
+        state = GaugeMetricFamily(
+            "kvpool_router_worker_state",
+            "1 for the worker's health state (unknown, healthy, degraded, unhealthy).",
+            labels=["worker", "state"])
+        blocks = GaugeMetricFamily(
+            "kvpool_router_worker_blocks", "Blocks the index holds per worker, tier.",
+            labels=["worker", "tier"])
+        active = GaugeMetricFamily(
+            "kvpool_router_worker_active_requests", "Routed, unfinished requests.",
+            labels=["worker"])
+        errors = CounterMetricFamily(
+            "kvpool_router_worker_decode_errors",
+            "Payloads of the worker that could not be decoded (skipped).", labels=["worker"])
+        for info in infos:
+            wid = info.worker_id
+            status = self.ingest.status(wid)
+            routable.add_metric([wid], int(info.healthy))
+            for name in WORKER_STATES:
+                state.add_metric([wid, name], int(status.state == name))
+            for t in range(TIERS):
+                blocks.add_metric([wid, str(t)], info.blocks_per_tier[t])
+            active.add_metric([wid], self.router.active_requests(wid))
+            errors.add_metric([wid], status.decode_errors)
+        yield from (routable, state, blocks, active, errors)
