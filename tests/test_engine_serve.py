@@ -261,7 +261,7 @@ def test_serve_command_refuses_bad_options(
 
 
 def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
-    from kvpool.events import Stored, ZmqEventSubscriber, decode_vllm_batch
+    from kvpool.events import AllCleared, Stored, ZmqEventSubscriber, decode_vllm_batch
 
     model, tokenizer = load_model(str(model_dir))
     engine = Engine(model, tokenizer, cache={
@@ -287,6 +287,21 @@ def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
                                                        for i in range(0, 3 * TPB, TPB)]
         cached = {h for h, _, tier in engine.manager.cached_blocks() if tier == 0}
         assert {b.block_hash for b in blocks} <= cached
+        # a consumer joining now (a router started after the worker) asks for a snapshot: an
+        # all-cleared event, then every block published so far, the partial one included
+        late = ZmqEventSubscriber(server.publisher.endpoint, server.publisher.replay_endpoint)
+        try:
+            snap = late.snapshot()
+        finally:
+            late.close()
+        assert snap is not None
+        decoded = decode_vllm_batch(snap.payload, hash_algo="v2_sha256_64")
+        assert isinstance(decoded.events[0].data, AllCleared)
+        in_snapshot = [b for e in decoded.events if isinstance(e.data, Stored)
+                       for b in e.data.blocks]
+        assert {b.block_hash for b in blocks} <= {b.block_hash for b in in_snapshot}
+        assert {b.block_hash for b in in_snapshot} <= cached
+        assert len(in_snapshot) == len(blocks) + 1  # + the prompt's partial last block
     finally:
         sub.close()
         s.close()

@@ -53,6 +53,7 @@ from kvpool.engine.protocol import Answer, parse_request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import CapacityError, InvalidArgumentError, KVPoolError, OutOfBlocksError
 from kvpool.events.vllm_msgpack import encode_vllm_batch
+from kvpool.events.snapshot import PublishedState
 from kvpool.events.zmq import ZmqEventPublisher
 
 __all__ = ["EngineLoop", "EngineServer", "EventPublisherThread"]
@@ -153,6 +154,8 @@ class EventPublisherThread(threading.Thread):
         self.tokens_per_block = tokens_per_block
         self._stopping = threading.Event()
         self.batches = 0
+        # what a consumer of every batch so far holds: the router's snapshot of this worker
+        self.state = PublishedState()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -163,10 +166,20 @@ class EventPublisherThread(threading.Thread):
         while not self._stopping.is_set():
             events = manager.get_latest_events(0.1)
             if events:
-                self.publisher.publish(encode_vllm_batch(
-                    events, block_size=self.tokens_per_block, sliding_window_groups=windowed
-                ))
+                self.publisher.publish(
+                    encode_vllm_batch(events, block_size=self.tokens_per_block,
+                                      sliding_window_groups=windowed),
+                    update=lambda events=events: self.state.apply(events),
+                )
                 self.batches += 1
+
+    def snapshot(self) -> bytes:
+        """Every block published so far as one batch (the replay socket's snapshot answer);
+        partial blocks included, as :mod:`kvpool.events.snapshot` requires."""
+        windowed = [g for g, w in enumerate(self.engine.manager.config.window_sizes)
+                    if w is not None]
+        return encode_vllm_batch(self.state.events(), block_size=self.tokens_per_block,
+                                 sliding_window_groups=windowed, partial_blocks=True)
 
 
 class _Metrics:
@@ -260,10 +273,14 @@ class EngineServer:
         self.publisher: ZmqEventPublisher | None = None
         self._events_thread: EventPublisherThread | None = None
         if kv_events_endpoint is not None:
-            self.publisher = ZmqEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
-            self._events_thread = EventPublisherThread(
-                engine, self.publisher, engine.manager.config.tokens_per_block
+            tpb = engine.manager.config.tokens_per_block
+            snapshot_source: list[EventPublisherThread] = []
+            self.publisher = ZmqEventPublisher(
+                kv_events_endpoint, kv_events_replay_endpoint,
+                snapshot=lambda: snapshot_source[0].snapshot(),
             )
+            self._events_thread = EventPublisherThread(engine, self.publisher, tpb)
+            snapshot_source.append(self._events_thread)
         self._runner: web.AppRunner | None = None
         self._created = int(time.time())
         config = engine.manager.config
