@@ -150,7 +150,7 @@ class RemoteStore:
             if client.info("cluster").get("cluster_enabled") != 1:
                 return client
             client.close()
-        return RedisCluster.from_url(self.url, cluster_error_retry_attempts=0, **opts)
+        return RedisCluster.from_url(self.url, **opts)
 
     def _call(self, what: str, op: Callable[[Any], T]) -> T:
         """Run ``op(client)``: fail fast during a backoff, map every failure to
