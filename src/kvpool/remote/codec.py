@@ -66,7 +66,7 @@ class ValueCodec:
         return header + view
 
     def decode(
-        self, value: bytes | None, namespace: bytes, remote_key: bytes
+        self, value: bytes | bytearray | None, namespace: bytes, remote_key: bytes
     ) -> memoryview | None:
         """The payload of ``value`` read under ``remote_key`` in ``namespace``, or None (the
         reason counted) when the value is missing or fails any check."""
@@ -78,7 +78,9 @@ class ValueCodec:
         return None
 
     @staticmethod
-    def _check(value: bytes | None, namespace: bytes, remote_key: bytes) -> str | None:
+    def _check(
+        value: bytes | bytearray | None, namespace: bytes, remote_key: bytes
+    ) -> str | None:
         if value is None:
             return "missing"
         if len(value) < HEADER.size:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.remote.store import Item
+from kvpool.remote.store import Item, Value
 
 __all__ = ["MemoryStore", "MemoryStoreStats"]
 
@@ -63,8 +63,8 @@ class MemoryStore:
         with self._lock:
             return list(self._values)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
+        out: list[Value | None] = []
         with self._lock:
             values = self._values
             for k in keys:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from kvpool.errors import InvalidArgumentError, RemoteTierError
+from kvpool.remote.resp import read_mget_reply
 
 __all__ = ["DEFAULT_BATCH_BYTES", "BlockStore", "RemoteStore", "RemoteStoreStats"]
 
@@ -41,13 +42,15 @@ _MAX_KEYS_PER_ROUND: Final = 4096
 
 T = TypeVar("T")
 Item = tuple[bytes, bytes | memoryview]
+Value = bytes | bytearray
+"""A value read back: ``bytes``, or a ``bytearray`` the reply was read into (no copy)."""
 
 
 class BlockStore(Protocol):
     """What the remote tier needs of a store (:class:`RemoteStore`, or the in-process
     :class:`kvpool.remote.memory.MemoryStore`)."""
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+    def get_many(self, keys: Sequence[bytes]) -> list[Value | None]: ...
     def put_many(self, items: Sequence[Item]) -> None: ...
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]: ...
     def delete_many(self, keys: Sequence[bytes]) -> int: ...
@@ -85,6 +88,21 @@ def _split_url(url: str) -> tuple[str, bool]:
     if scheme.startswith("valkey"):
         return f"redis{scheme[6:]}://{rest}", False
     return url, False
+
+
+def _mget(client: Any, keys: list[bytes]) -> list[bytearray | None]:
+    """``MGET`` on one server: sent by redis-py, its reply read by :mod:`kvpool.remote.resp`
+    into one buffer per value. A connection that fails mid-reply is dropped, never reused."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_command("MGET", *keys))
+        return read_mget_reply(conn._sock, len(keys))
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
 
 
 def _check_positive(name: str, value: object) -> float:
@@ -211,15 +229,15 @@ class RemoteStore:
     # ----------------------------------------------------------------------------------------
     # batched operations
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         """The value of each key, None where it has none; a few round trips of ``batch_bytes``."""
         keys = list(keys)
         if not keys:
             return []
         return self._call("get", lambda client: self._get(client, keys))
 
-    def _get(self, client: Any, keys: list[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def _get(self, client: Any, keys: list[bytes]) -> list[Value | None]:
+        out: list[Value | None] = []
         stats = self.stats
         start = 0
         while start < len(keys):
@@ -230,9 +248,9 @@ class RemoteStore:
                 pipe = client.pipeline(transaction=False)
                 for k in chunk:
                     pipe.get(k)
-                values: list[bytes | None] = pipe.execute()
+                values: list[Value | None] = pipe.execute()
             else:
-                values = client.mget(chunk)
+                values = list(_mget(client, chunk))
             stats.round_trips += 1
             found = [len(v) for v in values if v is not None]
             if found:
