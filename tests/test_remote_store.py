@@ -56,12 +56,14 @@ def test_damaged_values_set_by_hand_are_misses(redis_server: RedisServer) -> Non
     raw.set(b"k4", good)  # copied under another key
     k5 = codec.encode(NS, b"k5", b"x" * 1000)
     raw.set(b"k5", k5[:60] + b"y" + k5[61:])  # one byte of the payload overwritten
+    raw.rpush(b"k6", b"a list, not a string")
     raw.close()
     with RemoteStore(redis_server.url) as store:
-        keys = [b"k1", b"k2", b"k3", b"k4", b"k5"]
+        keys = [b"k1", b"k2", b"k3", b"k4", b"k5", b"k6"]
         got = [codec.decode(v, NS, k) for k, v in zip(keys, store.get_many(keys), strict=True)]
-    assert got == [None] * 5
-    assert codec.rejected == {"namespace": 1, "short": 2, "key": 1, "checksum": 1}
+        assert store.stats.errors == 0
+    assert got == [None] * 6
+    assert codec.rejected == {"namespace": 1, "short": 2, "key": 1, "checksum": 1, "missing": 1}
 
 
 def test_flushall_between_put_and_get_gives_misses(redis_server: RedisServer) -> None:
@@ -167,8 +169,12 @@ def test_cluster_spreads_keys_over_its_nodes(tmp_path: Path) -> None:
             assert store.is_cluster
             assert store.get_many([k for k, _ in blocks]) == [v for _, v in blocks]
             assert store.exists_many([blocks[0][0], b"absent"]) == [True, False]
+            raw = redis.RedisCluster(host="127.0.0.1", port=servers[0].port)
+            raw.rpush(b"a-list", b"x")  # another type than a string: read as missing
+            raw.close()
+            assert store.get_many([b"a-list", blocks[1][0]]) == [None, blocks[1][1]]
         counts = [redis.Redis(port=s.port).dbsize() for s in servers]
-        assert sum(counts) == 60 and min(counts) >= 5
+        assert sum(counts) == 61 and min(counts) >= 5
         url = f"redis+cluster://127.0.0.1:{servers[1].port}"
         with RemoteStore(url) as store:
             assert store.get_many([blocks[7][0]]) == [blocks[7][1]]

@@ -105,6 +105,25 @@ def _mget(client: Any, keys: list[bytes]) -> list[bytearray | None]:
         pool.release(conn)
 
 
+def _pipelined_gets(client: Any, keys: list[bytes]) -> list[Value | None]:
+    """GETs in one pipeline (a cluster's: one per node); a key holding another type than a
+    string (a ``WRONGTYPE`` reply) reads as missing, as it does in ``MGET``."""
+    from redis.exceptions import ResponseError
+
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+    values: list[Value | None] = []
+    for v in pipe.execute(raise_on_error=False):
+        if isinstance(v, ResponseError):
+            values.append(None)
+        elif isinstance(v, BaseException):
+            raise v
+        else:
+            values.append(v)
+    return values
+
+
 def _check_positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
@@ -186,11 +205,15 @@ class RemoteStore:
             client = self._client
         try:
             if client is None:
-                client = self._connect()
+                fresh = self._connect()
                 with self._lock:
-                    self._client = client
-                    self._cluster = not isinstance(client, redis.Redis)
-                    self.stats.connects += 1
+                    client = self._client
+                    if client is None:  # else another thread connected first: use its client
+                        client = self._client = fresh
+                        self._cluster = not isinstance(client, redis.Redis)
+                        self.stats.connects += 1
+                if client is not fresh:
+                    fresh.close()
             result = op(client)
         except (redis.RedisError, OSError) as e:
             raise self._failed(what, e) from e
@@ -245,10 +268,7 @@ class RemoteStore:
             chunk = keys[start:start + n]
             start += n
             if self._cluster:
-                pipe = client.pipeline(transaction=False)
-                for k in chunk:
-                    pipe.get(k)
-                values: list[Value | None] = pipe.execute()
+                values: list[Value | None] = _pipelined_gets(client, chunk)
             else:
                 values = list(_mget(client, chunk))
             stats.round_trips += 1
