@@ -31,10 +31,24 @@ def server_binary() -> str:
     pytest.skip(message)
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(*, cluster_bus: bool = False) -> int:
+    """A free loopback port; with ``cluster_bus`` also port + 10000 (a cluster node's bus)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not cluster_bus or (port + 10000 < 65536 and _bindable(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port pair for a cluster node")
 
 
 class RedisServer:
@@ -45,7 +59,7 @@ class RedisServer:
         self.binary = server_binary()
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.port = port or free_port(cluster_bus="--cluster-enabled" in extra)
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
 
