@@ -113,6 +113,18 @@ def test_a_dead_server_fails_batches_and_drains(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_bad_item_fails_its_batch_and_the_thread_carries_on() -> None:
+    store = MemoryStore(1 << 20)
+    with RemoteWriter(store, batch_bytes=1) as writer:
+        writer.put(b"not 16 bytes", b"bad", b"v")
+        assert writer.flush(5)
+        writer.put(NS, b"good", b"v")
+        assert writer.flush(5)
+        assert isinstance(writer.last_error, InvalidArgumentError)
+        assert (writer.stats.failed, writer.stats.written) == (1, 1)
+    assert _decoded(store, [b"bad", b"good"]) == [None, b"v"]
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="remote_write"):
         RemoteWriter(MemoryStore(10), mode="always")

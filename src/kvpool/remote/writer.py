@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kvpool.errors import InvalidArgumentError, RemoteTierError
+from kvpool.errors import InvalidArgumentError
 from kvpool.remote.codec import ValueCodec
 from kvpool.remote.store import BlockStore
 
@@ -53,7 +53,8 @@ class WriterStats:
     """Oldest queued writes dropped because the queue was over ``max_pending_bytes``."""
     dropped_bytes: int = 0
     failed: int = 0
-    """Blocks of batches whose write raised :class:`RemoteTierError`."""
+    """Blocks of batches whose write raised (:class:`RemoteTierError`, or a bad item such as
+    a namespace digest that is not 16 bytes: the thread carries on either way)."""
     batches: int = 0
 
 
@@ -88,7 +89,8 @@ class RemoteWriter:
         self._cond = threading.Condition(threading.Lock())
         self._idle = False
         self._closing = False
-        self.last_error: RemoteTierError | None = None
+        self.last_error: Exception | None = None
+        """The error of the last batch that failed (usually a :class:`RemoteTierError`)."""
         self._thread = threading.Thread(target=self._run, name="kvpool-remote-writer",
                                         daemon=True)
         self._thread.start()
@@ -151,11 +153,10 @@ class RemoteWriter:
     def _run(self) -> None:
         encode = self.codec.encode
         while (batch := self._take()) is not None:
-            items = [(key, encode(ns, key, payload)) for ns, key, payload in batch]
-            error: RemoteTierError | None = None
+            error: Exception | None = None
             try:
-                self.store.put_many(items)
-            except RemoteTierError as e:
+                self.store.put_many([(key, encode(ns, key, payload)) for ns, key, payload in batch])
+            except Exception as e:  # the thread must live on, or flush() would wait forever
                 error = e
             with self._cond:
                 stats = self._stats
