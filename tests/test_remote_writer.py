@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -123,6 +127,27 @@ def test_a_bad_item_fails_its_batch_and_the_thread_carries_on() -> None:
         assert isinstance(writer.last_error, InvalidArgumentError)
         assert (writer.stats.failed, writer.stats.written) == (1, 1)
     assert _decoded(store, [b"bad", b"good"]) == [None, b"v"]
+
+
+def test_everything_but_remote_store_works_without_redis_py() -> None:
+    """The remote extra is optional: kvpool.remote and kvpool.manifest import without it."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["redis"] = None  # as if redis-py were not installed
+        import kvpool.manifest, kvpool.remote
+        from kvpool.errors import StorageError
+        from kvpool.remote import MemoryStore, RemoteWriter
+        with RemoteWriter(MemoryStore(1000)) as w:
+            w.put(b"N" * 16, b"k", b"v")
+        try:
+            kvpool.remote.RemoteStore("redis://127.0.0.1:1")
+        except StorageError as e:
+            assert "remote" in str(e)
+        else:
+            raise AssertionError("RemoteStore without redis-py")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
 
 
 def test_bad_settings_are_refused() -> None:

@@ -18,20 +18,22 @@
   own retries are off: one policy, this one, decides when to try again.
 
 The store holds bytes, it does not judge them: values are encoded and verified by
-:mod:`kvpool.remote.codec`.
+:mod:`kvpool.remote.codec`. redis-py is imported only when a store connects, so that the rest
+of kvpool (and :class:`~kvpool.remote.memory.MemoryStore`) works without the ``remote`` extra;
+without it, building a :class:`RemoteStore` raises :class:`StorageError` saying what to install.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from kvpool.errors import InvalidArgumentError, RemoteTierError
-from kvpool.remote.resp import read_mget_reply
+from kvpool.errors import InvalidArgumentError, RemoteTierError, StorageError
 
 __all__ = ["DEFAULT_BATCH_BYTES", "BlockStore", "RemoteStore", "RemoteStoreStats"]
 
@@ -93,6 +95,8 @@ def _split_url(url: str) -> tuple[str, bool]:
 def _mget(client: Any, keys: list[bytes]) -> list[bytearray | None]:
     """``MGET`` on one server: sent by redis-py, its reply read by :mod:`kvpool.remote.resp`
     into one buffer per value. A connection that fails mid-reply is dropped, never reused."""
+    from kvpool.remote.resp import read_mget_reply
+
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
@@ -148,6 +152,11 @@ class RemoteStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url, self._cluster_url = _split_url(url)
+        if importlib.util.find_spec("redis") is None:
+            raise StorageError(
+                "the remote tier needs redis-py: install kvpool with the 'remote' extra "
+                "(pip install 'kvpool[remote]')"
+            )
         if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
             raise InvalidArgumentError(f"batch_bytes must be an int >= 1, got {batch_bytes!r}")
         self.batch_bytes = batch_bytes
