@@ -122,6 +122,11 @@ class BlockCopyError(StorageError, InvalidArgumentError):
     twice in one batch."""
 
 
+class ModelLoadError(KVPoolError):
+    """A model cannot be loaded: an unknown name, a path that is not a model, a checkpoint
+    transformers refuses, or a failed install of the built-in model's package."""
+
+
 class RemoteTierError(StorageError):
     """The shared remote tier (a Redis- or Valkey-compatible server) cannot be reached, is too
     slow, or refused a command. It is a data-plane failure like any :class:`StorageError`, and

@@ -1,0 +1,154 @@
+"""``kvpool serve``: serve a model on kvpool's KV cache over an OpenAI-compatible HTTP API.
+
+Loads the model (``--model smollm2``, a checkpoint directory or a GGUF file; see
+:mod:`kvpool.engine.models`), sizes the KV pools (``--gpu-blocks`` or, through the planner,
+``--gpu-mem``; ``--host-mem`` / ``--disk-mem`` + ``--disk-path`` for offload tiers) and serves
+:mod:`kvpool.engine.server` until interrupted (SIGINT or SIGTERM). With
+``--kv-events-endpoint`` it publishes the manager's KV events over ZeroMQ in vLLM's msgpack
+format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (worker
+``kind: kvpool``, ``hash_algo: v2_sha256_64``).
+
+Once listening it prints ``kvpool serve listening on http://HOST:PORT`` on stdout (after the
+``kvpool serve publishing KV events on ...`` line when events are on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from kvpool.errors import InvalidArgumentError
+from kvpool.planner import parse_size
+
+EVENT_HASH_ALGO = "v2_sha256_64"
+_EVENT_BUFFER = 100_000
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``serve`` parser to the ``kvpool`` command."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="serve a model on kvpool's KV cache (OpenAI-compatible HTTP)",
+        description=(
+            "Run a transformers model with its KV cache in kvpool's block pools and serve "
+            "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."
+        ),
+    )
+    p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
+                   help="'smollm2' (built in), a checkpoint directory or a .gguf file")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0: any)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype")
+    pools = p.add_argument_group("KV cache")
+    pools.add_argument("--tokens-per-block", type=_positive, metavar="N")
+    pools.add_argument("--gpu-blocks", type=_positive, metavar="N",
+                       help="device-tier blocks per layer group")
+    pools.add_argument("--gpu-mem", type=_size, metavar="SIZE",
+                       help="device-tier budget for the planner, e.g. 512MiB")
+    pools.add_argument("--host-blocks", type=_positive, metavar="N")
+    pools.add_argument("--host-mem", type=_size, metavar="SIZE", help="host-tier budget")
+    pools.add_argument("--disk-mem", type=_size, metavar="SIZE", help="disk-tier budget")
+    pools.add_argument("--disk-path", metavar="PATH", help="directory of the disk tier")
+    pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"))
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument("--max-batch-size", type=_positive, default=8, metavar="N",
+                       help="concurrent sequences per step (default 8)")
+    sched.add_argument("--max-num-tokens", type=_positive, default=2048, metavar="N",
+                       help="tokens per step, prefill chunks included (default 2048)")
+    events = p.add_argument_group("KV events")
+    events.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
+                        help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any)")
+    events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
+                        help="serve missed event batches here (needs --kv-events-endpoint)")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.set_defaults(func=run)
+
+
+def cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Engine(cache=...)`` fields the command line sets."""
+    if args.gpu_blocks is not None and args.gpu_mem is not None:
+        raise InvalidArgumentError("give --gpu-blocks or --gpu-mem, not both")
+    if args.host_blocks is not None and args.host_mem is not None:
+        raise InvalidArgumentError("give --host-blocks or --host-mem, not both")
+    if args.disk_mem is not None and args.disk_path is None:
+        raise InvalidArgumentError("--disk-mem needs --disk-path")
+    if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None:
+        raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    cache: dict[str, Any] = {}
+    for name in ("tokens_per_block", "gpu_blocks", "gpu_mem", "host_blocks", "host_mem",
+                 "disk_mem", "disk_path", "eviction_policy"):
+        value = getattr(args, name)
+        if value is not None:
+            cache[name] = value
+    if args.kv_events_endpoint is not None:
+        cache["event_buffer_max_size"] = _EVENT_BUFFER
+        cache["event_hash_algo"] = EVENT_HASH_ALGO
+    return cache
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not 0 <= args.port <= 65535:
+        raise InvalidArgumentError(f"--port {args.port} is not a TCP port")
+    cache = cache_options(args)
+    import torch
+
+    from kvpool.engine.engine import Engine
+    from kvpool.engine.models import load_model
+    from kvpool.engine.server import EngineServer
+
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    engine = Engine(model, tokenizer, cache=cache, max_batch_size=args.max_batch_size,
+                    max_num_tokens=args.max_num_tokens)
+    server = EngineServer(
+        engine, model_name=args.model, host=args.host, port=args.port,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+    )
+    asyncio.run(_main(server))
+    return 0
+
+
+async def _main(server: Any) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # platforms without signal handlers
+            loop.add_signal_handler(sig, task.cancel)
+    port = await server.start()
+    try:
+        pub = server.publisher
+        if pub is not None:
+            replay = f", replay {pub.replay_endpoint}" if pub.replay_endpoint else ""
+            print(f"kvpool serve publishing KV events on {pub.endpoint}{replay} "
+                  f"(hash_algo {EVENT_HASH_ALGO}, tokens_per_block "
+                  f"{server.engine.manager.config.tokens_per_block})", flush=True)
+        print(f"kvpool serve listening on http://{server.host}:{port}", flush=True)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+    finally:
+        await server.stop()
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

@@ -1,0 +1,326 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+Each step runs the transformers model once over the step's packed tokens with kvpool's
+attention (:mod:`kvpool.engine.attention`), ``past_key_values=None``: the only KV cache is
+the manager's pool tensors. Single-threaded: one caller drives ``add_request`` / ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, ScheduledSeq, StepBatch, register
+from kvpool.engine.layout import ModelLayout, cache_config, model_layout, text_config
+from kvpool.engine.sampling import SamplingParams, sample
+from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
+from kvpool.errors import CapacityError, InvalidArgumentError
+from kvpool.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's progress after one step (``new_token_ids``) and in total (``token_ids``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str | None
+    cached_tokens: int
+    finish_reason: str | None
+    finished: bool
+    logits: list[torch.Tensor] | None = None
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(t) for t in src)
+    return frozenset(ids)
+
+
+class Engine:
+    """A continuous-batching engine over one transformers causal LM (see the module docstring).
+
+    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide
+    (``tokens_per_block``, ``gpu_blocks`` or ``gpu_mem``, ``host_blocks`` or ``host_mem``,
+    ``disk_blocks``, ``disk_path``, ``eviction_policy``, ``event_buffer_max_size``, ...).
+    The model's attention implementation is switched to kvpool's; called outside the engine
+    it computes transformers' sdpa attention.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, cache: dict[str, Any] | None = None,
+                 max_batch_size: int = 8, max_num_tokens: int = 2048) -> None:
+        _positive("max_batch_size", max_batch_size)
+        _positive("max_num_tokens", max_num_tokens)
+        if max_num_tokens < max_batch_size:
+            raise InvalidArgumentError(
+                f"max_num_tokens ({max_num_tokens}) must be >= max_batch_size ({max_batch_size})"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.device: torch.device = param.device
+        self.layout: ModelLayout = model_layout(model.config, param.dtype)
+        config = cache_config(self.layout, cache, device=str(self.device),
+                              max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
+        self.max_model_len = min(self.layout.max_model_len, config.max_seq_len)
+        self.manager = KVCacheManager(config)
+        self.vocab_size = int(text_config(model.config).vocab_size)
+        register()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.eval()
+        self._pools = [
+            PoolView(self._rows(g), geo.num_layers, config.tokens_per_block, self.layout.windows[g])
+            for g, geo in enumerate(self.layout.geometry)
+        ]
+        self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.scheduler = Scheduler(self.manager, max_batch_size, max_num_tokens)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._eos = _eos_ids(model, tokenizer)
+        self._generate_calls = 0
+
+    def _rows(self, g: int) -> torch.Tensor:
+        pool: torch.Tensor = self.manager.tensors(g, 0)
+        return pool.view(-1, pool.shape[-2], pool.shape[-1])
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kw: Any) -> Engine:
+        """An engine over ``kvpool.engine.models.load_model(name_or_path)``."""
+        from kvpool.engine.models import load_model
+
+        model, tokenizer = load_model(name_or_path)
+        return cls(model, tokenizer, **kw)
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgumentError("a text prompt needs a tokenizer; pass token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, Sequence):
+            ids = list(prompt)
+        else:
+            raise InvalidArgumentError(f"a prompt is a str or a list of token ids, got {prompt!r}")
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty")
+        vocab = self.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidArgumentError(f"prompt token {t!r} is not an id in [0, {vocab})")
+        return ids
+
+    def _check_capacity(self, total: int, prompt: int) -> None:
+        """Refuse a request no pool can ever hold (all slots free)."""
+        cfg = self.manager.config
+        tpb = cfg.tokens_per_block
+        for g, window in enumerate(self.layout.windows):
+            need = -(-total // tpb)
+            if window is not None:
+                need = min(need, max(-(-prompt // tpb), -(-(window + 1) // tpb) + 1) + 1)
+            have = cfg.slots[0][g]
+            if need > have:
+                raise CapacityError(
+                    f"a request of {total} tokens needs {need} blocks in layer group {g}, "
+                    f"the cache has {have}: shorten it or give the engine more cache",
+                    deficit={g: need - have},
+                )
+
+    def add_request(self, request_id: str, prompt: list[int] | str,
+                    params: SamplingParams) -> None:
+        """Queue a request. Raises (nothing queued) :class:`InvalidArgumentError` on bad input
+        and :class:`CapacityError` when the cache can never hold it."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params must be SamplingParams, got {params!r}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError("stop strings need a tokenizer")
+        ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidArgumentError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's maximum length {self.max_model_len}"
+            )
+        self._check_capacity(total, len(ids))
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(request_id, ids, params, gen, list(ids),
+                      logits=[] if params.return_logits else None)
+        self._requests[request_id] = req
+        self.scheduler.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; the next ``step`` reports it once with finish_reason "abort".
+        Unknown or finished ids are ignored."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return
+        self.scheduler.finish(req, "abort")
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; outputs of the requests that progressed or finished."""
+        outputs = [self._output(r, []) for r in self._aborted]
+        for r in self._aborted:
+            self._requests.pop(r.request_id, None)
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        if not sched:
+            stuck = self.scheduler.waiting and not (self.scheduler.running
+                                                    or self.scheduler.suspended)
+            if stuck:  # an empty cache cannot admit it: it never will (guards a loop forever)
+                req = self.scheduler.waiting[0]
+                self.scheduler.finish(req, "abort")
+                self._requests.pop(req.request_id, None)
+                outputs.append(self._output(req, []))
+            return outputs
+        with torch.inference_mode():
+            logits, samplers = self._forward(sched)
+            tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
+        for req, _, end in sched.prefills:
+            self.scheduler.computed(req, end)
+        for req in sched.decodes:
+            self.scheduler.computed(req, req.seq_len)
+        for i, (req, tok) in enumerate(zip(samplers, tokens, strict=True)):
+            if req.logits is not None:
+                req.logits.append(logits[i].clone())
+            outputs.append(self._append(req, tok))
+        self.manager.flush_iteration_events()
+        return outputs
+
+    def _forward(self, sched: Schedule) -> tuple[torch.Tensor, list[Request]]:
+        """One model call over the step's tokens; the logits of the rows that sample."""
+        ids: list[int] = []
+        pos: list[int] = []
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        keep: list[int] = []
+        samplers: list[Request] = []
+        groups = range(len(self._pools))
+        m = self.manager
+        for req in sched.decodes:
+            n = req.seq_len - 1
+            ids.append(req.tokens[n])
+            pos.append(n)
+            decodes.append(ScheduledSeq({g: m.block_ids(req.seq_id, g) for g in groups}, n, n + 1))
+            keep.append(len(ids) - 1)
+            samplers.append(req)
+        for req, start, end in sched.prefills:
+            ids += req.tokens[start:end]
+            pos += range(start, end)
+            prefills.append(ScheduledSeq({g: m.block_ids(req.seq_id, g) for g in groups},
+                                         start, end))
+            if end == req.seq_len:
+                keep.append(len(ids) - 1)
+                samplers.append(req)
+        dev = self.device
+        batch = StepBatch(self._pools, self.layout.layer_group, self.layout.layer_index,
+                          decodes, prefills, dev)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=torch.tensor([pos], device=dev),
+            attention_mask=self._mask,
+            past_key_values=None,
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            kvpool_batch=batch,
+        )
+        return out.logits[0].float(), samplers
+
+    def _append(self, req: Request, token: int) -> RequestOutput:
+        """Record a sampled token, check the stop conditions, report the request."""
+        req.tokens.append(token)
+        p = req.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos):
+            reason = "stop"
+        elif req.num_generated >= p.max_tokens:
+            reason = "length"
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.tokens[len(req.prompt):],
+                                             skip_special_tokens=True)
+            if p.stop and self._hit_stop(req):
+                reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self._requests.pop(req.request_id, None)
+        return self._output(req, [token])
+
+    def _hit_stop(self, req: Request) -> bool:
+        """Truncate ``req.text`` before the first stop string it contains."""
+        text = req.text or ""
+        longest = max(len(s) for s in req.params.stop)
+        begin = max(0, req.stop_checked - longest + 1)
+        req.stop_checked = len(text)
+        hits = [i for i in (text.find(s, begin) for s in req.params.stop) if i >= 0]
+        if not hits:
+            return False
+        req.text = text[:min(hits)]
+        return True
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt,
+            token_ids=req.tokens[len(req.prompt):],
+            new_token_ids=new,
+            text=req.text,
+            cached_tokens=max(req.cached_tokens, 0),
+            finish_reason=req.finish_reason,
+            finished=req.status is Status.FINISHED,
+            logits=list(req.logits) if req.logits is not None else None,
+        )
+
+    def generate(self, prompts: Sequence[list[int] | str],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; one final output per prompt, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidArgumentError(
+                f"{len(params)} SamplingParams for {len(prompts)} prompts"
+            )
+        self._generate_calls += 1
+        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.abort(rid)
+            self._aborted = [r for r in self._aborted if r.request_id not in added]
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

@@ -1,0 +1,433 @@
+"""An OpenAI-compatible HTTP server over one :class:`~kvpool.engine.Engine` (aiohttp):
+``kvpool serve --model smollm2``.
+
+Endpoints
+---------
+``POST /v1/completions``
+    ``prompt`` is a string or a list of token ids (one prompt per request). Sampling fields:
+    ``max_tokens`` (default 16), ``temperature`` (default 1.0), ``top_p``, ``top_k``, ``seed``,
+    ``stop`` (a string or a list), ``stop_token_ids``, ``ignore_eos``; ``stream`` (SSE
+    ``data: {...}`` chunks, then ``data: [DONE]``) with ``stream_options.include_usage``.
+``POST /v1/chat/completions``
+    ``messages`` through the tokenizer's chat template; ``max_tokens`` or
+    ``max_completion_tokens`` (default: up to the model's length). Same sampling fields.
+    Both endpoints take ``prompt_token_ids`` instead of the prompt or messages (what
+    ``kvpool router``'s proxy mode routes on) and answer with ``usage`` including
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens reused from the KV cache).
+``GET /v1/models``, ``GET /health``
+``GET /metrics``
+    Prometheus text: requests by outcome, prompt / cached prompt / generated tokens, the prefix
+    hit rate, a time-to-first-token histogram, generated tokens per second (last 10 s) and free
+    and evictable blocks per tier and layer group.
+
+Bad input is a JSON 400 naming the field (malformed JSON, wrong types, an empty prompt, a
+prompt too long for the model, bad sampling values, a request larger than the KV cache can
+ever hold); such a request never reaches the engine or is refused by its admission, and the
+engine goes on. A client that disconnects aborts its request.
+
+Threads: the engine is single-threaded and runs in its own thread (:class:`EngineLoop`); the
+event loop hands it requests and aborts through a queue and receives each step's outputs
+through ``loop.call_soon_threadsafe``. With KV events on, a third thread publishes the
+manager's events as vLLM msgpack batches over ZeroMQ (:class:`EventPublisherThread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvpool.engine.engine import Engine, RequestOutput
+from kvpool.engine.protocol import Answer, parse_request
+from kvpool.engine.sampling import SamplingParams
+from kvpool.errors import CapacityError, InvalidArgumentError, KVPoolError, OutOfBlocksError
+from kvpool.events.vllm_msgpack import encode_vllm_batch
+from kvpool.events.zmq import ZmqEventPublisher
+
+__all__ = ["EngineLoop", "EngineServer", "EventPublisherThread"]
+
+logger = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+_Sink = Callable[[_Item], None]
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATE_WINDOW_S = 10.0
+
+
+class EngineLoop(threading.Thread):
+    """Runs ``engine.step()`` in one thread while requests are unfinished.
+
+    ``submit`` and ``abort`` may be called from any thread. Every submitted request's sink gets
+    its outputs in order, the last one ``finished``; a request the engine refuses gets the
+    exception instead (and nothing else). If a step raises, every unfinished request gets
+    that exception and is aborted.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(name="kvpool-engine", daemon=True)
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, str, Any, Any, _Sink | None]] = (
+            queue.SimpleQueue()
+        )
+        self._sinks: dict[str, _Sink] = {}
+        self._stopping = threading.Event()
+        self.steps = 0
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+               sink: _Sink) -> None:
+        self._commands.put(("add", request_id, prompt, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None, None, None))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", "", None, None, None))
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._drain(block=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()  # flushes the step's KV events
+            except Exception as exc:  # an engine bug: fail its requests, keep serving
+                logger.exception("engine step failed")
+                for rid, failed in list(self._sinks.items()):
+                    with contextlib.suppress(KVPoolError):
+                        engine.abort(rid)
+                    failed(exc)
+                self._sinks.clear()
+                continue
+            self.steps += 1
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finished:
+                    del self._sinks[out.request_id]
+                sink(out)
+
+    def _drain(self, *, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind, rid, prompt, params, sink = cmd
+            if kind == "add" and sink is not None:
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as exc:  # refused: the request's error, the engine goes on
+                    if not isinstance(exc, KVPoolError | ValueError):
+                        logger.exception("add_request(%s) failed", rid)
+                    sink(exc)
+                    continue
+                self._sinks[rid] = sink
+            elif kind == "abort" and rid in self._sinks:
+                del self._sinks[rid]
+                with contextlib.suppress(KVPoolError):
+                    self.engine.abort(rid)
+
+
+class EventPublisherThread(threading.Thread):
+    """Publishes the manager's KV events as vLLM msgpack batches on a ZMQ publisher."""
+
+    def __init__(self, engine: Engine, publisher: ZmqEventPublisher, tokens_per_block: int) -> None:
+        super().__init__(name="kvpool-kv-events", daemon=True)
+        self.engine = engine
+        self.publisher = publisher
+        self.tokens_per_block = tokens_per_block
+        self._stopping = threading.Event()
+        self.batches = 0
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        manager = self.engine.manager
+        windowed = [g for g, w in enumerate(manager.config.window_sizes) if w is not None]
+        while not self._stopping.is_set():
+            events = manager.get_latest_events(0.1)
+            if events:
+                self.publisher.publish(encode_vllm_batch(
+                    events, block_size=self.tokens_per_block, sliding_window_groups=windowed
+                ))
+                self.batches += 1
+
+
+class _Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvpool_serve_requests", "Requests by outcome.", ["outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("kvpool_serve_prompt_tokens", "Prompt tokens admitted.",
+                                     registry=r)
+        self.cached_tokens = Counter("kvpool_serve_cached_prompt_tokens",
+                                     "Prompt tokens reused from the KV cache.", registry=r)
+        self.generated = Counter("kvpool_serve_generation_tokens", "Tokens generated.",
+                                 registry=r)
+        self.ttft = Histogram("kvpool_serve_time_to_first_token_seconds",
+                              "From request arrival to its first generated token.",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        Gauge("kvpool_serve_prefix_hit_rate",
+              "Cached prompt tokens / prompt tokens, all requests so far.",
+              registry=r).set_function(self._hit_rate)
+        Gauge("kvpool_serve_generation_tokens_per_second",
+              f"Tokens generated per second over the last {_RATE_WINDOW_S:g} s.",
+              registry=r).set_function(self._rate)
+        self.free = Gauge("kvpool_serve_free_blocks", "Free KV blocks per tier and layer group.",
+                          ["tier", "layer_group"], registry=r)
+        self.evictable = Gauge("kvpool_serve_evictable_blocks",
+                               "Cached, unreferenced KV blocks per tier and layer group.",
+                               ["tier", "layer_group"], registry=r)
+        self._engine = engine
+        self._recent: deque[tuple[float, int]] = deque()
+        self._prompt_total = 0
+        self._cached_total = 0
+        self._lock = threading.Lock()
+
+    def count_prompt(self, prompt: int, cached: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        with self._lock:
+            self._prompt_total += prompt
+            self._cached_total += cached
+
+    def _hit_rate(self) -> float:
+        with self._lock:
+            return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
+    def count_generated(self, n: int) -> None:
+        if n:
+            self.generated.inc(n)
+            with self._lock:
+                self._recent.append((time.monotonic(), n))
+
+    def _rate(self) -> float:
+        horizon = time.monotonic() - _RATE_WINDOW_S
+        with self._lock:
+            while self._recent and self._recent[0][0] < horizon:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / _RATE_WINDOW_S
+
+    def exposition(self) -> bytes:
+        manager = self._engine.manager
+        config = manager.config
+        for tier in range(len(config.slots)):
+            for group in range(config.num_groups):
+                usage = manager.slot_usage(tier, group)
+                self.free.labels(str(tier), str(group)).set(usage["free"])
+                self.evictable.labels(str(tier), str(group)).set(usage["evictable"])
+        return generate_latest(self.registry)
+
+
+class EngineServer:
+    """The HTTP front of one engine: :meth:`start` starts the engine thread, the KV event
+    publisher (when ``kv_events_endpoint`` is set) and listening, and returns the bound port;
+    :meth:`stop` undoes all three."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.host = host
+        self.port = port
+        self.loop_thread = EngineLoop(engine)
+        self.metrics = _Metrics(engine)
+        self.publisher: ZmqEventPublisher | None = None
+        self._events_thread: EventPublisherThread | None = None
+        if kv_events_endpoint is not None:
+            self.publisher = ZmqEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
+            self._events_thread = EventPublisherThread(
+                engine, self.publisher, engine.manager.config.tokens_per_block
+            )
+        self._runner: web.AppRunner | None = None
+        self._created = int(time.time())
+        config = engine.manager.config
+        full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]
+        self._cache_tokens = min(full) * config.tokens_per_block if full else None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> int:
+        self.loop_thread.start()
+        if self._events_thread is not None:
+            self._events_thread.start()
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            self._stop_threads()
+            raise KVPoolError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        self.loop_thread.stop()
+        if self.loop_thread.is_alive():
+            self.loop_thread.join(timeout=10)
+        if self._events_thread is not None:
+            self._events_thread.stop()
+            if self._events_thread.is_alive():
+                self._events_thread.join(timeout=5)
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ------------------------------------------------------------------------------ handlers
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self._created,
+            "owned_by": "kvpool", "max_model_len": self.engine.max_model_len,
+        }]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = self.loop_thread.is_alive()
+        return web.json_response({"status": "ok" if ok else "engine stopped"},
+                                 status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, self.metrics.exposition)
+        return web.Response(body=body,
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return self._reject(f"body is not JSON: {exc}")
+        try:
+            parsed = parse_request(body, chat=chat, tokenizer=self.engine.tokenizer,
+                                   max_model_len=self.engine.max_model_len,
+                                   cache_tokens=self._cache_tokens)
+        except InvalidArgumentError as exc:
+            return self._reject(str(exc))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        items: asyncio.Queue[_Item] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(item: _Item) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        self.loop_thread.submit(rid, parsed.prompt, parsed.params, sink)
+        finished = False
+        try:
+            first = await items.get()
+            if isinstance(first, BaseException):
+                finished = True
+                return self._refused(first)
+            self.metrics.ttft.observe(time.monotonic() - arrived)
+            self.metrics.count_prompt(len(parsed.prompt), first.cached_tokens)
+            answer = Answer(rid, self.model_name, chat, self._created, parsed)
+            if parsed.stream:
+                response = await self._stream(request, answer, first, items)
+            else:
+                out = first
+                self.metrics.count_generated(len(out.new_token_ids))
+                while not out.finished:
+                    item = await items.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    out = item
+                    self.metrics.count_generated(len(out.new_token_ids))
+                response = web.json_response(answer.full(out))
+            finished = True
+            self.metrics.requests.labels("ok").inc()
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.requests.labels("disconnected").inc()
+            raise
+        finally:
+            if not finished:
+                self.loop_thread.abort(rid)
+
+    async def _stream(self, request: web.Request, answer: Answer, first: RequestOutput,
+                      items: asyncio.Queue[_Item]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        })
+        await response.prepare(request)
+        out: _Item = first
+        while True:
+            if isinstance(out, BaseException):
+                await _send(response, {"error": {"message": f"engine failed: {out}",
+                                                  "type": "internal_error"}})
+                break
+            self.metrics.count_generated(len(out.new_token_ids))
+            chunk = answer.chunk(out)
+            if chunk is not None:
+                await _send(response, chunk)
+            if out.finished:
+                if answer.request.include_usage:
+                    await _send(response, answer.usage_chunk(out))
+                break
+            out = await items.get()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _reject(self, message: str) -> web.Response:
+        self.metrics.requests.labels("rejected").inc()
+        return _error(400, message, "invalid_request_error")
+
+    def _refused(self, exc: BaseException) -> web.Response:
+        if isinstance(exc, CapacityError | OutOfBlocksError | InvalidArgumentError | ValueError):
+            return self._reject(str(exc))
+        self.metrics.requests.labels("failed").inc()
+        return _error(500, f"engine failed: {exc}", "internal_error")
+
+
+async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
