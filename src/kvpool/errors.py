@@ -125,3 +125,20 @@ class BlockCopyError(StorageError, InvalidArgumentError):
 class ModelLoadError(KVPoolError):
     """A model cannot be loaded: an unknown name, a path that is not a model, a checkpoint
     transformers refuses, or a failed install of the built-in model's package."""
+
+
+class RemoteTierError(StorageError):
+    """The shared remote tier (a Redis- or Valkey-compatible server) cannot be reached, is too
+    slow, or refused a command. It is a data-plane failure like any :class:`StorageError`, and
+    its own class so that a caller can keep going on its local tiers when only the remote one
+    fails; ``retry_in_s`` says how long calls fail fast before the next connection attempt."""
+
+    def __init__(self, message: str, retry_in_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_in_s = retry_in_s
+
+
+class ManifestError(StorageError):
+    """A persistent disk tier's manifest cannot be used: written for another namespace
+    (model, geometry, block size or hash algorithm), or damaged. The message says which, and
+    that the manifest can be discarded instead."""

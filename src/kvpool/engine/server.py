@@ -52,8 +52,8 @@ from kvpool.engine.engine import Engine, RequestOutput
 from kvpool.engine.protocol import Answer, parse_request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import CapacityError, InvalidArgumentError, KVPoolError, OutOfBlocksError
-from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.snapshot import PublishedState
+from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
 
 __all__ = ["EngineLoop", "EngineServer", "EventPublisherThread"]
