@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -169,7 +170,7 @@ class EventPublisherThread(threading.Thread):
                 self.publisher.publish(
                     encode_vllm_batch(events, block_size=self.tokens_per_block,
                                       sliding_window_groups=windowed),
-                    update=lambda events=events: self.state.apply(events),
+                    update=functools.partial(self.state.apply, events),
                 )
                 self.batches += 1
 
