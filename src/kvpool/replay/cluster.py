@@ -98,10 +98,10 @@ __all__ = [
     "workload_bounds",
 ]
 
-POLICIES: Final = ("cost", "trtllm", "round-robin", "least-loaded", "random")
+POLICIES: Final = ("cost", "trtllm", "approx", "round-robin", "least-loaded", "random")
 """Routing policies, in the order reports list them."""
 
-KV_POLICIES: Final = frozenset({"cost", "trtllm"})
+KV_POLICIES: Final = frozenset({"cost", "trtllm", "approx"})
 """The policies that route with the KV-aware router."""
 
 TRANSPORTS: Final = ("inproc", "zmq")
@@ -191,6 +191,9 @@ class ClusterConfig:
     description: dict[str, Any] = field(default_factory=dict)
     coalesce_steps: bool = True
     """Run identical decode-only steps as one (exact; off only to check that it is)."""
+    router_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the :class:`~kvpool.router.Router` of the ``cost`` and
+    ``approx`` policies (e.g. ``load_weight``), for sensitivity sweeps."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -227,6 +230,7 @@ class ClusterConfig:
             "scheduler": dataclasses.asdict(self.scheduler),
             "time_model": dataclasses.asdict(self.time_model),
             **({"sizing": self.description} if self.description else {}),
+            **({"router_options": dict(self.router_options)} if self.router_options else {}),
         }
 
 
@@ -493,14 +497,18 @@ class _Replay:
         self.ingest = Ingest(self.index)
         self.router: Router | None = None
         if policy in KV_POLICIES:
-            self.router = Router(
-                self.index,
-                mode=policy,
-                max_batch_size=config.scheduler.max_batch_size,
-                request_timeout_s=0.0,
-                seed=config.seed,
-                clock=self._clock,
-            )
+            options: dict[str, Any] = {
+                "max_batch_size": config.scheduler.max_batch_size,
+                "request_timeout_s": 0.0,
+                "seed": config.seed,
+            }
+            if policy != "trtllm":
+                options.update(config.router_options)
+            self.router = Router(self.index, mode=policy, clock=self._clock, **options)
+            if policy == "approx":  # the router knows each worker's block budget
+                g = reference_group(cache)
+                for wid in self.worker_ids:
+                    self.router.predict_cache(wid, [tier[g] for tier in cache.slots])
         self.rng = random.Random(config.seed)
         self.rr = 0
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -577,6 +585,11 @@ class _Replay:
             elif version == self.versions[w]:
                 finished = worker.finish_step(t)
                 self._deliver(transport, w)
+                if worker.first_tokens:
+                    if self.router is not None:
+                        for rec in worker.first_tokens:
+                            self.router.prefill_finished(rec.request_id)
+                    worker.first_tokens.clear()
                 if finished:
                     if self.router is not None:
                         for rec in finished:
@@ -597,7 +610,8 @@ class _Replay:
         events = self.events[w].get_latest_events(0)
         if events:
             self.emitted += len(events)
-            self.applied += transport.deliver(self.worker_ids[w], events, self.now)
+            if self.policy != "approx":  # approx routes without any event
+                self.applied += transport.deliver(self.worker_ids[w], events, self.now)
 
     def _route(self, req: Request) -> int:
         policy = self.policy
