@@ -199,3 +199,20 @@ def test_mixed_router_uses_events_for_some_workers_and_its_model_for_others() ->
     assert d2.worker_id == "quiet"
     index.remove_worker("quiet")
     assert router.approx.slot_bits == 0 and router.predicted_cache_blocks() == 0
+
+
+def test_config_names_event_less_workers_and_rejects_bad_budgets() -> None:
+    from kvpool.errors import ConfigError
+    from kvpool.router.config import parse_config
+
+    cfg = parse_config({"router": {"mode": "approx"}, "workers": [
+        {"id": "quiet", "kind": "vllm", "tokens_per_block": 16, "approx_blocks": [100, 50]},
+        {"id": "ev", "kind": "vllm", "zmq_endpoint": "tcp://127.0.0.1:5557"},
+    ]})
+    assert cfg.router.mode == "approx"
+    assert [w.approx_blocks for w in cfg.workers] == [(100, 50), None]
+    for bad in ([], [0], [1, 2, 3, 4], ["x"], [5, -1]):
+        with pytest.raises(ConfigError, match=r"workers\[0\]\.approx_blocks"):
+            parse_config({"workers": [{"id": "q", "kind": "vllm", "approx_blocks": bad}]})
+    with pytest.raises(ConfigError, match="zmq_endpoint"):  # events expected without it
+        parse_config({"workers": [{"id": "q", "kind": "vllm"}]})

@@ -4,9 +4,9 @@ Shape (every key optional unless marked)::
 
     listen: {host: 127.0.0.1, port: 8000}          # port 0: any free port
     router:                                       # Router options (kvpool.router.scoring)
-      mode: cost                                  # cost | trtllm
-      tier_weights: [1.0, 0.75, 0.25]
-      load_weight: 0.1
+      mode: cost                                  # cost | trtllm | approx
+      tier_weights: [1.0, 0.9, 0.4]
+      load_weight: 0.25
       temperature: 0.0
       prediction_ttl_s: 2.0                       # default: 2.0 in cost mode, 0 in trtllm mode
       max_batch_size: 64
@@ -27,6 +27,8 @@ Shape (every key optional unless marked)::
         tokens_per_block: 16                      # learned from events when left out
         hash_algo: vllm_sha256_cbor               # see below
         match_by_tokens: false                    # key blocks by their token ids instead
+        approx_blocks: null                       # [gpu, host, disk] blocks: no events, the
+                                                  # router predicts the cache (approx mode)
 
 ``hash_algo`` defaults: ``vllm_sha256_cbor`` for vLLM workers (unless ``match_by_tokens``);
 for TensorRT-LLM workers what ``/server_info`` advertises, else each event's field; kvpool
@@ -50,6 +52,7 @@ import yaml
 
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
 from kvpool.hashing import hash_algo as parse_hash_algo
+from kvpool.router.scoring import DEFAULT_LOAD_WEIGHT, DEFAULT_TIER_WEIGHTS
 
 __all__ = [
     "IngestOptions",
@@ -81,6 +84,10 @@ class WorkerConfig:
     tokens_per_block: int | None = None
     hash_algo: str | None = None
     match_by_tokens: bool = False
+    approx_blocks: tuple[int, ...] | None = None
+    """The worker publishes no KV events: the router predicts its cache from what it routed
+    there, with this many blocks per tier (GPU[, host[, disk]]), see
+    :meth:`kvpool.router.scoring.Router.predict_cache`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +95,8 @@ class RouterOptions:
     """Keyword arguments of :class:`kvpool.router.scoring.Router`."""
 
     mode: str = "cost"
-    tier_weights: tuple[float, float, float] = (1.0, 0.75, 0.25)
-    load_weight: float = 0.1
+    tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
+    load_weight: float = DEFAULT_LOAD_WEIGHT
     temperature: float = 0.0
     prediction_ttl_s: float | None = None
     max_batch_size: int = 64
@@ -163,8 +170,8 @@ def _router(m: Mapping[str, Any]) -> RouterOptions:
     _only(m, where, set(RouterOptions.__dataclass_fields__))
     d = RouterOptions()
     mode = _str(m.get("mode", d.mode), f"{where}.mode")
-    if mode not in ("cost", "trtllm"):
-        raise ConfigError(f"{where}.mode: {mode!r} is not 'cost' or 'trtllm'")
+    if mode not in ("cost", "trtllm", "approx"):
+        raise ConfigError(f"{where}.mode: {mode!r} is not 'cost', 'trtllm' or 'approx'")
     weights = m.get("tier_weights", list(d.tier_weights))
     if not isinstance(weights, list) or len(weights) != 3:
         raise ConfigError(f"{where}.tier_weights: expected a list of 3 numbers, got {weights!r}")
@@ -238,8 +245,15 @@ def _worker(m: Mapping[str, Any], where: str) -> WorkerConfig:
             raise ConfigError(f"{where}.{name}: {ep!r} is not a ZeroMQ endpoint (tcp://host:port)")
     if replay is not None and zmq_ep is None:
         raise ConfigError(f"{where}.replay_endpoint: needs a zmq_endpoint")
+    approx = m.get("approx_blocks")
+    if approx is not None:
+        counts = approx if isinstance(approx, list) else [approx]
+        if not 1 <= len(counts) <= 3:
+            raise ConfigError(f"{where}.approx_blocks: 1 to 3 block counts, got {approx!r}")
+        approx = tuple(_int(c, f"{where}.approx_blocks[{i}]", lo=1 if i == 0 else 0)
+                       for i, c in enumerate(counts))
     if kind is WorkerKind.VLLM:
-        if zmq_ep is None:
+        if zmq_ep is None and approx is None:
             raise ConfigError(f"{where}.zmq_endpoint: required for a vllm worker")
         if algo is None and not by_tokens:
             algo = "vllm_sha256_cbor"
@@ -254,7 +268,7 @@ def _worker(m: Mapping[str, Any], where: str) -> WorkerConfig:
             "(msgpack events do not carry it)"
         )
     topic = _str(m.get("topic", ""), f"{where}.topic")
-    return WorkerConfig(wid, kind, zmq_ep, replay, topic, base, tpb_v, algo, by_tokens)
+    return WorkerConfig(wid, kind, zmq_ep, replay, topic, base, tpb_v, algo, by_tokens, approx)
 
 
 # ------------------------------------------------------------------------------ scalars

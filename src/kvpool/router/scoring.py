@@ -25,34 +25,35 @@ router.
 ``cost`` (the default), in tokens, lower is better (``score = -cost``)::
 
     credit = sum over tiers t of tier_weights[t] * matched tokens at tier t
-    cost   = max(prompt_tokens - credit, 0)                     the prefill this request needs
-             + load_weight   * queued_prefill_tokens            the prefill queued ahead of it
-             + decode_weight * active_tokens                    the KV the worker's batch holds
+    cost   = max(prompt_tokens - credit, 0)               the prefill this request needs there
+             + load_weight * queued_prefill_tokens        the prefill queued ahead of it
 
-Every term is in prompt tokens to compute, so the weights are exchange rates:
+Both terms are prompt tokens to compute, so the weights are exchange rates:
 
-* ``tier_weights`` (default 1, 0.9, 0.4): what a matched token saves when found on GPU, host or
-  disk. A host (disk) block is copied to the GPU before it is used; at PCIe 5 / NVMe rates that
-  takes about a tenth (about three fifths) of the time to compute it again for an 8B model.
+* ``tier_weights`` (default 1, 0.95, 0.5): what a matched token saves when found on GPU, host
+  or disk. A host (disk) block is copied to the GPU before use; for an 8B model a token's KV
+  (128 KiB) crosses PCIe 5 in about 3 µs and an NVMe drive in about 25 µs, against about
+  40 µs to compute it again.
 * ``queued_prefill_tokens``: the prefill (``prefill_tokens`` of :meth:`Router.route`, else the
   prompt minus its matched tokens) of the requests routed to the worker whose prompt is not
   computed yet. :meth:`Router.prefill_finished` (the first token came back) takes a request
   out; callers that never report it keep it in until :meth:`Router.request_finished`.
-* ``load_weight`` (default 0.25): the queued prefill delays this request token for token, but
-  sending it elsewhere computes its cached prefix a second time for the cluster, and the later
-  turns of its conversation lose their locality too; below 1, the router waits behind a queue
-  as long as the queue is smaller than what the cache saves (``docs/routing_sensitivity.png``
-  shows the trade-off; the replay's cluster is saturated at 0 and at 2).
-* ``active_tokens`` and ``decode_weight`` (default 0.01): the prompt tokens of the worker's
-  unfinished requests. Decode steps read their KV (a step reads a token's KV about a hundred
-  times faster than it computes one) and a full pool evicts and preempts; the term splits
-  workers equal otherwise.
+  Requests that are decoding do not count: a decode step costs a prefill a token of its
+  budget per sequence, not a prompt.
+* ``load_weight`` (default 0.02): a queue delays this request token for token, but sending the
+  request elsewhere computes its cached prefix again — work that delays everything queued
+  there — and takes the later turns of its conversation away from their prefix. On a
+  saturated cluster every worker has a queue and moving requests between them only trades one
+  wait for another, so the weight is small: it evens out queues that differ by many prompts,
+  and among workers with the same prefix it sends the request to the shortest queue.
+  ``docs/routing_sensitivity.png`` shows hit rate and TTFT against it.
 
-Workers with ``max_batch_size`` active requests are *saturated*: they are chosen only when
-every healthy worker is. Ties (equal cost, equal active requests) go to the worker after the
-last tie's pick, so cold prompts spread over an idle cluster. With ``temperature > 0`` the
-choice is sampled from a softmax over the scores normalized to [0, 1]
-(``p ∝ exp(norm_score / temperature)``) with a RNG seeded by ``seed``.
+Ties (equal cost) go to the worker whose unfinished requests hold the fewest prompt tokens
+(the KV its decode steps read), then to fewer unfinished requests, then to the worker after
+the last such tie's pick, so cold prompts spread over an idle cluster. Workers with
+``max_batch_size`` unfinished requests are *saturated*: they are chosen only when every healthy
+worker is. With ``temperature > 0`` the choice is sampled from a softmax over the scores
+normalized to [0, 1] (``p ∝ exp(norm_score / temperature)``) with a RNG seeded by ``seed``.
 
 Predictions (``cost``): the blocks of a routed request count as GPU-resident on its worker until
 its prefill is reported done and ``prediction_ttl_s`` after that (the worker's stored events are
@@ -112,14 +113,11 @@ LATENCY_BUCKETS_S: Final = (
 )
 """Upper bounds of the decision-latency histogram (seconds); a last bucket catches the rest."""
 
-DEFAULT_TIER_WEIGHTS: Final = (1.0, 0.9, 0.4)
+DEFAULT_TIER_WEIGHTS: Final = (1.0, 0.95, 0.5)
 """``cost``/``approx``: what a matched token saves on GPU, host, disk (see the module docstring)."""
 
-DEFAULT_LOAD_WEIGHT: Final = 0.25
+DEFAULT_LOAD_WEIGHT: Final = 0.02
 """``cost``/``approx``: weight of a worker's queued prefill tokens (see the module docstring)."""
-
-DEFAULT_DECODE_WEIGHT: Final = 0.01
-"""``cost``/``approx``: weight of the prompt tokens of a worker's unfinished requests."""
 
 DEFAULT_PREDICTION_TTL_S: Final = 2.0
 """How long a request's predicted blocks outlive its prefill (events in flight)."""
@@ -246,7 +244,6 @@ class Router:
         mode: RouteMode | str = RouteMode.COST,
         tier_weights: Sequence[float] = DEFAULT_TIER_WEIGHTS,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
-        decode_weight: float = DEFAULT_DECODE_WEIGHT,
         temperature: float = 0.0,
         prediction_ttl_s: float | None = None,
         max_batch_size: int = 64,
@@ -268,7 +265,6 @@ class Router:
                 f"tier_weights must be {TIERS} numbers in [0, 1], got {tier_weights!r}"
             )
         _check_nonneg("load_weight", load_weight)
-        _check_nonneg("decode_weight", decode_weight)
         _check_nonneg("temperature", temperature)
         if prediction_ttl_s is None:
             prediction_ttl_s = 0.0 if self.mode is RouteMode.TRTLLM else DEFAULT_PREDICTION_TTL_S
@@ -283,7 +279,6 @@ class Router:
         self.index = index
         self.tier_weights = weights
         self.load_weight = float(load_weight)
-        self.decode_weight = float(decode_weight)
         self.temperature = float(temperature)
         self.prediction_ttl_s = float(prediction_ttl_s)
         self.max_batch_size = max_batch_size
@@ -406,11 +401,7 @@ class Router:
                     scale = matched / total_hits
                     weighted = sum(w * h for w, h in zip(self.tier_weights, hits, strict=True))
                     credit = scale * weighted
-                cost = (
-                    max(prompt - credit, 0.0)
-                    + self.load_weight * load.queued_tokens
-                    + self.decode_weight * load.tokens
-                )
+                cost = max(prompt - credit, 0.0) + self.load_weight * load.queued_tokens
                 score = -cost
             cands.append(CandidateScore(
                 worker_id=wid,
@@ -646,16 +637,23 @@ class Router:
                 if r < 0:
                     return i
             return eligible[-1]
-        # ties: fewer active requests, then the worker after the last tie's pick (rotation)
+        # ties: less KV held by unfinished requests, fewer of them, then the worker after the
+        # last such tie's pick (rotation)
         n = len(cands)
         rot = self._rr
-        pick = min(eligible, key=lambda i: (-cands[i].score, cands[i].active_requests,
-                                            (i - rot) % n))
-        top = cands[pick]
-        if any(j != pick and cands[j].score == top.score
-               and cands[j].active_requests == top.active_requests for j in eligible):
+        held = [self._held(c.worker_id) for c in cands]
+
+        def rank(i: int) -> tuple[float, int, int, int]:
+            return (-cands[i].score, held[i], cands[i].active_requests, (i - rot) % n)
+
+        pick = min(eligible, key=rank)
+        if any(j != pick and rank(j)[:3] == rank(pick)[:3] for j in eligible):
             self._rr = pick + 1
         return pick
+
+    def _held(self, worker_id: str) -> int:
+        load = self._load.get(worker_id)
+        return load.tokens if load is not None else 0
 
     def _predict(self, slot: int, keys: list[int]) -> None:
         bit = 1 << slot
