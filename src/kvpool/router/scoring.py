@@ -639,15 +639,19 @@ class Router:
             return eligible[-1]
         # ties: less KV held by unfinished requests, fewer of them, then the worker after the
         # last such tie's pick (rotation)
+        best = max(cands[i].score for i in eligible)
+        tied = [i for i in eligible if cands[i].score == best]
+        if len(tied) == 1:
+            return tied[0]
         n = len(cands)
         rot = self._rr
-        held = [self._held(c.worker_id) for c in cands]
 
-        def rank(i: int) -> tuple[float, int, int, int]:
-            return (-cands[i].score, held[i], cands[i].active_requests, (i - rot) % n)
+        def rank(i: int) -> tuple[int, int, int]:
+            return (self._held(cands[i].worker_id), cands[i].active_requests, (i - rot) % n)
 
-        pick = min(eligible, key=rank)
-        if any(j != pick and rank(j)[:3] == rank(pick)[:3] for j in eligible):
+        ranks = {i: rank(i) for i in tied}
+        pick = min(tied, key=ranks.__getitem__)
+        if any(j != pick and ranks[j][:2] == ranks[pick][:2] for j in tied):
             self._rr = pick + 1
         return pick
 
