@@ -11,11 +11,16 @@ Events take the real path: every worker's manager reports to its own
 delivered to the router's :class:`~kvpool.router.Ingest` (``inproc``), or encoded as vLLM
 msgpack batches, published on a ZeroMQ PUB socket on 127.0.0.1 and received, decoded and
 applied by a subscriber (``zmq``); the replay waits for each batch, so both transports give
-the same results. Every policy ingests events, so event volumes compare across policies.
+the same results. Every policy but ``approx`` ingests events, so event volumes compare across
+policies.
 
-Policies: ``cost`` and ``trtllm`` are the :class:`~kvpool.router.Router` modes (the router's
-clock is the simulated one); ``round-robin``, ``least-loaded`` (fewest unfinished requests,
-then lowest index) and ``random`` (seeded) ignore the cache.
+Policies: ``cost``, ``trtllm`` and ``approx`` are the :class:`~kvpool.router.Router` modes
+(the router's clock is the simulated one; it hears of each request's first token,
+:meth:`~kvpool.router.Router.prefill_finished`, and of its end). ``approx`` routes on no event:
+the workers' events are emitted and counted but never delivered, and the router predicts each
+worker's cache with the worker's block budget per tier (of the reference layer group).
+``round-robin``, ``least-loaded`` (fewest unfinished requests, then lowest index) and
+``random`` (seeded) ignore the cache.
 
 Bounds. Both count whole blocks (:mod:`kvpool.replay.bounds`), so they are compared with the
 policies' full-block hit rates; partial-block reuse is reported apart.
