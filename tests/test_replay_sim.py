@@ -31,7 +31,7 @@ from kvpool.replay.cluster import (
     workload_bounds,
 )
 from kvpool.replay.engine_sim import RequestRecord, SchedulerConfig, SimWorker, TimeModel
-from kvpool.replay.report import strip_wall, to_json
+from kvpool.replay.report import strip_wall, to_json, to_markdown
 from kvpool.replay.workloads import Request, Workload, synthetic_workload
 
 SMALL_SCHED = SchedulerConfig(max_batch_size=4, max_num_tokens=16)
@@ -451,3 +451,17 @@ class EngineMachine(RuleBasedStateMachine):
 
 EngineMachine.TestCase.settings = settings(stateful_step_count=30)
 test_engine_state_machine = EngineMachine.TestCase
+
+
+def test_approx_routes_on_no_event_and_the_markdown_marks_each_columns_best() -> None:
+    wl = small_synthetic()
+    res = replay(wl, small_cluster(), ["approx", "round-robin", "cost"])
+    approx = res.policies[0]
+    assert approx.events_emitted > 0 and approx.events_applied == 0
+    assert sum(r.reused_tokens for r in approx.records) > 0
+    table = [line for line in to_markdown(res).splitlines() if line.startswith("| `")]
+    rates = [float(row.split("|")[2].strip(" *%")) for row in table]
+    marked = [row.split("|")[2].strip().startswith("**") for row in table]
+    assert marked == [r == max(rates) for r in rates]
+    belady = [row.split("|")[4] for row in table]  # the bound is not a "best" column
+    assert not any("**" in cell for cell in belady)

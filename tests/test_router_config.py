@@ -76,7 +76,7 @@ def test_listen_defaults_and_the_body_limit_holds_the_longest_prompt() -> None:
         ({"listen": {"hots": "x"}},
          "listen.hots: unknown key (expected one of host, port, max_body_bytes, auth_token_env)"),
         ({"rooter": {}}, "rooter: unknown key (expected one of workers, router, ingest, listen,"),
-        ({"router": {"mode": "fast"}}, "router.mode: 'fast' is not one of cost, trtllm"),
+        ({"router": {"mode": "fast"}}, "router.mode: 'fast' is not one of approx, cost, trtllm"),
         ({"router": {"seed": True}}, "router.seed: expected int, got bool"),
         ({"router": {"load_weight": math.inf}}, "router.load_weight: expected a finite number"),
         ({"router": {"temperature": math.nan}}, "router.temperature: expected float >= 0.0"),
@@ -111,4 +111,6 @@ def test_the_reference_documents_every_key_and_its_example_loads() -> None:
                 assert field.name in rows or field.name == "workers", field.name
     # and the defaults the tables state are the structures' defaults
     assert f"`{DEFAULT_MAX_BODY_BYTES}` (10 MiB)" in text
-    assert "| `load_weight` | number ≥ 0 | `0.1` |" in text
+    assert f"| `load_weight` | number ≥ 0 | `{RouterOptions().load_weight}` |" in text
+    weights = ", ".join(str(w) for w in RouterOptions().tier_weights)
+    assert f"| `tier_weights` | 3 numbers in [0, 1] | `[{weights}]` |" in text

@@ -129,12 +129,12 @@ def test_cost_mode_prefers_the_most_gpu_resident_prefix_at_equal_load() -> None:
     hold(index, "both", prompt, dict.fromkeys(range(16), 2))
     hold(index, "both", prompt, dict.fromkeys(range(8), 0))  # a block counts at its hottest tier
     d = router.route(prompt)
-    # cost = max(65 - sum(weight * matched tokens), 0), no load
+    # cost = max(65 - sum(weight * matched tokens), 0), no load; weights 1, 0.95, 0.5
     assert by_worker(d) == {
-        "host": (-(65 - 0.75 * 64), (0, 16, 0)),
+        "host": (pytest.approx(-(65 - 0.95 * 64)), (0, 16, 0)),
         "gpu": (-(65 - 64), (16, 0, 0)),
         "half": (-(65 - 32), (8, 0, 0)),
-        "both": (-(65 - 32 - 0.25 * 32), (8, 0, 8)),
+        "both": (pytest.approx(-(65 - 32 - 0.5 * 32)), (8, 0, 8)),
     }
     assert d.worker_id == "gpu"
     assert d.prefill_tokens == 1
@@ -142,20 +142,29 @@ def test_cost_mode_prefers_the_most_gpu_resident_prefix_at_equal_load() -> None:
 
 def test_cost_mode_sheds_load_exactly_when_it_outweighs_the_prefix() -> None:
     """A holds the whole prefix (saves 64 of 65 tokens); each active 100-token request there
-    costs load_weight * (100 prefill + 100 held) = 20 tokens."""
+    costs load_weight * 100 queued prefill = 20 tokens until its prefill is reported done,
+    then nothing (equal costs then go to the worker holding less)."""
     prompt = list(range(65))
     for n_active, expected in [(3, "A"), (4, "B")]:
-        index, router = make("A", "B", load_weight=0.1, prediction_ttl_s=0)
+        index, router = make("A", "B", load_weight=0.2, prediction_ttl_s=0)
         hold(index, "A", prompt, dict.fromkeys(range(16), 0))
         load_up(router, "A", n_active)
-        d = router.route(prompt)
+        d = router.route(prompt, request_id="probe")
         assert by_worker(d)["A"][0] == pytest.approx(-(1 + 20 * n_active))
         assert by_worker(d)["B"][0] == -65
         assert d.worker_id == expected
+        router.request_finished("probe")
+        for i in range(n_active):
+            assert router.prefill_finished(f"xA{i}") is True
+            assert router.prefill_finished(f"xA{i}") is False  # once
+        assert router.pending_prefill_tokens("A") == 100 * n_active  # still active
+        d = router.route(prompt, request_id="after")
+        assert by_worker(d)["A"][0] == -1
+        assert d.worker_id == "A"
 
 
 def test_saturated_workers_are_skipped_while_another_has_room() -> None:
-    index, router = make("A", "B", max_batch_size=2, load_weight=0.0)
+    index, router = make("A", "B", max_batch_size=2, load_weight=0.0, prediction_ttl_s=0)
     hold(index, "A", PROMPT, dict.fromkeys(range(4), 0))
     load_up(router, "A", 2)
     d = router.route(PROMPT)
@@ -173,20 +182,27 @@ def test_ties_go_to_the_less_busy_worker_then_registration_order() -> None:
 
 
 def test_predictions_pull_a_burst_together_until_they_expire() -> None:
+    """Predicted blocks live while the request's prefill is pending, then prediction_ttl_s."""
     clock = Clock()
-    _, router = make("A", "B", prediction_ttl_s=2.0, load_weight=0.1, clock=clock)
+    _, router = make("A", "B", prediction_ttl_s=2.0, load_weight=0.2, clock=clock)
     prompt = list(range(65))
-    assert router.route(prompt, request_id="r1").worker_id == "A"  # tie -> registration order
+    assert router.route(prompt, request_id="r1").worker_id == "A"  # tie -> the first
     assert router.predicted_blocks() == 16
-    # A: 65 - 64 predicted + 0.1 * (65 + 65) = 14, against B's 65
+    # A: 65 - 64 predicted + 0.2 * 65 queued = 14, against B's 65
     d2 = router.route(prompt, request_id="r2")
     assert d2.worker_id == "A"
     assert by_worker(d2)["A"] == (pytest.approx(-14.0), (16, 0, 0))
-    clock.now += 2.5
+    clock.now += 60  # a long queue: still predicted, the prefills are pending
+    assert router.predicted_blocks() == 16
+    router.prefill_finished("r1")
+    router.prefill_finished("r2")
+    clock.now += 1.5
+    assert router.predicted_blocks() == 16
+    clock.now += 1.0
     assert router.predicted_blocks() == 0
-    # A: 65 + 0.1 * ((65 + 1) + 130) = 84.6 now that nothing is predicted
+    # nothing predicted, no prefill queued: A and B both cost 65; B holds less KV
     d3 = router.route(prompt, request_id="r3")
-    assert by_worker(d3)["A"][0] == pytest.approx(-84.6)
+    assert by_worker(d3) == {"A": (-65.0, (0, 0, 0)), "B": (-65.0, (0, 0, 0))}
     assert d3.worker_id == "B"
 
 

@@ -240,6 +240,41 @@ def test_route_finished_workers_metrics_and_health_over_http() -> None:
     run(main())
 
 
+def test_a_worker_without_events_is_routed_on_the_predicted_cache() -> None:
+    """approx_blocks: the router predicts the worker's cache from what it sent there, so a
+    prompt sharing a prefix with an earlier one goes back to it, beside an event-fed worker."""
+
+    async def main() -> None:
+        svc = RouterService(config([
+            {"id": "quiet", "kind": "vllm", "tokens_per_block": 16, "approx_blocks": [1000]},
+            {"id": "fed", "kind": "kvpool", "tokens_per_block": 16},
+        ], router={"prediction_ttl_s": 60}))
+        port = await svc.start()
+        base = f"http://{LOCAL}:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                status, view = await get_json(s, f"{base}/workers")
+                quiet = workers_by_id(view)["quiet"]
+                assert quiet["ingest"]["transport"] == "none" and quiet["routable"]
+                first = [t % 500 for t in range(64)]
+                # the event-fed worker holds nothing: the first route is a tie, go where it went
+                status, d = await post(s, f"{base}/route", {"token_ids": first})
+                assert status == 200
+                went = d["worker_id"]
+                if went != "quiet":  # make the quiet worker the one that served a prefix
+                    status, d = await post(s, f"{base}/route", {"token_ids": first[::-1]})
+                    first, went = first[::-1], d["worker_id"]
+                assert went == "quiet"
+                second = first[:48] + [499] * 16
+                status, d = await post(s, f"{base}/route", {"token_ids": second})
+                assert status == 200 and d["worker_id"] == "quiet"
+                assert d["matched_tokens"] == 48
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
 def test_fake_trtllm_worker_is_polled_and_marked_unhealthy_when_it_stops() -> None:
     async def main() -> None:
         engine = FakeTrtllm(algo="v2_sha256")

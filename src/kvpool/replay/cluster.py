@@ -11,11 +11,16 @@ Events take the real path: every worker's manager reports to its own
 delivered to the router's :class:`~kvpool.router.Ingest` (``inproc``), or encoded as vLLM
 msgpack batches, published on a ZeroMQ PUB socket on 127.0.0.1 and received, decoded and
 applied by a subscriber (``zmq``); the replay waits for each batch, so both transports give
-the same results. Every policy ingests events, so event volumes compare across policies.
+the same results. Every policy but ``approx`` ingests events, so event volumes compare across
+policies.
 
-Policies: ``cost`` and ``trtllm`` are the :class:`~kvpool.router.Router` modes (the router's
-clock is the simulated one); ``round-robin``, ``least-loaded`` (fewest unfinished requests,
-then lowest index) and ``random`` (seeded) ignore the cache.
+Policies: ``cost``, ``trtllm`` and ``approx`` are the :class:`~kvpool.router.Router` modes
+(the router's clock is the simulated one; it hears of each request's first token,
+:meth:`~kvpool.router.Router.prefill_finished`, and of its end). ``approx`` routes on no event:
+the workers' events are emitted and counted but never delivered, and the router predicts each
+worker's cache with the worker's block budget per tier (of the reference layer group).
+``round-robin``, ``least-loaded`` (fewest unfinished requests, then lowest index) and
+``random`` (seeded) ignore the cache.
 
 Bounds. Both count whole blocks (:mod:`kvpool.replay.bounds`), so they are compared with the
 policies' full-block hit rates; partial-block reuse is reported apart.
@@ -98,10 +103,10 @@ __all__ = [
     "workload_bounds",
 ]
 
-POLICIES: Final = ("cost", "trtllm", "round-robin", "least-loaded", "random")
+POLICIES: Final = ("cost", "trtllm", "approx", "round-robin", "least-loaded", "random")
 """Routing policies, in the order reports list them."""
 
-KV_POLICIES: Final = frozenset({"cost", "trtllm"})
+KV_POLICIES: Final = frozenset({"cost", "trtllm", "approx"})
 """The policies that route with the KV-aware router."""
 
 TRANSPORTS: Final = ("inproc", "zmq")
@@ -191,6 +196,9 @@ class ClusterConfig:
     description: dict[str, Any] = field(default_factory=dict)
     coalesce_steps: bool = True
     """Run identical decode-only steps as one (exact; off only to check that it is)."""
+    router_options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the :class:`~kvpool.router.Router` of the ``cost`` and
+    ``approx`` policies (e.g. ``load_weight``), for sensitivity sweeps."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -227,6 +235,7 @@ class ClusterConfig:
             "scheduler": dataclasses.asdict(self.scheduler),
             "time_model": dataclasses.asdict(self.time_model),
             **({"sizing": self.description} if self.description else {}),
+            **({"router_options": dict(self.router_options)} if self.router_options else {}),
         }
 
 
@@ -496,14 +505,18 @@ class _Replay:
         self.ingest = Ingest(self.index)
         self.router: Router | None = None
         if policy in KV_POLICIES:
-            self.router = Router(
-                self.index,
-                mode=policy,
-                max_batch_size=config.scheduler.max_batch_size,
-                request_timeout_s=0.0,
-                seed=config.seed,
-                clock=self._clock,
-            )
+            options: dict[str, Any] = {
+                "max_batch_size": config.scheduler.max_batch_size,
+                "request_timeout_s": 0.0,
+                "seed": config.seed,
+            }
+            if policy != "trtllm":
+                options.update(config.router_options)
+            self.router = Router(self.index, mode=policy, clock=self._clock, **options)
+            if policy == "approx":  # the router knows each worker's block budget
+                g = reference_group(cache)
+                for wid in self.worker_ids:
+                    self.router.predict_cache(wid, [tier[g] for tier in cache.slots])
         self.rng = random.Random(config.seed)
         self.rr = 0
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -580,6 +593,11 @@ class _Replay:
             elif version == self.versions[w]:
                 finished = worker.finish_step(t)
                 self._deliver(transport, w)
+                if worker.first_tokens:
+                    if self.router is not None:
+                        for rec in worker.first_tokens:
+                            self.router.prefill_finished(rec.request_id)
+                    worker.first_tokens.clear()
                 if finished:
                     if self.router is not None:
                         for rec in finished:
@@ -600,7 +618,8 @@ class _Replay:
         events = self.events[w].get_latest_events(0)
         if events:
             self.emitted += len(events)
-            self.applied += transport.deliver(self.worker_ids[w], events, self.now)
+            if self.policy != "approx":  # approx routes without any event
+                self.applied += transport.deliver(self.worker_ids[w], events, self.now)
 
     def _route(self, req: Request) -> int:
         policy = self.policy

@@ -402,6 +402,9 @@ class SimWorker:
         self.steps = 0
         self.preemptions = 0
         self.busy_s = 0.0
+        self.first_tokens: list[RequestRecord] = []
+        """Records whose first token a step sampled; the cluster drains it (the router's
+        :meth:`~kvpool.router.Router.prefill_finished`)."""
 
     # ------------------------------------------------------------------------ state queries
 
@@ -519,6 +522,7 @@ class SimWorker:
                 run.generated += 1  # prefill samples the next token
                 if run.rec.first_token_s is None:
                     run.rec.first_token_s = now
+                    self.first_tokens.append(run.rec)
                 completed.append(run)
         heap = self._heap
         due: list[_Run] = []

@@ -296,7 +296,8 @@ def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
 
 
 def render(result: ReplayResult, console: Any) -> None:
-    """Print the replay: what ran, the bounds, and one column per policy (best in bold)."""
+    """Print the replay: what ran, the bounds, and one column per policy (the best of a row
+    in bold and marked ``*``)."""
     from rich.table import Table
 
     sums = [summarize(p, result.bounds) for p in result.policies]
@@ -311,15 +312,15 @@ def render(result: ReplayResult, console: Any) -> None:
     for label, cells, vals, best in _rows(result, sums):
         if best and len(vals) > 1 and len(set(vals)) > 1:
             target = max(vals) if best == "max" else min(vals)
-            cells = [f"[bold green]{c}[/]" if v == target else c
+            cells = [f"[bold green]{c}*[/]" if v == target else f"{c} "
                      for c, v in zip(cells, vals, strict=True)]
         table.add_row(label, *cells)
     console.print(table)
     console.print(
-        "[dim]Hit rates: tokens each request reused at its first admission / prompt tokens. "
-        "Bounds count whole blocks; a run's Belady bound is the offline optimum over its own "
-        "lookups and commits. Times are simulated (TimeModel); route decisions and wall time "
-        "are measured.[/]",
+        "[dim]* best of the row. Hit rates: tokens each request reused at its first "
+        "admission / prompt tokens. Bounds count whole blocks; a run's Belady bound is the "
+        "offline optimum over its own lookups and commits. Times are simulated (TimeModel); "
+        "route decisions and wall time are measured.[/]",
         highlight=False,
     )
 
@@ -329,27 +330,36 @@ def to_markdown(result: ReplayResult) -> str:
     sums = [summarize(p, result.bounds) for p in result.policies]
     lines = [f"- {line}" for line in _describe(result)]
     lines.append("")
-    head = ["policy", "token hit rate", "full-block hit rate", "Belady bound", "of Belady",
-             "prefill computed", "TTFT p50", "TTFT p99", "GPU busy", "throughput",
-             "evicted blocks", "preemptions"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
-    for s in sums:
-        cells = [
-            f"`{s['policy']}`",
-            _pct(s["token_hit_rate"]),
-            _pct(s["full_block_hit_rate"]),
-            _pct(s["belady"]["token_hit_rate"]),
-            _pct(s["vs_bounds"]["of_belady"]),
-            _tokens(s["prefill_tokens_computed"]),
-            _ms(s["ttft_s"]["p50"]),
-            _ms(s["ttft_s"]["p99"]),
-            _pct(s["gpu_busy"]),
-            f"{s['throughput']['output_tokens_per_s']:,.0f} tok/s",
-            f"{s['cache']['evicted_blocks']:,}",
-            f"{s['preemptions']:,}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    # (header, value, text, which is best: "max", "min" or "")
+    columns: list[tuple[str, Any, Any, str]] = [
+        ("token hit rate", lambda s: s["token_hit_rate"], _pct, "max"),
+        ("full-block hit rate", lambda s: s["full_block_hit_rate"], _pct, "max"),
+        ("Belady bound", lambda s: s["belady"]["token_hit_rate"], _pct, ""),
+        ("of Belady", lambda s: s["vs_bounds"]["of_belady"], _pct, "max"),
+        ("prefill computed", lambda s: s["prefill_tokens_computed"], _tokens, "min"),
+        ("TTFT p50", lambda s: s["ttft_s"]["p50"], _ms, "min"),
+        ("TTFT p99", lambda s: s["ttft_s"]["p99"], _ms, "min"),
+        ("GPU busy", lambda s: s["gpu_busy"], _pct, ""),
+        ("throughput", lambda s: s["throughput"]["output_tokens_per_s"],
+         lambda v: f"{v:,.0f} tok/s", "max"),
+        ("evicted blocks", lambda s: s["cache"]["evicted_blocks"], lambda v: f"{v:,}", "min"),
+        ("preemptions", lambda s: s["preemptions"], lambda v: f"{v:,}", "min"),
+    ]
+    lines.append("| policy | " + " | ".join(c[0] for c in columns) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * len(columns)) + "|")
+    table = [[f"`{s['policy']}`"] for s in sums]
+    for _, value, text, best in columns:
+        vals = [value(s) for s in sums]
+        shown = [text(v) for v in vals]
+        if best and len(set(shown)) > 1:  # the best as printed: equal text, equal mark
+            target = text(max(vals) if best == "max" else min(vals))
+            shown = [f"**{t}**" if t == target else t for t in shown]
+        for row, t in zip(table, shown, strict=True):
+            row.append(t)
+    lines.extend("| " + " | ".join(row) + " |" for row in table)
+    lines.append("")
+    lines.append("Best of each column in bold (not for the bound and GPU busy, which are not "
+                 "better one way).")
     return "\n".join(lines) + "\n"
 
 

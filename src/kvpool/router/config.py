@@ -9,9 +9,9 @@ in ``examples/``)::
       max_body_bytes: 10485760                    # largest request body accepted (10 MiB)
       auth_token_env: null                        # name of an env variable holding a token
     router:                                       # Router options (kvpool.router.scoring)
-      mode: cost                                  # cost | trtllm
-      tier_weights: [1.0, 0.75, 0.25]
-      load_weight: 0.1
+      mode: cost                                  # cost | trtllm | approx
+      tier_weights: [1.0, 0.95, 0.5]
+      load_weight: 0.02                           # per queued prefill token
       temperature: 0.0
       prediction_ttl_s: 2.0                       # default: 2.0 in cost mode, 0 in trtllm mode
       max_batch_size: 64
@@ -32,6 +32,8 @@ in ``examples/``)::
         tokens_per_block: 16                      # learned from events when left out
         hash_algo: vllm_sha256_cbor               # see below
         match_by_tokens: false                    # key blocks by their token ids instead
+        approx_blocks: null                       # [gpu, host, disk] blocks: no events, the
+                                                  # router predicts the cache (approx mode)
 
 ``hash_algo`` defaults: ``vllm_sha256_cbor`` for vLLM workers (unless ``match_by_tokens``);
 for TensorRT-LLM workers what ``/server_info`` advertises, else each event's field; kvpool
@@ -58,6 +60,7 @@ import yaml
 
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
 from kvpool.hashing import hash_algo as parse_hash_algo
+from kvpool.router.scoring import DEFAULT_LOAD_WEIGHT, DEFAULT_TIER_WEIGHTS
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -104,14 +107,18 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens_per_block: _Positive | None = None
     hash_algo: str | None = None
     match_by_tokens: bool = False
+    approx_blocks: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] | None = None
+    """The worker publishes no KV events: the router predicts its cache from what it routed
+    there, with this many blocks per tier (GPU[, host[, disk]]), see
+    :meth:`kvpool.router.scoring.Router.predict_cache`."""
 
 
 class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Keyword arguments of :class:`kvpool.router.scoring.Router`."""
 
-    mode: Literal["cost", "trtllm"] = "cost"
-    tier_weights: tuple[_Weight, _Weight, _Weight] = (1.0, 0.75, 0.25)
-    load_weight: _NonNegative = 0.1
+    mode: Literal["cost", "trtllm", "approx"] = "cost"
+    tier_weights: tuple[_Weight, _Weight, _Weight] = DEFAULT_TIER_WEIGHTS
+    load_weight: _NonNegative = DEFAULT_LOAD_WEIGHT
     temperature: _NonNegative = 0.0
     prediction_ttl_s: _NonNegative | None = None
     max_batch_size: _Positive = 64
@@ -207,8 +214,14 @@ def _checked_worker(w: WorkerConfig, where: str) -> WorkerConfig:
             raise ConfigError(f"{where}.{name}: {ep!r} is not a ZeroMQ endpoint (tcp://host:port)")
     if w.replay_endpoint is not None and w.zmq_endpoint is None:
         raise ConfigError(f"{where}.replay_endpoint: needs a zmq_endpoint")
+    approx = w.approx_blocks
+    if approx is not None and not (1 <= len(approx) <= 3 and approx[0] >= 1):
+        raise ConfigError(
+            f"{where}.approx_blocks: 1 to 3 block counts (GPU >= 1[, host[, disk]]), "
+            f"got {list(approx)}"
+        )
     if w.kind is WorkerKind.VLLM:
-        if w.zmq_endpoint is None:
+        if w.zmq_endpoint is None and w.approx_blocks is None:
             raise ConfigError(f"{where}.zmq_endpoint: required for a vllm worker")
         if algo is None and not w.match_by_tokens:
             algo = "vllm_sha256_cbor"

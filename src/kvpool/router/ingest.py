@@ -92,7 +92,7 @@ class IngestCounters:
 class TransportStatus:
     """How one worker's events reach the router (for ``GET /workers``)."""
 
-    transport: str  # "zmq", "http" or "feed"
+    transport: str  # "zmq", "http", "feed" or "none" (a predicted worker: no events)
     endpoint: str | None = None
     last_batch_at: float | None = None  # time.monotonic()
     last_seq: int | None = None
@@ -171,6 +171,8 @@ class Ingest:
                                  "replay_endpoint or http_base_url)")
         elif worker.kind is WorkerKind.TRTLLM:
             status = TransportStatus("http", worker.http_base_url)
+        elif worker.approx_blocks is not None:  # no events: the router predicts its cache
+            status = TransportStatus("none", state=HEALTHY, reason=None)
         else:
             status = TransportStatus("feed", state=HEALTHY, reason=None)
         self._status[worker.id] = status

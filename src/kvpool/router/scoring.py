@@ -25,19 +25,47 @@ router.
 ``cost`` (the default), in tokens, lower is better (``score = -cost``)::
 
     credit = sum over tiers t of tier_weights[t] * matched tokens at tier t
-    cost   = max(prompt_tokens - credit, 0)
-             + load_weight * (pending_prefill_tokens + active_tokens)
+    cost   = max(prompt_tokens - credit, 0)               the prefill this request needs there
+             + load_weight * queued_prefill_tokens        the prefill queued ahead of it
 
-``pending_prefill_tokens`` are the tokens that requests routed to the worker and not finished
-had to compute; ``active_tokens`` their prompt lengths (the KV they hold while decoding).
-Workers with ``max_batch_size`` active requests are *saturated*: they are chosen only when
-every healthy worker is. Ties: fewer active requests, then registration order. With
-``temperature > 0`` the choice is sampled from a softmax over the scores normalized to [0, 1]
-(``p ∝ exp(norm_score / temperature)``) with a RNG seeded by ``seed``.
+Both terms are prompt tokens to compute, so the weights are exchange rates:
 
-Predictions: the blocks of a just-routed request count as GPU-resident on its worker for
-``prediction_ttl_s`` seconds, so a burst of requests sharing a prefix lands together before the
-worker's stored events arrive.
+* ``tier_weights`` (default 1, 0.95, 0.5): what a matched token saves when found on GPU, host
+  or disk. A host (disk) block is copied to the GPU before use; for an 8B model a token's KV
+  (128 KiB) crosses PCIe 5 in about 3 µs and an NVMe drive in about 25 µs, against about
+  40 µs to compute it again.
+* ``queued_prefill_tokens``: the prefill (``prefill_tokens`` of :meth:`Router.route`, else the
+  prompt minus its matched tokens) of the requests routed to the worker whose prompt is not
+  computed yet. :meth:`Router.prefill_finished` (the first token came back) takes a request
+  out; callers that never report it keep it in until :meth:`Router.request_finished`.
+  Requests that are decoding do not count: a decode step costs a prefill a token of its
+  budget per sequence, not a prompt.
+* ``load_weight`` (default 0.02): a queue delays this request token for token, but sending the
+  request elsewhere computes its cached prefix again — work that delays everything queued
+  there — and takes the later turns of its conversation away from their prefix. On a
+  saturated cluster every worker has a queue and moving requests between them only trades one
+  wait for another, so the weight is small: it evens out queues that differ by many prompts,
+  and among workers with the same prefix it sends the request to the shortest queue.
+  ``docs/routing_sensitivity.png`` shows hit rate and TTFT against it.
+
+Ties (equal cost) go to the worker whose unfinished requests hold the fewest prompt tokens
+(the KV its decode steps read), then to fewer unfinished requests, then to the worker after
+the last such tie's pick, so cold prompts spread over an idle cluster. Workers with
+``max_batch_size`` unfinished requests are *saturated*: they are chosen only when every healthy
+worker is. With ``temperature > 0`` the choice is sampled from a softmax over the scores
+normalized to [0, 1] (``p ∝ exp(norm_score / temperature)``) with a RNG seeded by ``seed``.
+
+Predictions (``cost``): the blocks of a routed request count as GPU-resident on its worker until
+its prefill is reported done and ``prediction_ttl_s`` after that (the worker's stored events are
+on their way), so the next requests sharing the prefix — a burst on one system prompt, or the
+next turn of a conversation sent while this one waits in the queue — land with it.
+
+``approx``: ``cost``'s score over the router's own model of every worker's cache instead of
+events: a per-worker prefix tree of the prompts routed there with the worker's block budget
+per tier (``approx_capacity_blocks`` unless :meth:`Router.predict_cache` gave one) as LRU
+segments, and blocks untouched for ``approx_ttl_s`` forgotten (:mod:`kvpool.router.approx`).
+In the other modes, :meth:`Router.predict_cache` puts single workers (those without events) on
+that model, so workers with and without events share one router.
 
 The router is not thread-safe; one thread (the service's event loop) owns it and its index.
 """
@@ -61,6 +89,7 @@ import numpy as np
 
 from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
 from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id, tokens_to_u32
+from kvpool.router.approx import DEFAULT_APPROX_TTL_S, ApproxCaches
 from kvpool.router.index import (
     TIERS,
     GroupKey,
@@ -84,6 +113,18 @@ LATENCY_BUCKETS_S: Final = (
 )
 """Upper bounds of the decision-latency histogram (seconds); a last bucket catches the rest."""
 
+DEFAULT_TIER_WEIGHTS: Final = (1.0, 0.95, 0.5)
+"""``cost``/``approx``: what a matched token saves on GPU, host, disk (see the module docstring)."""
+
+DEFAULT_LOAD_WEIGHT: Final = 0.02
+"""``cost``/``approx``: weight of a worker's queued prefill tokens (see the module docstring)."""
+
+DEFAULT_PREDICTION_TTL_S: Final = 2.0
+"""How long a request's predicted blocks outlive its prefill (events in flight)."""
+
+DEFAULT_APPROX_CAPACITY: Final = (65536,)
+"""Blocks per tier assumed for a predicted worker given no capacity of its own."""
+
 _LITTLE: Final = sys.byteorder == "little"
 _U64: Final = (1 << 64) - 1
 
@@ -97,6 +138,7 @@ _SCHEME_ALGO: Final = {
 class RouteMode(StrEnum):
     COST = "cost"
     TRTLLM = "trtllm"
+    APPROX = "approx"
 
 
 class CandidateScore(msgspec.Struct, frozen=True):
@@ -148,12 +190,15 @@ class _Active:
     prefill_tokens: int
     tokens: int
     started: float
+    prefilled: bool = False
+    predicted: tuple[int, list[int]] | None = None  # (slot, keys) predicted until prefilled
 
 
 @dataclass(slots=True)
 class _Load:
     active: int = 0
     prefill_tokens: int = 0
+    queued_tokens: int = 0  # prefill of the requests not reported prefilled
     tokens: int = 0
 
 
@@ -197,12 +242,14 @@ class Router:
         index: KvIndex,
         *,
         mode: RouteMode | str = RouteMode.COST,
-        tier_weights: Sequence[float] = (1.0, 0.75, 0.25),
-        load_weight: float = 0.1,
+        tier_weights: Sequence[float] = DEFAULT_TIER_WEIGHTS,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
         temperature: float = 0.0,
         prediction_ttl_s: float | None = None,
         max_batch_size: int = 64,
         request_timeout_s: float = 600.0,
+        approx_capacity_blocks: Sequence[int] = DEFAULT_APPROX_CAPACITY,
+        approx_ttl_s: float = DEFAULT_APPROX_TTL_S,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -210,7 +257,7 @@ class Router:
             self.mode = RouteMode(mode)
         except ValueError:
             raise InvalidArgumentError(
-                f"mode must be 'cost' or 'trtllm', got {mode!r}"
+                f"mode must be 'cost', 'trtllm' or 'approx', got {mode!r}"
             ) from None
         weights = tuple(float(w) for w in tier_weights)
         if len(weights) != TIERS or not all(0.0 <= w <= 1.0 for w in weights):
@@ -220,7 +267,7 @@ class Router:
         _check_nonneg("load_weight", load_weight)
         _check_nonneg("temperature", temperature)
         if prediction_ttl_s is None:
-            prediction_ttl_s = 2.0 if self.mode is RouteMode.COST else 0.0
+            prediction_ttl_s = 0.0 if self.mode is RouteMode.TRTLLM else DEFAULT_PREDICTION_TTL_S
         _check_nonneg("prediction_ttl_s", prediction_ttl_s)
         _check_nonneg("request_timeout_s", request_timeout_s)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or (
@@ -236,6 +283,9 @@ class Router:
         self.prediction_ttl_s = float(prediction_ttl_s)
         self.max_batch_size = max_batch_size
         self.request_timeout_s = float(request_timeout_s)
+        self.approx = ApproxCaches(index.stride, approx_ttl_s)
+        self.approx_capacity_blocks = tuple(approx_capacity_blocks)
+        ApproxCaches(index.stride).add(0, self.approx_capacity_blocks)  # validates
         self.stats = RouterStats()
         self._clock = clock
         self._rng = random.Random(seed)
@@ -249,6 +299,20 @@ class Router:
         self._pred_refs: dict[tuple[int, int], int] = {}
         self._pred_queue: deque[tuple[float, int, list[int]]] = deque()
         index.add_reset_listener(self._on_reset)
+
+    def predict_cache(self, worker_id: str, capacity_blocks: Sequence[int] | None = None) -> None:
+        """Route ``worker_id`` on the router's own prediction of its cache (it publishes no
+        events; see :mod:`kvpool.router.approx`): ``capacity_blocks`` per tier (GPU, host,
+        disk), by default ``approx_capacity_blocks``. Events the index still receives for it
+        are ignored. In ``approx`` mode every worker is predicted without this call."""
+        slot = self.index.slot_of(worker_id)
+        self.approx.add(slot, self.approx_capacity_blocks if capacity_blocks is None
+                        else capacity_blocks)
+
+    def predicted_cache_blocks(self) -> int:
+        """(block, worker) pairs the approximate caches hold now."""
+        self.approx.expire(self._clock())
+        return len(self.approx)
 
     # ---------------------------------------------------------------------------------------
 
@@ -292,6 +356,13 @@ class Router:
             raise NoWorkerAvailableError(
                 f"no healthy worker among {len(index.worker_ids)} registered"
             )
+        approx = self.approx
+        if approx.stride != index.stride:
+            approx.restride(index.stride)
+        if self.mode is RouteMode.APPROX:
+            for _, slot in index.healthy_workers():
+                if not approx.predicts(slot):
+                    approx.add(slot, self.approx_capacity_blocks)
 
         # Hash once per group and walk all its healthy workers at once.
         per_slot: dict[int, tuple[list[int], int, int]] = {}  # slot -> (tiers, tpb, n_blocks)
@@ -330,9 +401,7 @@ class Router:
                     scale = matched / total_hits
                     weighted = sum(w * h for w, h in zip(self.tier_weights, hits, strict=True))
                     credit = scale * weighted
-                cost = max(prompt - credit, 0.0) + self.load_weight * (
-                    load.prefill_tokens + load.tokens
-                )
+                cost = max(prompt - credit, 0.0) + self.load_weight * load.queued_tokens
                 score = -cost
             cands.append(CandidateScore(
                 worker_id=wid,
@@ -358,14 +427,21 @@ class Router:
         prefill = prefill_tokens if prefill_tokens is not None else max(
             prompt - winner.matched_tokens, 0
         )
-        self._active[request_id] = _Active(winner.worker_id, prefill, prompt, now)
+        entry = _Active(winner.worker_id, prefill, prompt, now)
+        self._active[request_id] = entry
         load = self._load.setdefault(winner.worker_id, _Load())
         load.active += 1
         load.prefill_tokens += prefill
+        load.queued_tokens += prefill
         load.tokens += prompt
         gkey_w = index.group_of(winner.worker_id)
-        if self.prediction_ttl_s > 0 and gkey_w is not None and gkey_w in group_keys:
-            self._predict(index.slot_of(winner.worker_id), group_keys[gkey_w], now)
+        if gkey_w is not None and gkey_w in group_keys:
+            slot_w = index.slot_of(winner.worker_id)
+            if approx.predicts(slot_w):
+                approx.touch(slot_w, group_keys[gkey_w], now)
+            elif self.prediction_ttl_s > 0:
+                entry.predicted = (slot_w, group_keys[gkey_w])
+                self._predict(slot_w, group_keys[gkey_w])
 
         decision = RouteDecision(
             worker_id=winner.worker_id,
@@ -397,8 +473,19 @@ class Router:
         entry = self._active.pop(request_id, None)
         if entry is None:
             return False
-        self._unload(entry)
+        self._unload(entry, self._clock())
         self.stats.finished_total += 1
+        return True
+
+    def prefill_finished(self, request_id: str) -> bool:
+        """The request's prompt is computed (its first token is out): its prefill leaves
+        the worker's queued prefill, and the blocks predicted for it start their
+        ``prediction_ttl_s`` (the worker's stored events are on their way). False if it was
+        not active or was already reported."""
+        entry = self._active.get(request_id)
+        if entry is None or entry.prefilled:
+            return False
+        self._prefilled(entry, self._clock())
         return True
 
     def active_requests(self, worker_id: str) -> int:
@@ -432,6 +519,11 @@ class Router:
         pred = self._pred
         if pred:
             ms = [m | p for m, p in zip(ms, map(pred.get, keys, repeat(0)), strict=True)]
+        approx = self.approx
+        if approx.slot_bits:
+            keep = ~approx.slot_bits
+            ms = [(m & keep) | a
+                  for m, a in zip(ms, map(approx.masks.get, keys, repeat(0)), strict=True)]
         n = len(ms)
         tiered = max(ms) > _U64
         if tiered:
@@ -471,6 +563,10 @@ class Router:
         masks_get = self.index.masks.get
         pred = self._pred
         pred_get = pred.get
+        approx = self.approx
+        approx_bits = approx.slot_bits
+        keep = ~approx_bits
+        approx_get = approx.masks.get
         stride = self.index.stride
         full = (1 << stride) - 1
         s2 = 2 * stride
@@ -482,6 +578,8 @@ class Router:
             m = masks_get(h, 0)
             if pred:
                 m |= pred_get(h, 0)  # predictions sit in the GPU tier's bits
+            if approx_bits:  # predicted workers: our model, not their (absent) events
+                m = (m & keep) | approx_get(h, 0)
             if m <= full:  # GPU copies only: the common case
                 hit = m & alive
                 if hit != alive:
@@ -539,9 +637,29 @@ class Router:
                 if r < 0:
                     return i
             return eligible[-1]
-        return min(eligible, key=lambda i: (-cands[i].score, cands[i].active_requests, i))
+        # ties: less KV held by unfinished requests, fewer of them, then the worker after the
+        # last such tie's pick (rotation)
+        best = max(cands[i].score for i in eligible)
+        tied = [i for i in eligible if cands[i].score == best]
+        if len(tied) == 1:
+            return tied[0]
+        n = len(cands)
+        rot = self._rr
 
-    def _predict(self, slot: int, keys: list[int], now: float) -> None:
+        def rank(i: int) -> tuple[int, int, int]:
+            return (self._held(cands[i].worker_id), cands[i].active_requests, (i - rot) % n)
+
+        ranks = {i: rank(i) for i in tied}
+        pick = min(tied, key=ranks.__getitem__)
+        if any(j != pick and ranks[j][:2] == ranks[pick][:2] for j in tied):
+            self._rr = pick + 1
+        return pick
+
+    def _held(self, worker_id: str) -> int:
+        load = self._load.get(worker_id)
+        return load.tokens if load is not None else 0
+
+    def _predict(self, slot: int, keys: list[int]) -> None:
         bit = 1 << slot
         pred = self._pred
         refs = self._pred_refs
@@ -551,7 +669,17 @@ class Router:
             refs[k] = c + 1
             if c == 0:
                 pred[h] = pred.get(h, 0) | bit
-        self._pred_queue.append((now + self.prediction_ttl_s, slot, keys))
+
+    def _prefilled(self, entry: _Active, now: float) -> None:
+        """Prefill done: the queued prefill goes, the prediction's TTL starts."""
+        entry.prefilled = True
+        load = self._load.get(entry.worker_id)
+        if load is not None:
+            load.queued_tokens -= entry.prefill_tokens
+        if entry.predicted is not None:
+            slot, keys = entry.predicted
+            entry.predicted = None
+            self._pred_queue.append((now + self.prediction_ttl_s, slot, keys))
 
     def _unpredict(self, slot: int, keys: list[int]) -> None:
         clear = ~(1 << slot)
@@ -582,10 +710,14 @@ class Router:
                 if entry.started > deadline:
                     break
                 del self._active[rid]
-                self._unload(entry)
+                self._unload(entry, now)
                 self.stats.expired_total += 1
+        if self.approx.slot_bits:
+            self.approx.expire(now)
 
-    def _unload(self, entry: _Active) -> None:
+    def _unload(self, entry: _Active, now: float) -> None:
+        if not entry.prefilled:
+            self._prefilled(entry, now)
         load = self._load.get(entry.worker_id)
         if load is None:
             return
@@ -605,6 +737,14 @@ class Router:
             else:
                 kept.append(item)
         self._pred_queue = kept
+        for entry in self._active.values():
+            if entry.predicted is not None and entry.predicted[0] == slot:
+                self._unpredict(slot, entry.predicted[1])
+                entry.predicted = None
+        if removed:
+            self.approx.remove(slot)
+        else:
+            self.approx.clear(slot)
         if removed:
             for rid in [r for r, a in self._active.items() if a.worker_id == worker_id]:
                 del self._active[rid]

@@ -134,6 +134,9 @@ class RouterService:
             request_timeout_s=o.request_timeout_s,
             seed=o.seed,
         )
+        for w in config.workers:
+            if w.approx_blocks is not None:  # publishes no events: its cache is predicted
+                self.router.predict_cache(w.id, w.approx_blocks)
         self.ingest = Ingest(self.index, config.ingest)
         for w in config.workers:
             self.ingest.add(w)
