@@ -108,6 +108,11 @@ def test_damage_yields_only_records_that_were_written(
         if first_bad < sizes[0]:  # the header itself
             with pytest.raises(ManifestError, match="damaged header"):
                 Manifest(path, _ns(algo), on_damage="keep_prefix")
+        elif damaged == raw[:first_bad] and first_bad in sizes:
+            # cut at a record boundary: a shorter log, as a writer killed between two appends
+            # leaves it - nothing to detect, and nothing wrong in what is read back
+            with Manifest(path, _ns(algo)) as m:
+                assert m.entries == _replay(algo, ops[:intact]) and m.ignored_bytes == 0
         else:
             with pytest.raises(ManifestError, match="damaged after byte"):
                 Manifest(path, _ns(algo))
