@@ -43,12 +43,13 @@ from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import OutOfBlocksError
 from kvpool.hashing import BlockHasher, HashAlgo
 from kvpool.manager import KVCacheManager
+from kvpool.replay.workloads import builtin_trace
 
 TPB = 32
 DEFAULT_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
 VOCAB = 128_256  # Llama 3's vocabulary size: W1's token ids are in [0, VOCAB)
 WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = builtin_trace("conversation")  # shipped in kvpool/data
 
 
 @functools.cache  # the requests are only read: build them once per size
@@ -226,7 +227,7 @@ def main() -> None:
         return
     algo = HashAlgo(args.algo)
     rows = [run_w1(400 if args.quick else 2000, algo, 0, args.policy)]
-    if not args.skip_w2 and args.trace.exists():
+    if not args.skip_w2:
         n = 800 if args.quick else 4000
         rows.append(run_w2(args.trace, n, algo, 0, args.policy))
         rows.append(run_w2(args.trace, n, algo, 80_000, args.policy))

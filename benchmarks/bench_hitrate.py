@@ -54,12 +54,12 @@ from kvpool.replay.bounds import (
     request_block_keys,
     unlimited_hit_rate,
 )
-from kvpool.replay.workloads import Workload, load_mooncake
+from kvpool.replay.workloads import Workload, builtin_trace, load_mooncake
 
 TPB = 32
 HELD = 32
 ALGO = HashAlgo.V2_SHA256
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = builtin_trace("conversation")  # shipped in kvpool/data
 GPU_BLOCKS = 20_000
 HOST_BLOCKS = 30_000
 CONFIGS = ((0, "all"), (HOST_BLOCKS, "all"), (HOST_BLOCKS, "reused"))
@@ -218,7 +218,7 @@ def main() -> None:
     limit = None if args.full else (800 if args.quick else 4000)
     wl = load_mooncake(args.trace, limit=limit)
     stream = request_block_keys(wl, TPB)
-    label = f"{len(wl)} requests of {args.trace.name}"
+    label = f"{len(wl)} requests of {args.trace.name.removesuffix('.gz')}"
     suffix = "_quick" if args.quick else "_full" if args.full else ""
     extra = {"workload": label, "held": HELD, "tokens_per_block": TPB,
              "bound": "belady = offline optimum of GPU+host blocks, no prefix constraint"}

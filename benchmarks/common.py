@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 RESULTS_DIR = Path(
@@ -46,7 +47,7 @@ def report(
     Consecutive rows with the same keys share a table; rows of another shape (a benchmark's
     second part) start a new one, so that no table carries columns empty for most of its rows.
     """
-    console = Console(width=max(120, Console().width))
+    console = Console()
     groups: list[list[Mapping[str, Any]]] = []
     for row in rows:
         if groups and list(groups[-1][0]) == list(row):
@@ -55,20 +56,51 @@ def report(
             groups.append([row])
     for i, group in enumerate(groups):
         label = title or name
-        table = Table(title=label if len(groups) == 1 else f"{label} ({i + 1}/{len(groups)})")
-        columns = list(group[0])
-        for col in columns:
-            numeric = isinstance(group[0].get(col), int | float)
-            table.add_column(col, justify="right" if numeric else "left")
-        for row in group:
-            table.add_row(*(_fmt(row.get(c)) for c in columns))
-        console.print(table)
+        label = label if len(groups) == 1 else f"{label} ({i + 1}/{len(groups)})"
+        for table in _tables(console, label, group):
+            console.print(table)
     path = Path(out) if out else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine(), "rows": list(rows), **(extra or {})}
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     Console().print(f"wrote {path}")
     return path
+
+
+def _tables(console: Console, title: str, rows: Sequence[Mapping[str, Any]]) -> list[Table]:
+    """One row per result when that fits the console; else one column per result (a field
+    per line), as many results per table as fit, so that no cell is ever cut."""
+    columns = list(rows[0])
+    wide = Table(title=title)
+    for col in columns:
+        numeric = isinstance(rows[0].get(col), int | float)
+        wide.add_column(col, justify="right" if numeric else "left", no_wrap=True)
+    for row in rows:
+        wide.add_row(*(_fmt(row.get(c)) for c in columns))
+    if _fits(console, wide):
+        return [wide]
+    tables: list[Table] = []
+    start = 0
+    while start < len(rows):
+        count = len(rows) - start
+        while True:
+            tall = Table(title=title, show_header=count > 1 or len(rows) > 1)
+            tall.add_column("", no_wrap=True)
+            for k in range(start, start + count):
+                tall.add_column(f"#{k + 1}", justify="right", no_wrap=True)
+            for col in columns:
+                tall.add_row(col, *(_fmt(rows[k].get(col)) for k in range(start, start + count)))
+            if count == 1 or _fits(console, tall):
+                break
+            count -= 1
+        tables.append(tall)
+        start += count
+    return tables
+
+
+def _fits(console: Console, table: Table) -> bool:
+    unbounded = console.options.update_width(1 << 20)
+    return Measurement.get(console, unbounded, table).maximum <= console.width
 
 
 def _fmt(value: Any) -> str:

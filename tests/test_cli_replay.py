@@ -110,7 +110,7 @@ def test_bad_trace_line_is_named_without_a_traceback(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--trace", "/nonexistent/trace.jsonl"), "trace file not found"),
+        (("--trace", "no-such-trace.jsonl"), "trace file not found"),
         (("--limit", "5"), "--limit applies to --trace"),
         (("--gpu-blocks", "10", "--gpu-mem", "1GiB"), "--gpu-blocks replaces"),
         (("--host-blocks", "10"), "--host-blocks/--disk-blocks need --gpu-blocks"),
@@ -122,7 +122,8 @@ def test_bad_trace_line_is_named_without_a_traceback(tmp_path: Path) -> None:
 def test_errors_exit_2_with_a_message(
     args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["replay", "--requests", "5", "--no-progress", *args]) == 2
+    small = () if "--trace" in args else ("--requests", "5")
+    assert main(["replay", *small, "--no-progress", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpool replay: error: ") and message in err
 

@@ -204,7 +204,8 @@ def test_encode_matches_the_plain_reference_byte_for_byte(
     events: list[KVCacheEvent], ts: float, rank: int | None, size: int | None, sliding: set[int]
 ) -> None:
     payload = encode_vllm_batch(
-        events, ts=ts, data_parallel_rank=rank, block_size=size, sliding_window_groups=sliding
+        events, ts=ts, data_parallel_rank=rank, block_size=size, sliding_window_groups=sliding,
+        partial_blocks=True,
     )
     assert payload == reference_encode(events, ts, rank, size, sliding)
 
@@ -218,10 +219,11 @@ def test_encode_rejects_what_the_reference_rejects(
     except InvalidArgumentError:
         with pytest.raises(InvalidArgumentError):
             encode_vllm_batch(events, ts=ts, data_parallel_rank=rank, block_size=size,
-                              sliding_window_groups=sliding)
+                              sliding_window_groups=sliding, partial_blocks=True)
     else:
         assert expected == encode_vllm_batch(
-            events, ts=ts, data_parallel_rank=rank, block_size=size, sliding_window_groups=sliding
+            events, ts=ts, data_parallel_rank=rank, block_size=size, sliding_window_groups=sliding,
+            partial_blocks=True,
         )
 
 
@@ -433,7 +435,7 @@ def test_token_ids_encode_as_the_tuples_of_the_same_ids(
         chain = tuple(StoredBlock(i + 1, make(t), level, 35, lora)
                       for i, (t, level, lora) in enumerate(blocks))
         return encode_vllm_batch([KVCacheEvent(0, Stored(None, chain), 0)], ts=1.0,
-                                 block_size=block_size)
+                                 block_size=block_size, partial_blocks=True)
 
     expected = batch(tuple)
     was = jit.enabled()

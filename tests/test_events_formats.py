@@ -612,7 +612,8 @@ def test_vllm_round_trips(
     algo, events = stream
     rank = events[0].attention_dp_rank if events else None
     payload = encode_vllm_batch(
-        events, ts=ts, data_parallel_rank=rank, sliding_window_groups=sliding
+        events, ts=ts, data_parallel_rank=rank, sliding_window_groups=sliding,
+        partial_blocks=True,
     )
     batch = decode_vllm_batch(payload, hash_algo=algo)
     assert batch.ts == ts and batch.data_parallel_rank == rank
@@ -649,6 +650,7 @@ def test_vllm_path_preserves_what_a_consumer_holds(
     direct, via_vllm = EventIndex(strict=True), EventIndex(strict=True)
     direct.apply_all(events)
     via_vllm.apply_all(
-        decode_vllm_batch(encode_vllm_batch(events), hash_algo="v1_block_key").events
+        decode_vllm_batch(encode_vllm_batch(events, partial_blocks=True),
+                          hash_algo="v1_block_key").events
     )
     assert via_vllm.cached == direct.cached == em.announced_blocks()

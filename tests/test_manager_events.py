@@ -48,7 +48,7 @@ def test_events_over_zmq_with_a_dropped_message_reproduce_the_cache() -> None:
             m.flush_iteration_events()
             events = m.get_latest_events(0)
             if events:
-                pub.publish(encode_vllm_batch(events, block_size=2))
+                pub.publish(encode_vllm_batch(events, block_size=2, partial_blocks=True))
                 seq += 1
         got: list[int] = []
         while len(got) < seq:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from array import array
@@ -19,13 +20,14 @@ from kvpool.replay.workloads import (
     Request,
     SyntheticParams,
     Workload,
+    builtin_trace,
     generate_synthetic,
     hash_id_block,
     load_mooncake,
     synthetic_workload,
 )
 
-CONVERSATION_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+CONVERSATION_TRACE = builtin_trace("conversation")
 
 
 def write_trace(path: Path, records: list[dict[str, object] | str]) -> Path:
@@ -167,10 +169,10 @@ def test_random_prefix_traces_share_blocks_iff_ids_agree(
     check_sharing(list(w), tpi)
 
 
-@pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason="shared traces not present")
 def test_conversation_trace_first_500_lines_follow_the_hash_ids() -> None:
     tpi = 512
-    raw = [json.loads(line) for line in CONVERSATION_TRACE.open().readlines()[:500]]
+    with gzip.open(CONVERSATION_TRACE, "rt") as f:
+        raw = [json.loads(next(f)) for _ in range(500)]
     w = load_mooncake(CONVERSATION_TRACE, limit=500)
     assert len(w) == 500
     # the trace is sorted by timestamp, so file order is kept
@@ -299,6 +301,34 @@ def test_missing_file_and_directory_are_clear_errors(tmp_path: Path) -> None:
     assert "nope.jsonl" in str(info.value)
     with pytest.raises(TraceFormatError, match="not a regular file"):
         load_mooncake(tmp_path)
+
+
+def test_a_gzipped_trace_loads_as_the_plain_one_and_a_corrupt_one_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    records = [rec(0, [0, 1], 600), rec(5, [0, 2], 1000), rec(9, [3], 7)]
+    plain = write_trace(tmp_path / "t.jsonl", records)
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    a, b = load_mooncake(plain), load_mooncake(packed)
+    assert b.name == a.name == "t"
+    assert [(r.request_id, r.tokens, r.output_length) for r in b] == [
+        (r.request_id, r.tokens, r.output_length) for r in a
+    ]
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(b"not gzip at all")
+    with pytest.raises(TraceFormatError, match="cannot read") as info:
+        load_mooncake(bad)
+    assert "bad.jsonl.gz" in str(info.value)
+
+
+def test_builtin_trace_names_the_shipped_conversation_trace_and_only_it() -> None:
+    with gzip.open(builtin_trace("conversation"), "rb") as f:
+        assert sum(1 for line in f if line.strip()) == 12_031
+    w = load_mooncake(builtin_trace("conversation"), limit=20)
+    assert len(w) == 20 and w.name == "conversation_trace"
+    with pytest.raises(InvalidArgumentError, match="conversation"):
+        builtin_trace("chat")
 
 
 @pytest.mark.parametrize(

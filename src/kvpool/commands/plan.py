@@ -1,7 +1,9 @@
 """``kvpool plan``: size the KV cache pools of a model for a memory budget.
 
-Prints one row per layer group (bytes per block, slots per tier, the GPU floor and the
-constraint that set it), the constraints' needs, and writes the plan as JSON with ``--json``.
+Prints one column per layer group (bytes per block, slots per tier, the GPU floor and the
+constraint that set it, the typical step's need; as many groups per table as the terminal
+holds), the constraints' needs, warns when a group's GPU pool holds less than half of a typical
+step, and writes the plan as JSON with ``--json`` (its folder checked before any work).
 """
 
 from __future__ import annotations
@@ -12,20 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
+from kvpool.commands._args import check_writable, positive, size, warn
 from kvpool.errors import InvalidArgumentError, KVPoolError
 from kvpool.planner import (
+    GroupPlan,
     ModelSpec,
     PoolPlan,
     format_size,
-    parse_size,
     plan_pools,
     presets,
 )
 
 DEFAULT_MAX_NUM_TOKENS = 8192
 DEFAULT_TOKENS_PER_BLOCK = 32
+SHORT_OF_TYPICAL = 0.5  # warn when a group's GPU pool holds less than this of a typical step
 
 
 def register(subparsers: Any) -> None:
@@ -42,26 +47,26 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", metavar="PRESET", help="model preset (see --list-models)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
-    p.add_argument("--gpu-mem", type=_size, metavar="SIZE", help="GPU budget, e.g. 40GiB")
-    p.add_argument("--host-mem", type=_size, default=0, metavar="SIZE", help="host budget")
-    p.add_argument("--disk-mem", type=_size, default=0, metavar="SIZE", help="disk budget")
-    p.add_argument("--max-batch-size", type=_positive, metavar="N", help="concurrent sequences")
+    p.add_argument("--gpu-mem", type=size, metavar="SIZE", help="GPU budget, e.g. 40GiB")
+    p.add_argument("--host-mem", type=size, default=0, metavar="SIZE", help="host budget")
+    p.add_argument("--disk-mem", type=size, default=0, metavar="SIZE", help="disk budget")
+    p.add_argument("--max-batch-size", type=positive, metavar="N", help="concurrent sequences")
     p.add_argument(
         "--max-num-tokens",
-        type=_positive,
+        type=positive,
         default=DEFAULT_MAX_NUM_TOKENS,
         metavar="N",
         help=f"tokens per scheduler step (default {DEFAULT_MAX_NUM_TOKENS})",
     )
     p.add_argument(
         "--max-seq-len",
-        type=_positive,
+        type=positive,
         metavar="N",
         help="longest sequence (default: the model's)",
     )
     p.add_argument(
         "--tokens-per-block",
-        type=_positive,
+        type=positive,
         default=DEFAULT_TOKENS_PER_BLOCK,
         metavar="N",
         help=f"tokens per block (default {DEFAULT_TOKENS_PER_BLOCK})",
@@ -87,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     if missing:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (or use --list-models)")
+    check_writable(args.json, "--json")
     model = ModelSpec.preset(args.model)
     plan = plan_pools(
         model,
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len or model.max_seq_len,
     )
     _print_plan(console, plan)
+    _warn_if_short(plan)
     if args.json is not None:
         try:
             args.json.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
@@ -114,34 +121,23 @@ def _print_plan(console: Console, plan: PoolPlan) -> None:
         for name, b in zip(("GPU", "host", "disk"), plan.budget_bytes, strict=True)
         if b or name == "GPU"
     )
-    table = Table(
-        title=(
-            f"{plan.model}: {plan.tokens_per_block} tokens/block, {budget}; "
-            f"batch {plan.max_batch_size}, {plan.max_num_tokens} tokens/step, "
-            f"max_seq_len {plan.max_seq_len}"
-        )
+    title = (
+        f"{plan.model}: {plan.tokens_per_block} tokens/block, {budget}; "
+        f"batch {plan.max_batch_size}, {plan.max_num_tokens} tokens/step, "
+        f"max_seq_len {plan.max_seq_len}"
     )
-    for col in ("group", "attention", "layers", "bytes/block", "GPU slots", "host slots"):
-        table.add_column(col, justify="left" if col == "attention" else "right")
-    table.add_column("disk slots", justify="right")
-    table.add_column("GPU floor", justify="right")
-    table.add_column("floor set by")
-    table.add_column("typical need", justify="right")
-    for g in plan.groups:
-        gpu, host, disk = g.slots_per_tier
-        table.add_row(
-            str(g.index),
-            g.label,
-            str(len(g.layers)),
-            format_size(g.bytes_per_block),
-            f"{gpu:,}",
-            f"{host:,}",
-            f"{disk:,}",
-            f"{g.min_slots:,}",
-            g.floor_reason,
-            f"{g.typical_need:,}",
-        )
-    console.print(table)
+    # One column per layer group (as many per table as the terminal holds), a row per figure.
+    groups = list(plan.groups)
+    while groups:
+        count = len(groups)
+        while True:
+            table = _group_table(title, groups[:count], plan.budget_bytes)
+            if count == 1 or _fits(console, table):
+                break
+            count -= 1
+        console.print(table)
+        groups = groups[count:]
+        title = f"{plan.model} (continued)"
 
     needs = Table(title="batches (slots needed per layer group)")
     needs.add_column("batch")
@@ -161,6 +157,43 @@ def _print_plan(console: Console, plan: PoolPlan) -> None:
         console.print(f"note: {note}")
 
 
+def _group_table(title: str, groups: list[GroupPlan], budget: tuple[int, ...]) -> Table:
+    table = Table(title=title)
+    table.add_column("layer group")
+    for g in groups:
+        table.add_column(str(g.index), justify="right")
+    table.add_row("attention", *(g.label for g in groups))
+    table.add_row("layers", *(str(len(g.layers)) for g in groups))
+    table.add_row("bytes/block", *(format_size(g.bytes_per_block) for g in groups))
+    for tier, name in enumerate(("GPU", "host", "disk")):
+        if tier == 0 or budget[tier]:
+            table.add_row(f"{name} slots", *(f"{g.slots_per_tier[tier]:,}" for g in groups))
+    table.add_row("GPU floor", *(f"{g.min_slots:,}" for g in groups))
+    table.add_row("floor set by", *(g.floor_reason for g in groups))
+    table.add_row("typical step need", *(f"{g.typical_need:,}" for g in groups))
+    return table
+
+
+def _fits(console: Console, table: Table) -> bool:
+    unbounded = console.options.update_width(1 << 20)
+    return Measurement.get(console, unbounded, table).maximum <= console.width
+
+
+def _warn_if_short(plan: PoolPlan) -> None:
+    """One warning line when a group's GPU pool holds far less than a typical step needs."""
+    short = [g for g in plan.groups if g.slots_per_tier[0] < SHORT_OF_TYPICAL * g.typical_need]
+    if not short:
+        return
+    g = min(short, key=lambda g: g.slots_per_tier[0] / g.typical_need)
+    warn(
+        "plan",
+        f"layer group {g.index} ({g.label}) gets {g.slots_per_tier[0]:,} GPU slots, "
+        f"{g.slots_per_tier[0] / g.typical_need:.0%} of the {g.typical_need:,} a typical step "
+        "needs: steps will run smaller batches or preempt; raise --gpu-mem or lower "
+        "--max-batch-size / --max-num-tokens",
+    )
+
+
 def _print_models(console: Console) -> None:
     table = Table(title="model presets")
     table.add_column("preset")
@@ -178,20 +211,3 @@ def _print_models(console: Console) -> None:
             f"{model.max_seq_len:,}",
         )
     console.print(table)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value

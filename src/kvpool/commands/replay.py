@@ -13,16 +13,28 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvpool.commands._args import (
+    check_writable,
+    nonneg,
+    nonneg_float,
+    note,
+    positive,
+    size,
+    warn,
+)
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError, KVPoolError
-from kvpool.planner import ModelSpec, format_size, parse_size
+from kvpool.planner import ModelSpec, format_size
 from kvpool.replay.cluster import (
     POLICIES,
     TRANSPORTS,
@@ -32,12 +44,14 @@ from kvpool.replay.cluster import (
     planned_cache,
     replay,
 )
-from kvpool.replay.engine_sim import SchedulerConfig, TimeModel
+from kvpool.replay.engine_sim import SchedulerConfig, TimeModel, gpu_capacity, peak_blocks
 from kvpool.replay.report import render, to_json, to_markdown, write_plot
 from kvpool.replay.workloads import (
+    BUILTIN_TRACES,
     DEFAULT_TOKENS_PER_HASH_ID,
     SyntheticParams,
     Workload,
+    builtin_trace,
     generate_synthetic,
     load_mooncake,
 )
@@ -46,6 +60,8 @@ DEFAULT_MODEL: Final = "llama-3-8b"
 DEFAULT_GPU_MEM: Final = 8 << 30
 DEFAULT_TOKENS_PER_BLOCK: Final = 32
 DEFAULT_WORKERS: Final = 4
+PROGRESS_INTERVAL_S: Final = 10.0
+"""Without a terminal, one progress line on stderr this often (CI logs)."""
 
 # (SyntheticParams field, flag, help): the synthetic workload's knobs on the command line.
 _SYNTHETIC_FLAGS: Final = (
@@ -92,14 +108,19 @@ def register(subparsers: Any) -> None:
         formatter_class=_DefaultsFormatter,
     )
     w = p.add_argument_group("workload (default: the built-in synthetic multi-turn workload)")
-    w.add_argument("--trace", type=Path, metavar="FILE", help="a Mooncake-format JSONL trace")
-    w.add_argument("--limit", type=_positive, metavar="N", help="first N requests of the trace")
     w.add_argument(
-        "--tokens-per-hash-id", type=_positive, default=DEFAULT_TOKENS_PER_HASH_ID,
-        metavar="N", help="tokens one trace hash id stands for",
+        "--trace", metavar="FILE|NAME",
+        help="a Mooncake-format JSONL trace (.jsonl, or .jsonl.gz), or a trace shipped with "
+        f"kvpool: {', '.join(BUILTIN_TRACES)} (the Mooncake FAST'25 conversation trace, "
+        "12,031 requests)",
+    )
+    w.add_argument("--limit", type=positive, metavar="N", help="first N requests of the trace")
+    w.add_argument(
+        "--tokens-per-hash-id", type=positive, metavar="N",
+        help=f"tokens one trace hash id stands for (default {DEFAULT_TOKENS_PER_HASH_ID})",
     )
     w.add_argument(
-        "--seed", type=_nonneg, default=0, metavar="N",
+        "--seed", type=nonneg, default=0, metavar="N",
         help="seed of the synthetic workload, of trace token ids, generated tokens and the "
         "random policy",
     )
@@ -107,12 +128,12 @@ def register(subparsers: Any) -> None:
     for name, flag, text in _SYNTHETIC_FLAGS:
         value = getattr(defaults, name)
         real = isinstance(value, float)
-        kind: Callable[[str], Any] = _nonneg_float if real else _positive
-        w.add_argument(flag, dest=f"syn_{name}", type=kind, default=value,
-                       metavar="X" if real else "N", help=f"synthetic: {text}")
+        kind: Callable[[str], Any] = nonneg_float if real else positive
+        w.add_argument(flag, dest=f"syn_{name}", type=kind, metavar="X" if real else "N",
+                       help=f"synthetic: {text} (default {value})")
 
     c = p.add_argument_group("cluster")
-    c.add_argument("--workers", type=_positive, default=DEFAULT_WORKERS, metavar="N",
+    c.add_argument("--workers", type=positive, default=DEFAULT_WORKERS, metavar="N",
                    help="simulated engines")
     c.add_argument(
         "--policies", type=_policies, default=",".join(POLICIES), metavar="LIST",
@@ -121,43 +142,43 @@ def register(subparsers: Any) -> None:
     c.add_argument("--transport", choices=TRANSPORTS, default="inproc",
                    help="how events reach the router (zmq: vLLM msgpack over 127.0.0.1)")
     c.add_argument(
-        "--jobs", type=_positive, default=min(2, os.cpu_count() or 1), metavar="N",
+        "--jobs", type=positive, default=min(2, os.cpu_count() or 1), metavar="N",
         help="policies replayed at once (processes); results do not depend on it",
     )
 
     m = p.add_argument_group("memory (per worker)")
-    m.add_argument("--model", default=DEFAULT_MODEL, metavar="PRESET",
+    m.add_argument("--model", metavar="PRESET",
                    help="model preset the planner sizes blocks for (see kvpool plan "
-                   "--list-models)")
+                   f"--list-models; default {DEFAULT_MODEL})")
     m.add_argument(
-        "--gpu-mem", type=_size, metavar="SIZE",
+        "--gpu-mem", type=size, metavar="SIZE",
         help=f"GPU KV budget (default: {format_size(DEFAULT_GPU_MEM)}, raised to what the "
         "workload's longest request needs)",
     )
-    m.add_argument("--host-mem", type=_size, default=0, metavar="SIZE", help="host KV budget")
-    m.add_argument("--disk-mem", type=_size, default=0, metavar="SIZE", help="disk KV budget")
-    m.add_argument("--gpu-blocks", type=_positive, metavar="N",
+    m.add_argument("--host-mem", type=size, default=0, metavar="SIZE", help="host KV budget")
+    m.add_argument("--disk-mem", type=size, default=0, metavar="SIZE", help="disk KV budget")
+    m.add_argument("--gpu-blocks", type=positive, metavar="N",
                    help="GPU blocks instead of a model and budgets (one full-attention group)")
-    m.add_argument("--host-blocks", type=_nonneg, default=0, metavar="N",
+    m.add_argument("--host-blocks", type=nonneg, default=0, metavar="N",
                    help="host blocks (with --gpu-blocks)")
-    m.add_argument("--disk-blocks", type=_nonneg, default=0, metavar="N",
+    m.add_argument("--disk-blocks", type=nonneg, default=0, metavar="N",
                    help="disk blocks (with --gpu-blocks)")
-    m.add_argument("--tokens-per-block", type=_positive, default=DEFAULT_TOKENS_PER_BLOCK,
+    m.add_argument("--tokens-per-block", type=positive, default=DEFAULT_TOKENS_PER_BLOCK,
                    metavar="N", help="tokens per block")
     m.add_argument("--no-partial-reuse", action="store_true",
                    help="reuse whole blocks only")
 
     s = p.add_argument_group("scheduler and time model (per worker)")
     sched = SchedulerConfig()
-    s.add_argument("--max-batch-size", type=_positive, default=sched.max_batch_size,
+    s.add_argument("--max-batch-size", type=positive, default=sched.max_batch_size,
                    metavar="N", help="concurrent sequences")
-    s.add_argument("--max-num-tokens", type=_positive, default=sched.max_num_tokens,
+    s.add_argument("--max-num-tokens", type=positive, default=sched.max_num_tokens,
                    metavar="N", help="tokens per scheduler step")
     s.add_argument("--no-chunked-prefill", action="store_true",
                    help="compute each prompt in one step")
     tm = TimeModel()
     for name, flag, scale, unit, text in _TIME_FLAGS:
-        s.add_argument(flag, dest=f"tm_{name}", type=_nonneg_float,
+        s.add_argument(flag, dest=f"tm_{name}", type=nonneg_float,
                        default=round(getattr(tm, name) / scale, 6), metavar=unit.upper(),
                        help=f"{text} ({unit})")
 
@@ -167,7 +188,8 @@ def register(subparsers: Any) -> None:
                    help="plot hit rate and TTFT per policy over time (PNG)")
     o.add_argument("--markdown", type=Path, metavar="PATH",
                    help="write a markdown table ('-' prints it)")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (without a terminal: no progress lines)")
     p.set_defaults(func=run)
 
 
@@ -186,52 +208,130 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the workload, size the cluster, replay every policy and report."""
+    """Check the options, load the workload, size the cluster, replay every policy, report."""
+    _check_options(args)
     console = Console()
     workload = _workload(args)
     config = _cluster(args, workload)
+    if not _admissible(args, workload, config):
+        return 1
     progress_console = Console(stderr=True)
-    show = not args.no_progress and progress_console.is_terminal
-    if show:
-        with Progress(
-            TextColumn("{task.description:>13}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=progress_console,
-            transient=True,
-        ) as bar:
-            tasks = {
-                p: bar.add_task(p, total=len(workload), start=False) for p in args.policies
-            }
-
-            def progress(policy: str) -> Callable[[int], None]:
-                task = tasks[policy]
-
-                def advance(n: int) -> None:
-                    bar.start_task(task)
-                    bar.advance(task, n)
-
-                return advance
-
+    if args.no_progress:
+        result = replay(workload, config, args.policies, jobs=args.jobs)
+    elif progress_console.is_terminal:
+        with _progress_bar(progress_console, args.policies, len(workload)) as progress:
             result = replay(workload, config, args.policies, progress=progress, jobs=args.jobs)
     else:
-        result = replay(workload, config, args.policies, jobs=args.jobs)
+        with _progress_lines(args.policies, len(workload)) as progress:
+            result = replay(workload, config, args.policies, progress=progress, jobs=args.jobs)
     render(result, console)
     _write_outputs(args, result, console)
     return 0
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Options that make no sense together, and output files that could not be written: all
+    refused before any work."""
+    synthetic = [flag for name, flag, _ in _SYNTHETIC_FLAGS
+                 if getattr(args, f"syn_{name}") is not None]
+    if args.trace is not None and synthetic:
+        raise InvalidArgumentError(
+            f"{', '.join(synthetic)} shape the synthetic workload, not a --trace "
+            "(use --limit to replay fewer trace requests)"
+        )
+    if args.trace is None:
+        for flag, value in (("--limit", args.limit),
+                            ("--tokens-per-hash-id", args.tokens_per_hash_id)):
+            if value is not None:
+                raise InvalidArgumentError(
+                    f"{flag} applies to --trace; use --requests for the synthetic workload"
+                )
+    if args.gpu_blocks is not None:
+        given = [flag for flag, value in (("--gpu-mem", args.gpu_mem),
+                                          ("--host-mem", args.host_mem),
+                                          ("--disk-mem", args.disk_mem),
+                                          ("--model", args.model)) if value]
+        if given:
+            raise InvalidArgumentError(
+                f"--gpu-blocks replaces {'/'.join(given)} (a block count instead of a model "
+                "and budgets)"
+            )
+    elif args.host_blocks or args.disk_blocks:
+        raise InvalidArgumentError("--host-blocks/--disk-blocks need --gpu-blocks")
+    for flag in ("json", "markdown", "plot"):
+        check_writable(getattr(args, flag), f"--{flag}")
+
+
+@contextmanager
+def _progress_bar(
+    console: Console, policies: list[str], total: int
+) -> Iterator[Callable[[str], Callable[[int], None]]]:
+    with Progress(
+        TextColumn("{task.description:>13}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        tasks = {p: bar.add_task(p, total=total, start=False) for p in policies}
+
+        def progress(policy: str) -> Callable[[int], None]:
+            task = tasks[policy]
+
+            def advance(n: int) -> None:
+                bar.start_task(task)
+                bar.advance(task, n)
+
+            return advance
+
+        yield progress
+
+
+@contextmanager
+def _progress_lines(
+    policies: list[str], total: int
+) -> Iterator[Callable[[str], Callable[[int], None]]]:
+    """Without a terminal (a CI log): one line on stderr every :data:`PROGRESS_INTERVAL_S`,
+    whether or not a request completed since the last one."""
+    done = dict.fromkeys(policies, 0)
+    start = time.monotonic()
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(PROGRESS_INTERVAL_S):
+            counts = ", ".join(f"{p} {done[p]:,}" for p in policies)
+            print(f"kvpool replay: {time.monotonic() - start:.0f} s, requests done of "
+                  f"{total:,}: {counts}", file=sys.stderr, flush=True)
+
+    def progress(policy: str) -> Callable[[int], None]:
+        def advance(n: int) -> None:
+            done[policy] += n
+
+        return advance
+
+    print(f"kvpool replay: {total:,} requests, policies {', '.join(policies)}", file=sys.stderr,
+          flush=True)
+    thread = threading.Thread(target=report, name="kvpool-progress", daemon=True)
+    thread.start()
+    try:
+        yield progress
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _workload(args: argparse.Namespace) -> Workload:
     if args.trace is not None:
-        return load_mooncake(
-            args.trace, tokens_per_hash_id=args.tokens_per_hash_id, limit=args.limit,
-            seed=args.seed,
-        )
-    if args.limit is not None:
-        raise InvalidArgumentError("--limit applies to --trace; use --requests for the "
-                                   "synthetic workload")
-    params = {name: getattr(args, f"syn_{name}") for name, _, _ in _SYNTHETIC_FLAGS}
+        path = builtin_trace(args.trace) if args.trace in BUILTIN_TRACES else Path(args.trace)
+        tpi = args.tokens_per_hash_id or DEFAULT_TOKENS_PER_HASH_ID
+        return load_mooncake(path, tokens_per_hash_id=tpi, limit=args.limit, seed=args.seed)
+    defaults = SyntheticParams()
+    params = {
+        name: getattr(defaults, name) if getattr(args, f"syn_{name}") is None
+        else getattr(args, f"syn_{name}")
+        for name, _, _ in _SYNTHETIC_FLAGS
+    }
     return generate_synthetic(SyntheticParams(seed=args.seed, **params))
 
 
@@ -250,8 +350,6 @@ def _cluster(args: argparse.Namespace, workload: Workload) -> ClusterConfig:
     description: dict[str, Any]
     cache: CacheConfig
     if args.gpu_blocks is not None:
-        if args.gpu_mem is not None or args.host_mem or args.disk_mem:
-            raise InvalidArgumentError("--gpu-blocks replaces --gpu-mem/--host-mem/--disk-mem")
         cache = block_cache(
             args.gpu_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
             tokens_per_block=tpb, partial_reuse=partial,
@@ -259,19 +357,22 @@ def _cluster(args: argparse.Namespace, workload: Workload) -> ClusterConfig:
         description = {"gpu_blocks": args.gpu_blocks, "host_blocks": args.host_blocks,
                        "disk_blocks": args.disk_blocks}
     else:
-        if args.host_blocks or args.disk_blocks:
-            raise InvalidArgumentError("--host-blocks/--disk-blocks need --gpu-blocks")
-        model = ModelSpec.preset(args.model)
+        name = args.model or DEFAULT_MODEL
+        model = ModelSpec.preset(name)
         gpu = args.gpu_mem
         if gpu is None:
             gpu = max(DEFAULT_GPU_MEM, _fit_budget(model, longest, tpb))
+            if gpu > DEFAULT_GPU_MEM:
+                note("replay", f"GPU budget raised from {format_size(DEFAULT_GPU_MEM)} to "
+                     f"{format_size(gpu)} per worker so that the longest request "
+                     f"({longest:,} tokens with its output) fits; --gpu-mem sets it")
         cache, _ = planned_cache(
             model, gpu_bytes=gpu, host_bytes=args.host_mem, disk_bytes=args.disk_mem,
             tokens_per_block=tpb, scheduler=scheduler,
             max_seq_len=max(model.max_seq_len, longest), partial_reuse=partial,
         )
         description = {
-            "model": args.model,
+            "model": name,
             "gpu_mem": format_size(gpu),
             "host_mem": format_size(args.host_mem) if args.host_mem else None,
             "disk_mem": format_size(args.disk_mem) if args.disk_mem else None,
@@ -281,6 +382,28 @@ def _cluster(args: argparse.Namespace, workload: Workload) -> ClusterConfig:
         cache=cache, workers=args.workers, scheduler=scheduler, time_model=time_model,
         transport=args.transport, seed=args.seed, description=description,
     )
+
+
+def _admissible(args: argparse.Namespace, workload: Workload, config: ClusterConfig) -> bool:
+    """False, with one line saying why and what to change, when no request of the workload
+    can ever run on a worker; a warning when some cannot (they count as rejected)."""
+    cache = config.cache
+    have = gpu_capacity(cache)
+    rejected = [r for r in workload.requests if peak_blocks(cache, r) > have]
+    if not rejected:
+        return True
+    tpb = cache.tokens_per_block
+    need = min(peak_blocks(cache, r) for r in rejected)
+    flag = f"--gpu-blocks to at least {need:,}" if args.gpu_blocks is not None else "--gpu-mem"
+    if len(rejected) == len(workload):
+        print(f"kvpool replay: error: no request can ever be admitted: the shortest needs "
+              f"{need:,} GPU blocks of {tpb} tokens at its peak and a worker has {have:,}; "
+              f"raise {flag} (or shorten the workload)", file=sys.stderr)
+        return False
+    warn("replay", f"{len(rejected):,} of {len(workload):,} requests need more than a "
+         f"worker's {have:,} GPU blocks and will be rejected; raise {flag.split()[0]} to "
+         "admit them")
+    return True
 
 
 def _fit_budget(model: ModelSpec, longest: int, tpb: int) -> int:
@@ -328,38 +451,3 @@ def _policies(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"policies repeat: {text}")
     return names
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _int(text: str, lo: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < lo:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    return _int(text, 1)
-
-
-def _nonneg(text: str) -> int:
-    return _int(text, 0)
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value

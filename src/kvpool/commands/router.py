@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import replace
 from typing import Any
 
+from msgspec.structs import replace
+
+from kvpool.commands._args import LOG_LEVELS, log_level, port
 from kvpool.router.config import ServiceConfig, load_config
 from kvpool.router.service import serve
 
@@ -31,21 +33,29 @@ def register(subparsers: Any) -> None:
             "answer POST /route with the chosen worker and every candidate's score."
         ),
     )
-    p.add_argument("--config", required=True, metavar="PATH", help="router YAML configuration")
+    p.add_argument(
+        "--config", required=True, metavar="PATH",
+        help="router configuration, YAML: listen, router, ingest, proxy and workers "
+        "(reference: docs/router.md; examples: examples/router-*.yaml)",
+    )
     p.add_argument("--host", help="listen on this address (overrides listen.host)")
-    p.add_argument("--port", type=int, help="listen on this port (overrides listen.port)")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument("--port", type=port, metavar="PORT",
+                   help="listen on this port, 0 for any free one (overrides listen.port)")
+    p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
+                   help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=str(args.log_level).upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config)
+    listen = config.listen
     if args.host is not None:
-        config = replace(config, host=args.host)
+        listen = replace(listen, host=args.host)
     if args.port is not None:
-        config = replace(config, port=args.port)
+        listen = replace(listen, port=args.port)
+    config = replace(config, listen=listen)
     asyncio.run(_main(config))
     return 0
 

@@ -26,6 +26,7 @@ from kvpool.events.trtllm_json import (
     to_trtllm_json,
 )
 from kvpool.events.vllm_msgpack import VllmEventBatch, decode_vllm_batch, encode_vllm_batch
+from kvpool.events.vllm_stream import VllmStreamEncoder
 from kvpool.events.zmq import SubscribedBatch, ZmqEventPublisher, ZmqEventSubscriber
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "TokenIds",
     "Updated",
     "VllmEventBatch",
+    "VllmStreamEncoder",
     "ZmqEventPublisher",
     "ZmqEventSubscriber",
     "decode_vllm_batch",

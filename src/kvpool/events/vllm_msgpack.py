@@ -151,6 +151,7 @@ def encode_vllm_batch(
     *,
     block_size: int | None = None,
     sliding_window_groups: Collection[int] = (),
+    partial_blocks: bool = False,
 ) -> bytes:
     """One vLLM event batch (the ZMQ payload) holding ``events``.
 
@@ -161,6 +162,13 @@ def encode_vllm_batch(
         block_size: tokens per block; when None each stored event writes its longest block's
             token count (its full-block size unless every block is partial).
         sliding_window_groups: layer groups whose stored events carry their window size.
+        partial_blocks: also write blocks of fewer than ``block_size`` tokens (a chain's
+            partial last block). vLLM never publishes them (its token ids are always a whole
+            number of blocks), so by default they are left out of stored events, as vLLM
+            consumers expect; kvpool's own router matches them for TensorRT-LLM's hash
+            algorithms, so a kvpool worker routed by it with those algorithms sets this.
+            One call cannot know the later removals and tier moves of a block it left out:
+            :class:`kvpool.events.vllm_stream.VllmStreamEncoder` leaves those out too.
 
     Raises:
         InvalidArgumentError: a tier with no vLLM medium, or a hash that is neither an
@@ -175,6 +183,8 @@ def encode_vllm_batch(
         data = event.data
         kind = type(data)
         if kind is Stored:
+            if not partial_blocks:
+                data = whole_blocks(data, block_size)  # type: ignore[arg-type]
             _encode_stored(data, event, block_size, sliding_window_groups, wire)  # type: ignore[arg-type]
         elif kind is Removed:
             _encode_removed(data, event.layer_group_id or None, wire)  # type: ignore[arg-type]
@@ -200,6 +210,20 @@ def encode_vllm_batch(
 
 
 _ALL_CLEARED: Final = _AllBlocksCleared()
+
+
+def whole_blocks(data: Stored, block_size: int | None) -> Stored:
+    """``data`` without its blocks of fewer than ``block_size`` tokens (the longest block's
+    count when None): the chain up to its first partial block. Only a chain's last block can
+    be partial (a block with a child is full), so this is usually one length check."""
+    blocks = data.blocks
+    if not blocks:
+        return data
+    size = block_size if block_size is not None else max(len(b.tokens) for b in blocks)
+    if len(blocks[-1].tokens) >= size:
+        return data
+    cut = next(i for i, b in enumerate(blocks) if len(b.tokens) < size)
+    return Stored(data.parent_hash, blocks[:cut])
 
 
 def _medium(tier: int) -> str:

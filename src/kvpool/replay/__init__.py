@@ -13,11 +13,13 @@ from kvpool.replay.bounds import (
     unlimited_hit_rate,
 )
 from kvpool.replay.workloads import (
+    BUILTIN_TRACES,
     DEFAULT_TOKENS_PER_HASH_ID,
     DEFAULT_VOCAB_SIZE,
     Request,
     SyntheticParams,
     Workload,
+    builtin_trace,
     generate_synthetic,
     hash_id_block,
     load_mooncake,
@@ -25,6 +27,7 @@ from kvpool.replay.workloads import (
 )
 
 __all__ = [
+    "BUILTIN_TRACES",
     "DEFAULT_TOKENS_PER_HASH_ID",
     "DEFAULT_VOCAB_SIZE",
     "BlockStream",
@@ -33,6 +36,7 @@ __all__ = [
     "SyntheticParams",
     "Workload",
     "belady_hit_rate",
+    "builtin_trace",
     "generate_synthetic",
     "hash_id_block",
     "load_mooncake",

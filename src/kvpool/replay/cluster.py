@@ -404,7 +404,8 @@ class _Zmq:
 
     Each delivery waits until the subscriber has the batch (asking the replay socket for what
     the SUB socket missed, e.g. before it finished connecting), so results do not depend on
-    network timing.
+    network timing. Partial blocks are published (unlike vLLM): the router matches a prompt's
+    trailing partial block with :data:`HASH_ALGO`, as it does with in-process events.
     """
 
     def __init__(self, ingest: Ingest, worker_ids: Sequence[str], tokens_per_block: int) -> None:
@@ -428,7 +429,9 @@ class _Zmq:
 
     def deliver(self, worker_id: str, events: list[KVCacheEvent], now: float) -> int:
         link = self.links[worker_id]
-        link.pub.publish(encode_vllm_batch(events, ts=now, block_size=self.tpb))
+        link.pub.publish(
+            encode_vllm_batch(events, ts=now, block_size=self.tpb, partial_blocks=True)
+        )
         link.published += 1
         applied = 0
         deadline = time.monotonic() + _ZMQ_TIMEOUT_S

@@ -71,7 +71,10 @@ __all__ = [
     "SimWorker",
     "TimeModel",
     "committed_tokens",
+    "fits_ever",
+    "gpu_capacity",
     "output_tokens",
+    "peak_blocks",
     "reference_group",
 ]
 
@@ -252,6 +255,30 @@ def reference_group(config: CacheConfig) -> int:
     return selfg[0]
 
 
+def peak_blocks(cache: CacheConfig, req: Request) -> int:
+    """The GPU blocks ``req`` needs at its peak in a self-attention group:
+    ceil((n + m - 1) / tpb) (the longest prompt it may be readmitted with), plus one with
+    partial reuse (a partially matched block is copied into a fresh slot while its source
+    stays claimed)."""
+    need = -(-(len(req.tokens) + req.output_length - 1) // cache.tokens_per_block)
+    return need + (1 if cache.enable_partial_reuse else 0)
+
+
+def gpu_capacity(cache: CacheConfig) -> int:
+    """The smallest GPU pool of a self-attention group: the most one request can hold."""
+    return min(
+        cache.slots[0][g] for g in range(cache.num_groups)
+        if g not in cache.cross_attention_groups
+    )
+
+
+def fits_ever(cache: CacheConfig, req: Request) -> bool:
+    """Can ``req`` ever run on a worker of this cache alone (:func:`peak_blocks` within
+    :func:`gpu_capacity`)? A request that cannot is rejected at arrival, so the scheduler
+    cannot deadlock on it."""
+    return peak_blocks(cache, req) <= gpu_capacity(cache)
+
+
 class _Run:
     """One request on a worker: waiting, prefilling, decoding or done.
 
@@ -388,21 +415,11 @@ class SimWorker:
         """Requests on this worker that are not finished (waiting or running)."""
         return len(self._waiting) + len(self._running)
 
-    def fits_ever(self, req: Request) -> bool:
-        """Can ``req`` run on this worker alone? Its peak need must not exceed any
-        self-attention group's GPU pool: ceil((n + m - 1) / tpb) blocks (the longest prompt
-        it may be readmitted with), plus one with partial reuse (a partially matched block is
-        copied into a fresh slot while its source stays claimed)."""
-        need = -(-(len(req.tokens) + req.output_length - 1) // self.tpb)
-        need += 1 if self.cache.enable_partial_reuse else 0
-        slots = self.cache.slots[0]
-        return all(need <= slots[g] for g in self._self_groups)
-
     # ------------------------------------------------------------------------------ driving
 
     def submit(self, req: Request, rec: RequestRecord, out: array[int]) -> bool:
         """Queue an arrived request; False (and ``rec.rejected``) if it can never fit."""
-        if not self.fits_ever(req):
+        if not fits_ever(self.cache, req):
             rec.rejected = True
             return False
         self._waiting.append(_Run(req, rec, out))

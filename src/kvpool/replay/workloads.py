@@ -17,11 +17,13 @@ Token ids are kept as ``array('I')`` (4 bytes a token): the conversation trace a
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import math
 import os
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from importlib.resources import files
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Final
@@ -34,11 +36,13 @@ from kvpool.errors import InvalidArgumentError, TraceFormatError
 from kvpool.hashing import MAX_TOKEN_ID, tokens_to_u32
 
 __all__ = [
+    "BUILTIN_TRACES",
     "DEFAULT_TOKENS_PER_HASH_ID",
     "DEFAULT_VOCAB_SIZE",
     "Request",
     "SyntheticParams",
     "Workload",
+    "builtin_trace",
     "generate_synthetic",
     "hash_id_block",
     "load_mooncake",
@@ -269,11 +273,11 @@ class _MooncakeLine(msgspec.Struct):
 class _BlockCache:
     """Per-id token blocks (as raw u32 bytes), generated once and concatenated per request."""
 
-    __slots__ = ("_blocks", "_mix", "_tpi", "_vocab")
+    __slots__ = ("_blocks", "_mix", "_vocab", "tpi")
 
     def __init__(self, seed: int, tokens_per_hash_id: int, vocab_size: int) -> None:
         self._mix = _seed_mix(seed)
-        self._tpi = tokens_per_hash_id
+        self.tpi = tokens_per_hash_id
         self._vocab = vocab_size
         self._blocks: dict[int, bytes] = {}
 
@@ -281,13 +285,28 @@ class _BlockCache:
         blocks = self._blocks
         new = [h for h in dict.fromkeys(hash_ids) if h not in blocks]
         if new:
-            rows = _hash_id_blocks(new, self._mix, self._tpi, self._vocab)
+            rows = _hash_id_blocks(new, self._mix, self.tpi, self._vocab)
             for h, row in zip(new, rows, strict=True):
                 blocks[h] = row.tobytes()
         data = b"".join([blocks[h] for h in hash_ids])
         out = array("I")
         out.frombytes(memoryview(data)[: 4 * input_length])
         return out
+
+
+BUILTIN_TRACES: Final = {"conversation": "conversation_trace.jsonl.gz"}
+"""Traces shipped with kvpool (``kvpool/data``, see its README for source and licence): the
+Mooncake FAST'25 conversation trace, 12,031 requests over about an hour."""
+
+
+def builtin_trace(name: str) -> Path:
+    """The path of the trace shipped with kvpool under ``name`` (a key of
+    :data:`BUILTIN_TRACES`); :class:`InvalidArgumentError` for another name."""
+    if name not in BUILTIN_TRACES:
+        raise InvalidArgumentError(
+            f"no built-in trace {name!r}; built-in: {', '.join(BUILTIN_TRACES)}"
+        )
+    return Path(str(files("kvpool") / "data" / BUILTIN_TRACES[name]))
 
 
 def load_mooncake(
@@ -334,39 +353,12 @@ def load_mooncake(
     decoder = msgspec.json.Decoder(_MooncakeLine)
     cache = _BlockCache(seed, tokens_per_hash_id, vocab_size)
     tpi = tokens_per_hash_id
-    stem = p.stem
-    requests: list[Request] = []
-    with p.open("rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = decoder.decode(line)
-            except msgspec.ValidationError as exc:
-                raise TraceFormatError(f"{p}, line {lineno}: {exc}") from None
-            except msgspec.DecodeError as exc:
-                raise TraceFormatError(f"{p}, line {lineno}: invalid JSON ({exc})") from None
-            if not math.isfinite(rec.timestamp):
-                raise TraceFormatError(
-                    f"{p}, line {lineno}: timestamp must be finite, got {rec.timestamp}"
-                )
-            n = len(rec.hash_ids)
-            if not (n - 1) * tpi < rec.input_length <= n * tpi:
-                raise TraceFormatError(
-                    f"{p}, line {lineno}: input_length {rec.input_length} does not match "
-                    f"{n} hash ids of {tpi} tokens (expected {(n - 1) * tpi + 1}..{n * tpi})"
-                )
-            requests.append(
-                Request(
-                    request_id=f"{stem}:{lineno}",
-                    arrival_s=rec.timestamp / 1000.0,
-                    tokens=cache.tokens(rec.hash_ids, rec.input_length),
-                    output_length=rec.output_length,
-                    hash_ids=tuple(rec.hash_ids),
-                )
-            )
+    stem = Path(p.name.removesuffix(".gz")).stem
+    try:
+        with gzip.open(p, "rb") if p.name.endswith(".gz") else p.open("rb") as f:
+            requests = _read_mooncake(f, p, decoder, cache, stem, limit)
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise TraceFormatError(f"{p}: cannot read the trace ({exc})") from None
     if not requests:
         raise TraceFormatError(f"{p}: the trace holds no requests (empty file)")
     requests.sort(key=lambda r: r.arrival_s)
@@ -385,6 +377,49 @@ def load_mooncake(
             "tokens_per_hash_id": tpi,
         },
     )
+
+
+def _read_mooncake(
+    f: Iterable[bytes],
+    p: Path,
+    decoder: msgspec.json.Decoder[_MooncakeLine],
+    cache: _BlockCache,
+    stem: str,
+    limit: int | None,
+) -> list[Request]:
+    tpi = cache.tpi
+    requests: list[Request] = []
+    for lineno, line in enumerate(f, 1):
+        if limit is not None and len(requests) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            rec = decoder.decode(line)
+        except msgspec.ValidationError as exc:
+            raise TraceFormatError(f"{p}, line {lineno}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise TraceFormatError(f"{p}, line {lineno}: invalid JSON ({exc})") from None
+        if not math.isfinite(rec.timestamp):
+            raise TraceFormatError(
+                f"{p}, line {lineno}: timestamp must be finite, got {rec.timestamp}"
+            )
+        n = len(rec.hash_ids)
+        if not (n - 1) * tpi < rec.input_length <= n * tpi:
+            raise TraceFormatError(
+                f"{p}, line {lineno}: input_length {rec.input_length} does not match "
+                f"{n} hash ids of {tpi} tokens (expected {(n - 1) * tpi + 1}..{n * tpi})"
+            )
+        requests.append(
+            Request(
+                request_id=f"{stem}:{lineno}",
+                arrival_s=rec.timestamp / 1000.0,
+                tokens=cache.tokens(rec.hash_ids, rec.input_length),
+                output_length=rec.output_length,
+                hash_ids=tuple(rec.hash_ids),
+            )
+        )
+    return requests
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """The router service's configuration (``kvpool router --config router.yaml``).
 
-Shape (every key optional unless marked)::
+Shape (every key optional unless marked; ``docs/router.md`` is the reference, with examples
+in ``examples/``)::
 
-    listen: {host: 127.0.0.1, port: 8000}          # port 0: any free port
+    listen:
+      host: 127.0.0.1
+      port: 8000                                  # 0: any free port
+      max_body_bytes: 10485760                    # largest request body accepted (10 MiB)
+      auth_token_env: null                        # name of an env variable holding a token
     router:                                       # Router options (kvpool.router.scoring)
       mode: cost                                  # cost | trtllm
       tier_weights: [1.0, 0.75, 0.25]
@@ -30,29 +35,35 @@ Shape (every key optional unless marked)::
 
 ``hash_algo`` defaults: ``vllm_sha256_cbor`` for vLLM workers (unless ``match_by_tokens``);
 for TensorRT-LLM workers what ``/server_info`` advertises, else each event's field; kvpool
-workers that publish over ZMQ must name it (msgpack events do not carry it), in-process ones
+workers that publish over ZMQ must name it (msgspec events do not carry it), in-process ones
 learn it from their events.
 
-Every error is a :class:`~kvpool.errors.ConfigError` naming the offending key, e.g.
-``workers[1].kind``.
+The sections are msgspec structures: types, ranges and unknown keys are checked by
+``msgspec.convert``; what depends on several keys (a worker kind's required endpoints, unique
+ids, URL and endpoint shapes, hash algorithm names) by :func:`parse_config` after it. Every
+error is a :class:`~kvpool.errors.ConfigError` that starts with the offending key's path, e.g.
+``workers[1].kind: invalid enum value 'sglang'``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Final, Literal
 
+import msgspec
 import yaml
 
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
 from kvpool.hashing import hash_algo as parse_hash_algo
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "MAX_PROMPT_TOKENS",
     "IngestOptions",
+    "ListenOptions",
     "RouterOptions",
     "ServiceConfig",
     "WorkerConfig",
@@ -61,6 +72,19 @@ __all__ = [
     "parse_config",
 ]
 
+MAX_PROMPT_TOKENS: Final = 1 << 20
+"""The longest prompt the default body limit is sized for (1 Mi tokens, the longest context
+of today's models)."""
+DEFAULT_MAX_BODY_BYTES: Final = -(-(MAX_PROMPT_TOKENS * 9 + (64 << 10)) // (1 << 20)) << 20
+"""10 MiB: :data:`MAX_PROMPT_TOKENS` token ids of 7 digits written as JSON (``1234567, ``,
+9 bytes each) plus 64 KiB for the rest of the body, rounded up to whole MiB."""
+
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+_NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+_Weight = Annotated[float, msgspec.Meta(ge=0, le=1)]
+_Interval = Annotated[float, msgspec.Meta(gt=0)]
+_EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
 
 class WorkerKind(StrEnum):
     VLLM = "vllm"
@@ -68,50 +92,63 @@ class WorkerKind(StrEnum):
     KVPOOL = "kvpool"
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One engine the router routes to and listens to."""
 
-    id: str
+    id: Annotated[str, msgspec.Meta(min_length=1)]
     kind: WorkerKind
     zmq_endpoint: str | None = None
     replay_endpoint: str | None = None
     topic: str = ""
     http_base_url: str | None = None
-    tokens_per_block: int | None = None
+    tokens_per_block: _Positive | None = None
     hash_algo: str | None = None
     match_by_tokens: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class RouterOptions:
+class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Keyword arguments of :class:`kvpool.router.scoring.Router`."""
 
-    mode: str = "cost"
-    tier_weights: tuple[float, float, float] = (1.0, 0.75, 0.25)
-    load_weight: float = 0.1
-    temperature: float = 0.0
-    prediction_ttl_s: float | None = None
-    max_batch_size: int = 64
-    request_timeout_s: float = 600.0
-    seed: int = 0
+    mode: Literal["cost", "trtllm"] = "cost"
+    tier_weights: tuple[_Weight, _Weight, _Weight] = (1.0, 0.75, 0.25)
+    load_weight: _NonNegative = 0.1
+    temperature: _NonNegative = 0.0
+    prediction_ttl_s: _NonNegative | None = None
+    max_batch_size: _Positive = 64
+    request_timeout_s: _NonNegative = 600.0
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
-@dataclass(frozen=True, slots=True)
-class IngestOptions:
-    poll_interval_s: float = 0.5
-    http_timeout_s: float = 2.0
-    health_interval_s: float = 2.0
+class IngestOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    poll_interval_s: _Interval = 0.5
+    http_timeout_s: _Interval = 2.0
+    health_interval_s: _Interval = 2.0
 
 
-@dataclass(frozen=True, slots=True)
-class ServiceConfig:
-    workers: tuple[WorkerConfig, ...]
-    router: RouterOptions = field(default_factory=RouterOptions)
-    ingest: IngestOptions = field(default_factory=IngestOptions)
+class ListenOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where and what the HTTP service accepts."""
+
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    max_body_bytes: _Positive = DEFAULT_MAX_BODY_BYTES
+    auth_token_env: _EnvName | None = None
+    """The name of an environment variable holding the bearer token clients must send."""
+
+
+class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    workers: Annotated[tuple[WorkerConfig, ...], msgspec.Meta(min_length=1)]
+    router: RouterOptions = msgspec.field(default_factory=RouterOptions)
+    ingest: IngestOptions = msgspec.field(default_factory=IngestOptions)
+    listen: ListenOptions = msgspec.field(default_factory=ListenOptions)
     proxy: bool = False
+
+    @property
+    def host(self) -> str:
+        return self.listen.host
+
+    @property
+    def port(self) -> int:
+        return self.listen.port
 
 
 def load_config(path: str | Path) -> ServiceConfig:
@@ -130,180 +167,135 @@ def load_config(path: str | Path) -> ServiceConfig:
 
 def parse_config(obj: object) -> ServiceConfig:
     """Validate a configuration mapping (the parsed YAML)."""
-    top = _mapping(obj, "config")
-    _only(top, "config", {"listen", "router", "ingest", "proxy", "workers"})
-    listen = _mapping(top.get("listen", {}), "listen")
-    _only(listen, "listen", {"host", "port"})
-    host = _str(listen.get("host", "127.0.0.1"), "listen.host")
-    port = _int(listen.get("port", 8000), "listen.port", lo=0)
-    if port > 65535:
-        raise ConfigError(f"listen.port: {port} is not a TCP port")
-    router = _router(_mapping(top.get("router", {}), "router"))
-    ingest = _ingest(_mapping(top.get("ingest", {}), "ingest"))
-    proxy = _bool(top.get("proxy", False), "proxy")
-    raw_workers = top.get("workers")
-    if not isinstance(raw_workers, list) or not raw_workers:
-        raise ConfigError("workers: a non-empty list of workers is required")
-    workers: list[WorkerConfig] = []
+    if not isinstance(obj, dict):
+        raise ConfigError(f"config: expected a mapping, got {type(obj).__name__}")
+    try:
+        config = msgspec.convert(obj, ServiceConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_located(str(exc), obj)) from None
+    for section in ("router", "ingest"):
+        options = getattr(config, section)
+        for name in options.__struct_fields__:
+            value = getattr(options, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{name}: expected a finite number, got {value}")
     seen: set[str] = set()
-    for i, raw in enumerate(raw_workers):
-        w = _worker(_mapping(raw, f"workers[{i}]"), f"workers[{i}]")
+    workers = []
+    for i, w in enumerate(config.workers):
         if w.id in seen:
             raise ConfigError(f"workers[{i}].id: {w.id!r} is used twice")
         seen.add(w.id)
-        workers.append(w)
-    return ServiceConfig(tuple(workers), router, ingest, host, port, proxy)
+        workers.append(_checked_worker(w, f"workers[{i}]"))
+    return msgspec.structs.replace(config, workers=tuple(workers))
 
 
-# ------------------------------------------------------------------------------ sections
-
-
-def _router(m: Mapping[str, Any]) -> RouterOptions:
-    where = "router"
-    _only(m, where, set(RouterOptions.__dataclass_fields__))
-    d = RouterOptions()
-    mode = _str(m.get("mode", d.mode), f"{where}.mode")
-    if mode not in ("cost", "trtllm"):
-        raise ConfigError(f"{where}.mode: {mode!r} is not 'cost' or 'trtllm'")
-    weights = m.get("tier_weights", list(d.tier_weights))
-    if not isinstance(weights, list) or len(weights) != 3:
-        raise ConfigError(f"{where}.tier_weights: expected a list of 3 numbers, got {weights!r}")
-    tw = tuple(_num(w, f"{where}.tier_weights[{i}]", hi=1.0) for i, w in enumerate(weights))
-    ttl = m.get("prediction_ttl_s")
-    return RouterOptions(
-        mode=mode,
-        tier_weights=(tw[0], tw[1], tw[2]),
-        load_weight=_num(m.get("load_weight", d.load_weight), f"{where}.load_weight"),
-        temperature=_num(m.get("temperature", d.temperature), f"{where}.temperature"),
-        prediction_ttl_s=None if ttl is None else _num(ttl, f"{where}.prediction_ttl_s"),
-        max_batch_size=_int(m.get("max_batch_size", d.max_batch_size), f"{where}.max_batch_size",
-                            lo=1),
-        request_timeout_s=_num(m.get("request_timeout_s", d.request_timeout_s),
-                               f"{where}.request_timeout_s"),
-        seed=_int(m.get("seed", d.seed), f"{where}.seed", lo=0),
-    )
-
-
-def _ingest(m: Mapping[str, Any]) -> IngestOptions:
-    where = "ingest"
-    _only(m, where, set(IngestOptions.__dataclass_fields__))
-    d = IngestOptions()
-    out = IngestOptions(
-        poll_interval_s=_num(m.get("poll_interval_s", d.poll_interval_s),
-                             f"{where}.poll_interval_s"),
-        http_timeout_s=_num(m.get("http_timeout_s", d.http_timeout_s), f"{where}.http_timeout_s"),
-        health_interval_s=_num(m.get("health_interval_s", d.health_interval_s),
-                               f"{where}.health_interval_s"),
-    )
-    for name in ("poll_interval_s", "http_timeout_s", "health_interval_s"):
-        if getattr(out, name) <= 0:
-            raise ConfigError(f"{where}.{name}: must be > 0")
-    return out
-
-
-def _worker(m: Mapping[str, Any], where: str) -> WorkerConfig:
-    _only(m, where, set(WorkerConfig.__dataclass_fields__))
-    if "id" not in m:
-        raise ConfigError(f"{where}.id: required")
-    wid = _str(m["id"], f"{where}.id")
-    if not wid:
-        raise ConfigError(f"{where}.id: must not be empty")
-    kind_s = _str(m.get("kind"), f"{where}.kind") if "kind" in m else None
-    if kind_s is None:
-        raise ConfigError(f"{where}.kind: required (vllm, trtllm or kvpool)")
-    try:
-        kind = WorkerKind(kind_s)
-    except ValueError:
-        raise ConfigError(
-            f"{where}.kind: {kind_s!r} is not one of vllm, trtllm, kvpool"
-        ) from None
-    zmq_ep = _opt_str(m.get("zmq_endpoint"), f"{where}.zmq_endpoint")
-    replay = _opt_str(m.get("replay_endpoint"), f"{where}.replay_endpoint")
-    base = _opt_str(m.get("http_base_url"), f"{where}.http_base_url")
+def _checked_worker(w: WorkerConfig, where: str) -> WorkerConfig:
+    """What depends on the worker's kind, with the defaults it implies."""
+    base = w.http_base_url
     if base is not None:
         if not base.startswith(("http://", "https://")):
             raise ConfigError(f"{where}.http_base_url: {base!r} is not an http(s) URL")
         base = base.rstrip("/")
-    tpb = m.get("tokens_per_block")
-    tpb_v = None if tpb is None else _int(tpb, f"{where}.tokens_per_block", lo=1)
-    algo = _opt_str(m.get("hash_algo"), f"{where}.hash_algo")
+    algo = w.hash_algo
     if algo is not None:
         try:
             algo = parse_hash_algo(algo).value
         except UnknownHashAlgorithmError as exc:
             raise ConfigError(f"{where}.hash_algo: {exc}") from None
-    by_tokens = _bool(m.get("match_by_tokens", False), f"{where}.match_by_tokens")
-    for name, ep in (("zmq_endpoint", zmq_ep), ("replay_endpoint", replay)):
+    for name, ep in (("zmq_endpoint", w.zmq_endpoint), ("replay_endpoint", w.replay_endpoint)):
         if ep is not None and "://" not in ep:
             raise ConfigError(f"{where}.{name}: {ep!r} is not a ZeroMQ endpoint (tcp://host:port)")
-    if replay is not None and zmq_ep is None:
+    if w.replay_endpoint is not None and w.zmq_endpoint is None:
         raise ConfigError(f"{where}.replay_endpoint: needs a zmq_endpoint")
-    if kind is WorkerKind.VLLM:
-        if zmq_ep is None:
+    if w.kind is WorkerKind.VLLM:
+        if w.zmq_endpoint is None:
             raise ConfigError(f"{where}.zmq_endpoint: required for a vllm worker")
-        if algo is None and not by_tokens:
+        if algo is None and not w.match_by_tokens:
             algo = "vllm_sha256_cbor"
-    elif kind is WorkerKind.TRTLLM:
+    elif w.kind is WorkerKind.TRTLLM:
         if base is None:
             raise ConfigError(f"{where}.http_base_url: required for a trtllm worker")
-        if zmq_ep is not None:
+        if w.zmq_endpoint is not None:
             raise ConfigError(f"{where}.zmq_endpoint: trtllm workers are polled over HTTP")
-    elif zmq_ep is not None and algo is None and not by_tokens:
+    elif w.zmq_endpoint is not None and algo is None and not w.match_by_tokens:
         raise ConfigError(
             f"{where}.hash_algo: required for a kvpool worker publishing over ZMQ "
             "(msgpack events do not carry it)"
         )
-    topic = _str(m.get("topic", ""), f"{where}.topic")
-    return WorkerConfig(wid, kind, zmq_ep, replay, topic, base, tpb_v, algo, by_tokens)
+    return msgspec.structs.replace(w, http_base_url=base, hash_algo=algo)
 
 
-# ------------------------------------------------------------------------------ scalars
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`)?$", re.S)
+_FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<name>[^`]+)`")
 
 
-def _mapping(value: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    for k in value:
-        if not isinstance(k, str):
-            raise ConfigError(f"{where}: keys must be strings, got {k!r}")
-    return value
+def _located(message: str, obj: object) -> str:
+    """A msgspec validation message rewritten to start with the key path it is about, e.g.
+    ``Expected `int` >= 1 - at `$.workers[0].tokens_per_block``` becomes
+    ``workers[0].tokens_per_block: expected int >= 1, got 0``."""
+    m = _AT.match(message)
+    assert m is not None  # the pattern matches any string
+    what, path = m["what"], (m["path"] or "").lstrip(".")
+    field = _FIELD.match(what)
+    if field is not None:
+        if "missing" in what:
+            what = "required"
+        else:
+            struct = _type_at(path)
+            assert isinstance(struct, msgspec.inspect.StructType)
+            keys = ", ".join(f.name for f in struct.fields)
+            what = f"unknown key (expected one of {keys})"
+        path = f"{path}.{field['name']}" if path else field["name"]
+    elif m["key"]:
+        what = f"keys must be strings ({what.lower()})"
+    elif what.startswith("Invalid enum value"):
+        kind = _type_at(path)
+        assert isinstance(kind, msgspec.inspect.LiteralType | msgspec.inspect.EnumType)
+        choices = (
+            kind.values if isinstance(kind, msgspec.inspect.LiteralType)
+            else [e.value for e in kind.cls]
+        )
+        what = f"{_value_at(obj, path)!r} is not one of {', '.join(map(str, choices))}"
+    else:
+        what = what[:1].lower() + what[1:]
+        value = _value_at(obj, path)
+        if value is not _MISSING and ", got" not in what:
+            what += f", got {value!r}"
+    return f"{path or 'config'}: {what.replace('`', '')}"
 
 
-def _only(m: Mapping[str, Any], where: str, allowed: set[str]) -> None:
-    for key in m:
-        if key not in allowed:
-            raise ConfigError(
-                f"{where}.{key}: unknown key (expected one of {', '.join(sorted(allowed))})"
-            )
+_MISSING: Final = object()
 
 
-def _str(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
+def _parts(path: str) -> list[str]:
+    return re.findall(r"[^.\[\]]+|\[\d+\]", path)
 
 
-def _opt_str(value: object, where: str) -> str | None:
-    return None if value is None else _str(value, where)
+def _value_at(obj: object, path: str) -> Any:
+    for part in _parts(path):
+        if part.startswith("[") and isinstance(obj, list) and int(part[1:-1]) < len(obj):
+            obj = obj[int(part[1:-1])]
+        elif isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        else:
+            return _MISSING
+    return obj
 
 
-def _bool(value: object, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def _int(value: object, where: str, *, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{where}: expected an integer >= {lo}, got {value!r}")
-    return value
-
-
-def _num(value: object, where: str, *, hi: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    v = float(value)
-    if math.isnan(v) or math.isinf(v) or v < 0 or (hi is not None and v > hi):
-        bound = f"[0, {hi}]" if hi is not None else ">= 0"
-        raise ConfigError(f"{where}: expected a finite number {bound}, got {value!r}")
-    return v
+def _type_at(path: str) -> msgspec.inspect.Type:
+    """The declared type of the key at ``path`` (``None`` of an optional key left out)."""
+    t: msgspec.inspect.Type = msgspec.inspect.type_info(ServiceConfig)
+    for part in ["", *_parts(path)]:
+        if isinstance(t, msgspec.inspect.UnionType):
+            t = next(x for x in t.types if not isinstance(x, msgspec.inspect.NoneType))
+        if not part:
+            continue
+        if isinstance(t, msgspec.inspect.StructType):
+            t = next(f.type for f in t.fields if f.name == part)
+        elif isinstance(t, msgspec.inspect.VarTupleType):
+            t = t.item_type
+        elif isinstance(t, msgspec.inspect.TupleType):
+            t = t.item_types[int(part[1:-1])]
+    if isinstance(t, msgspec.inspect.UnionType):
+        t = next(x for x in t.types if not isinstance(x, msgspec.inspect.NoneType))
+    return t
