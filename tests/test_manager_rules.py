@@ -138,7 +138,7 @@ def test_full_match_of_the_same_block_cancels_takeover_and_release() -> None:
     assert plan.requests[1].reused_tokens == 8
     res = m.add_sequence_batch(reqs)
     src = res[1].block_ids[0][0][1]
-    assert m.gpu_refs(0)[src] == 1  # b holds it; a's copy did not release it
+    assert m.debug_state()["ref"][0][src] == 1  # b holds it; a's copy did not release it
     assert res[0].block_ids[0][0][1] != src
     m.check_invariants()
 

@@ -47,7 +47,6 @@ from kvpool.hashing import (
     BlockHasher,
     BlockKey,
     HashAlgo,
-    cache_salt_id,
     hash_algo,
     tokens_to_u32,
 )
@@ -55,9 +54,7 @@ from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, detach, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
-
-Scope = tuple[int | None, str | None]
-"""A reuse scope: (LoRA id, cache salt)."""
+from kvpool.views import PlanView, Scope
 
 
 class EventSink(Protocol):
@@ -209,9 +206,10 @@ class KVCacheManager:
         # the hash algorithm (v1 and vLLM mix the scope into the first block's key, so their
         # root keys are equal across scopes)
         self.roots: dict[Scope, Run] = {}
-        self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[int | str, Seq] = {}
+        self._view = PlanView(config, self.roots, self.sequences, self._ref, self._free[0],
+                              self._queue[0])
         _check_hooks("storage", storage, ("block_bytes", "close", "copy_blocks", "stats"))
         _check_hooks("events", events, ("on_all_cleared", "on_created", "on_removed",
                                         "on_stored", "on_updated"))
@@ -247,41 +245,16 @@ class KVCacheManager:
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(self._tiers)])
 
-    # ------------------------------------------------------------------ queries used by planning
-
-    def root_key(self, lora_id: int | None, cache_salt: str | None) -> BlockKey:
-        """The root key of a reuse scope (cached: v2 roots are a sha256 each)."""
-        scope = (lora_id, cache_salt)
-        key = self._root_keys.get(scope)
-        if key is None:
-            salt = cache_salt_id(cache_salt) if cache_salt is not None else None
-            key = BlockHasher.root_key(self.config.hash_algo, lora_id=lora_id, salt_id=salt)
-            self._root_keys[scope] = key
-        return key
-
-    def gpu_refs(self, g: int) -> list[int]:
-        """Reference counts of group g's GPU slots (read only)."""
-        return self._ref[g]
-
     def gpu_available(self, g: int) -> int:
-        """Free plus evictable GPU slots of group g."""
+        """Free plus evictable GPU slots of group g (no checks: see ``num_free_blocks``)."""
         return len(self._free[0][g]) + len(self._queue[0][g])
-
-    def gpu_evictable(self, run: Run, i: int, g: int) -> bool:
-        """Does block i of ``run`` hold a queued (cached, unreferenced) GPU slot in group g?"""
-        s = run.slot[g][i]
-        return s != NO_SLOT and run.tier[g][i] == 0 and self._ref[g][s] == 0
-
-    def is_unreferenced_gpu_block(self, run: Run, i: int) -> bool:
-        """Does block i of ``run`` hold an unreferenced GPU slot in every self-attention group?"""
-        return all(self.gpu_evictable(run, i, g) for g in self.self_groups)
 
     # ------------------------------------------------------------------ admission
 
     def plan_batch(self, requests: Sequence[SequenceRequest]) -> BatchPlan:
         """What ``add_sequence_batch(requests)`` would reuse and allocate; changes nothing."""
         with self._lock:
-            return admission.plan(self, _request_list(requests))
+            return admission.plan(self._view, _request_list(requests))
 
     def add_sequence(self, request: SequenceRequest) -> AdmitResult:
         """Admit one request (a batch of one)."""
@@ -301,7 +274,7 @@ class KVCacheManager:
         exactly as before.
         """
         with self._lock:
-            plan = admission.plan(self, _request_list(requests))
+            plan = admission.plan(self._view, _request_list(requests))
             if not plan.fits:
                 detail = ", ".join(
                     f"group {g}: need {plan.new_blocks[g]}, have {plan.available[g]}"
@@ -478,7 +451,7 @@ class KVCacheManager:
         """
         if (type(r) is not SequenceRequest or r.beam_width != 1 or r.seq_id in self.sequences):
             return None
-        root_key, matched, partial, _, slots = admission.walk(self, r)
+        root_key, matched, partial, _, slots = admission.walk(self._view, r)
         if partial is not None:
             return None
         d = len(slots[0]) if slots else 0
@@ -1634,7 +1607,7 @@ class KVCacheManager:
             enc = [0] if self.config.cross_attention_groups else None
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
-            _, matched, _, k, _ = admission.walk(self, req)
+            _, matched, _, k, _ = admission.walk(self._view, req)
             return sum(b - a for _, a, b in matched) * self.tpb + k
 
     def num_free_blocks(self, layer_group: int = 0) -> int:
@@ -1759,7 +1732,7 @@ class KVCacheManager:
             step = self.step
             seen: set[tuple[Scope, BlockKey | None, BlockKey]] = set()
             for scope, root in self.roots.items():
-                rk = self.root_key(*scope)
+                rk = self._view.root_key(*scope)
                 assert not root.keys and root.parent is None
                 for r in root.descendants():
                     n = len(r.keys)
