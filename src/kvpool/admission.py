@@ -63,6 +63,9 @@ class RequestPlan:
     claim_tiers: dict[int, list[int]] = field(default_factory=dict)  # tier of each claim
     claim_slots: dict[int, list[int]] = field(default_factory=dict)  # slot of each claim
     partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
+    # group -> claimed GPU slots that were queued (unreferenced) when planned, for the batch's
+    # first request whose claims the execution starts with (later ones recount)
+    queued: dict[int, list[int]] = field(default_factory=dict)
     _blocks: list[Block] | None = None
 
     def blocks(self) -> list[Block]:
@@ -320,6 +323,9 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     one_tier = view.config.num_tiers == 1
     onboarded: set[tuple[int, int, int]] = set()
     claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
+    # a batch of one request without a partial source claims distinct slots: a count will do
+    single = len(out) == 1 and out[0].partial is None
+    n_claimed = [0] * cfg.num_groups
     for p in out:
         beams = p.request.beam_width
         d = p.num_matched
@@ -353,8 +359,13 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
                 slots = [slots[i] for i in idxs]
             p.claim_tiers[g] = tiers
             p.claim_slots[g] = slots
-            if not any(tiers):
-                ce.update([s for s in slots if not ref[s]])
+            if one_tier or not any(tiers):
+                queued = [s for s in slots if not ref[s]]
+                p.queued[g] = queued
+                if single:
+                    n_claimed[g] += len(queued)  # slots are distinct within a request
+                else:
+                    ce.update(queued)
             else:
                 blocks = p.blocks()
                 for i, t, s in zip(idxs, tiers, slots, strict=True):
@@ -368,5 +379,6 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             p.onboard[g] = onboard
             p.new_blocks[g] = fresh + copies + onboard
     totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
-    available = {g: view.available(g) - len(claimed_evictable[g]) for g in groups}
+    available = {g: view.available(g) - len(claimed_evictable[g]) - n_claimed[g]
+                 for g in groups}
     return BatchPlan(requests=out, new_blocks=totals, available=available)

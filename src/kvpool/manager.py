@@ -181,9 +181,6 @@ class KVCacheManager:
         self.full_attention_only = all(
             config.window_sizes[g] is None for g in self.self_groups
         )
-        # admissions may take the path without batch machinery (``_add_simple``)
-        self._simple = (self.full_attention_only and not config.cross_attention_groups
-                        and config.num_tiers == 1)
         self._tiers = config.num_tiers
         self._free: list[list[list[int]]] = [
             [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
@@ -257,12 +254,7 @@ class KVCacheManager:
             return admission.plan(self._view, _request_list(requests))
 
     def add_sequence(self, request: SequenceRequest) -> AdmitResult:
-        """Admit one request (a batch of one)."""
-        if self._simple:
-            with self._lock:
-                res = self._add_simple(request)
-            if res is not None:
-                return res
+        """Admit one request: ``add_sequence_batch([request])[0]``."""
         return self.add_sequence_batch([request])[0]
 
     def add_sequence_batch(self, requests: Sequence[SequenceRequest]) -> list[AdmitResult]:
@@ -298,13 +290,16 @@ class KVCacheManager:
     def _claim(self, plan: BatchPlan) -> set[tuple[int, int]]:
         """Phase 1: reference every full match; take partial sources out of the queues."""
         takeovers: set[tuple[int, int]] = set()
+        first = True
         for p in plan.requests:
             beams = p.request.beam_width
             for g, slots in p.claim_slots.items():
                 tiers = p.claim_tiers[g]
                 ref = self._ref[g]
                 if not any(tiers):  # all on the GPU (slots are distinct within a request)
-                    self._queue[0][g].remove_many([s for s in slots if not ref[s]])
+                    # the first request claims from the state it was planned against
+                    queued = p.queued[g] if first else [s for s in slots if not ref[s]]
+                    self._queue[0][g].remove_many(queued)
                     for s in slots:
                         ref[s] += beams
                     continue
@@ -315,6 +310,7 @@ class KVCacheManager:
                         ref[s] += beams
                     elif s in self._queue[t][g]:
                         self._queue[t][g].remove(s)  # claimed for onboarding
+            first = False
         # partial sources after every full match: a full match of the same block holds it
         for p in plan.requests:
             if p.partial is None:
@@ -439,53 +435,6 @@ class KVCacheManager:
             seq_id=r.seq_id, reused_tokens=reused_tokens,
             block_ids=[[list(b) for b in t] for t in tables], new_blocks=new, stats=st,
         )
-
-    def _add_simple(self, r: SequenceRequest) -> AdmitResult | None:
-        """``add_sequence`` for the common case, without the batch machinery: a manager of
-        full-attention groups on one tier and a request of one beam with no partial match.
-
-        Plans, claims and allocates exactly as ``add_sequence_batch([r])`` (a differential
-        property test runs both side by side); returns None when the request needs the
-        general path (a partial match, a beam search, or a batch that does not fit: the
-        general path raises the error).
-        """
-        if (type(r) is not SequenceRequest or r.beam_width != 1 or r.seq_id in self.sequences):
-            return None
-        root_key, matched, partial, _, slots = admission.walk(self._view, r)
-        if partial is not None:
-            return None
-        d = len(slots[0]) if slots else 0
-        num_blocks = -(-len(r.tokens) // self.tpb)
-        fresh = num_blocks - d
-        free, queue = self._free[0], self._queue[0]
-        queued: list[list[int]] = []  # per group: the matched blocks claimed out of the queue
-        for g in self.self_groups:
-            ref = self._ref[g]
-            q = [s for s in slots[g] if not ref[s]]
-            if fresh > len(free[g]) + len(queue[g]) - len(q):
-                return None
-            queued.append(q)
-        self._new_count = [0] * self.config.num_groups
-        for g in self.self_groups:
-            ref = self._ref[g]
-            queue[g].remove_many(queued[g])
-            for s in slots[g]:
-                ref[s] += 1
-        tables: list[list[list[int]]] = []
-        for g in self.self_groups:
-            ref = self._ref[g]
-            row = self._alloc_n(g, fresh)
-            for s in row:
-                ref[s] = 1
-            tables.append([slots[g] + row])
-        groups = len(self.self_groups)
-        self._stats.tier_hits[0] += d * groups
-        st = RequestStats(alloc_total=num_blocks * groups, alloc_new=fresh * groups,
-                          reused=d * groups, full_reused=d * groups, missed=fresh * groups)
-        res = self._admitted(r, root_key, matched, d * self.tpb, tables,
-                             dict.fromkeys(self.self_groups, fresh), st)
-        self._finish_call()
-        return res
 
     def _alloc_n(self, g: int, n: int) -> list[int]:
         """``n`` GPU slots of group g (free ones first, then evicted victims)."""
