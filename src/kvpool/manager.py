@@ -52,6 +52,7 @@ from kvpool.hashing import (
 )
 from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, detach, prune
 from kvpool.sequence import Sequence as Seq
+from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
 from kvpool.views import PlanView, Scope
@@ -182,23 +183,21 @@ class KVCacheManager:
             config.window_sizes[g] is None for g in self.self_groups
         )
         self._tiers = config.num_tiers
-        self._free: list[list[list[int]]] = [
-            [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
+        # one SlotPool per (tier, layer group) owns its free list, references, queue and
+        # back-pointers; the lists below are those pools' own containers, per tier and group
+        queues: list[list[EvictionPolicy]] = make_policies(config, self._clock)
+        self._pools: list[list[SlotPool[Run, EvictionPolicy]]] = [
+            [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
+            for t in range(self._tiers)
         ]
-        self._queue: list[list[EvictionPolicy]] = make_policies(config, self._clock)
         self._block_struct = struct.Struct(f"{self.tpb * 4}s")  # a block's token bytes
         self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
-        self._run_at: list[list[list[Run | None]]] = [
-            [[None] * n for n in config.slots[t]] for t in range(self._tiers)
-        ]
-        self._idx_at: list[list[list[int]]] = [
-            [[0] * n for n in config.slots[t]] for t in range(self._tiers)
-        ]
-        self._ref: list[list[int]] = [[0] * n for n in config.slots[0]]
-        # colder-tier slots holding blocks of suspended sequences (never evicted)
-        self._held: list[list[set[int]]] = [
-            [set() for _ in range(groups)] for _ in range(self._tiers)
-        ]
+        self._free = [[p.free for p in tier] for tier in self._pools]
+        self._queue = [[p.queue for p in tier] for tier in self._pools]
+        self._run_at = [[p.run_at for p in tier] for tier in self._pools]
+        self._idx_at = [[p.idx_at for p in tier] for tier in self._pools]
+        self._ref = [p.ref for p in self._pools[0]]
+        self._held = [[p.held for p in tier] for tier in self._pools]
         # one tree per reuse scope (LoRA id, cache salt): scopes never share a root, whatever
         # the hash algorithm (v1 and vLLM mix the scope into the first block's key, so their
         # root keys are equal across scopes)
@@ -244,7 +243,7 @@ class KVCacheManager:
 
     def gpu_available(self, g: int) -> int:
         """Free plus evictable GPU slots of group g (no checks: see ``num_free_blocks``)."""
-        return len(self._free[0][g]) + len(self._queue[0][g])
+        return self._pools[0][g].available()
 
     # ------------------------------------------------------------------ admission
 
@@ -440,15 +439,12 @@ class KVCacheManager:
         """``n`` GPU slots of group g (free ones first, then evicted victims)."""
         if n <= 0:
             return []
-        free = self._free[0][g]
+        pool = self._pools[0][g]
         self._new_count[g] += n
-        if len(free) >= n:
-            out = free[-n:]
-            del free[-n:]
-            out.reverse()
+        out = pool.take(n)
+        if len(out) == n:
             return out
-        out = free[::-1]
-        free.clear()
+        free = pool.free
         if self._tiers > 1 or self._pending_dst:
             pop = self._queue[0][g].pop
             while len(out) < n:
@@ -608,7 +604,7 @@ class KVCacheManager:
         run = self._run_at[t][g][slot]
         i = self._idx_at[t][g][slot]
         assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
-        self._run_at[t][g][slot] = None
+        self._pools[t][g].clear(slot)
         self._stats.evicted_blocks += 1
         if (offload and t + 1 < self._tiers and priority >= self.config.offload_min_priority
                 and self._queue[t][g].should_offload(slot)):
@@ -616,8 +612,7 @@ class KVCacheManager:
             if s2 is not None:
                 run.tier[g][i] = t + 1
                 run.slot[g][i] = s2
-                self._run_at[t + 1][g][s2] = run
-                self._idx_at[t + 1][g][s2] = i
+                self._pools[t + 1][g].place(s2, run, i)
                 self._queue[t + 1][g].push(s2, run.priority(i), key=run.keys[i])
                 self._add_copy(BlockCopy(t, slot, t + 1, s2, g))
                 self._stats.offload_blocks += 1
@@ -650,7 +645,7 @@ class KVCacheManager:
                     continue
                 q.remove(ds)
                 self._cancel_copy_into(dt, g, ds)
-                self._run_at[dt][g][ds] = None
+                self._pools[dt][g].clear(ds)
                 self._free[dt][g].append(ds)
                 r.slot[g][j] = NO_SLOT
                 r.tier[g][j] = 0
@@ -707,14 +702,13 @@ class KVCacheManager:
             return 0
         new = self._alloc(g)
         self._add_copy(BlockCopy(t, s, 0, new, g))
-        self._run_at[t][g][s] = None
+        self._pools[t][g].clear(s)
         if s not in self._held[t][g]:
             self._pending_free.append((t, g, s))
         # else: a suspended sequence holds that copy; it stays held, no longer cached
         run.tier[g][i] = 0
         run.slot[g][i] = new
-        self._run_at[0][g][new] = run
-        self._idx_at[0][g][new] = i
+        self._pools[0][g].place(new, run, i)
         self._ref[g][new] = refs
         self._stats.onboard_bytes += self.storage.block_bytes(g)
         self._emit_updated(g, run.keys[i], t, 0)
@@ -724,7 +718,7 @@ class KVCacheManager:
         """The request adopts an unreferenced leaf's slot in place; the block leaves the tree."""
         s = run.slot[g][i]
         assert run.tier[g][i] == 0 and self._ref[g][s] == 0
-        self._run_at[0][g][s] = None
+        self._pools[0][g].clear(s)
         run.slot[g][i] = NO_SLOT
         self._ref[g][s] = refs
         self._emit_removed(g, [run.keys[i]])
@@ -1011,15 +1005,12 @@ class KVCacheManager:
         would take every block after it along (a full-attention block without its prefix
         cannot be matched). Uncached blocks become free.
         """
-        ref = self._ref[g]
         run_at = self._run_at[0][g]
         idx_at = self._idx_at[0][g]
         queue = self._queue[0][g]
         if NO_SLOT in slots:
             slots = [s for s in slots if s != NO_SLOT]
-        for s in slots:
-            ref[s] -= 1
-        gone = [s for s in reversed(slots) if not ref[s]]
+        gone = self._pools[0][g].drop(slots)
         if not gone:
             return
         runs = [run_at[s] for s in gone]
@@ -1196,11 +1187,12 @@ class KVCacheManager:
         """Point the slots of ``run``'s blocks at it (after a split renumbered them)."""
         for g, slots in enumerate(run.slot):
             tiers = run.tier[g]
+            if not any(tiers):
+                self._pools[0][g].place_all(slots, run)
+                continue
             for j, s in enumerate(slots):
                 if s != NO_SLOT:
-                    t = tiers[j]
-                    self._run_at[t][g][s] = run
-                    self._idx_at[t][g][s] = j
+                    self._pools[tiers[j]][g].place(s, run, j)
 
     def _commit(self, seq: Seq, upto: int) -> None:
         """Insert the sequence's full blocks [committed, upto) into the tree (beam 0).
@@ -1385,8 +1377,7 @@ class KVCacheManager:
         self._set_priority(seq, leaf, 0, full * self.tpb)
         for g in stored:
             s = slots[g][0]
-            self._run_at[0][g][s] = leaf
-            self._idx_at[0][g][s] = 0
+            self._pools[0][g].place(s, leaf, 0)
             self._emit_stored(g, [(leaf, 0, 1)], seq.lora_id)
 
     # ------------------------------------------------------------------ preemption
@@ -1423,10 +1414,9 @@ class KVCacheManager:
                         run = self._run_at[0][g][s]
                         if run is not None:
                             i = self._idx_at[0][g][s]
-                            self._run_at[0][g][s] = None
+                            self._pools[0][g].clear(s)
                             run.tier[g][i], run.slot[g][i] = 1, h
-                            self._run_at[1][g][h] = run
-                            self._idx_at[1][g][h] = i
+                            self._pools[1][g].place(h, run, i)
                             self._emit_updated(g, run.keys[i], 0, 1)
                         self._held[1][g].add(h)
                         self._ref[g][s] = 0
@@ -1471,10 +1461,9 @@ class KVCacheManager:
                 run = self._run_at[t][g][h]
                 if run is not None:
                     i = self._idx_at[t][g][h]
-                    self._run_at[t][g][h] = None
+                    self._pools[t][g].clear(h)
                     run.tier[g][i], run.slot[g][i] = 0, new
-                    self._run_at[0][g][new] = run
-                    self._idx_at[0][g][new] = i
+                    self._pools[0][g].place(new, run, i)
                     self._emit_updated(g, run.keys[i], t, 0)
                 self._held[t][g].discard(h)
                 self._pending_free.append((t, g, h))
