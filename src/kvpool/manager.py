@@ -32,7 +32,7 @@ from typing import Any, Protocol, cast
 
 from kvpool import admission, jit
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import DEFAULT_PRIORITY, CacheConfig, SequenceRequest
 from kvpool.errors import (
     InvalidArgumentError,
     OutOfBlocksError,
@@ -50,7 +50,7 @@ from kvpool.hashing import (
     hash_algo,
     tokens_to_u32,
 )
-from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, detach, prune
+from kvpool.radix import NO_SLOT, Run, Segment, detach, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats, RequestStats
@@ -75,6 +75,10 @@ class EventSink(Protocol):
                    priority: EventDiff | None = None) -> None: ...
 
     def on_all_cleared(self) -> None: ...
+
+    def flush_iteration_events(self) -> None: ...
+
+    def get_latest_events(self, timeout_s: float | None = None) -> list[KVCacheEvent]: ...
 
 
 @dataclass(slots=True)
@@ -208,7 +212,8 @@ class KVCacheManager:
                               self._queue[0])
         _check_hooks("storage", storage, ("block_bytes", "close", "copy_blocks", "stats"))
         _check_hooks("events", events, ("on_all_cleared", "on_created", "on_removed",
-                                        "on_stored", "on_updated"))
+                                        "on_stored", "on_updated", "flush_iteration_events",
+                                        "get_latest_events"))
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
 
@@ -783,15 +788,14 @@ class KVCacheManager:
 
     def flush_iteration_events(self) -> None:
         """Publish this step's events (no-op without events)."""
-        if self._events is not None and hasattr(self._events, "flush_iteration_events"):
+        if self._events is not None:
             self._events.flush_iteration_events()
 
     def get_latest_events(self, timeout_s: float | None = 0) -> list[KVCacheEvent]:
         """Published events not read yet (see ``EventManager.get_latest_events``)."""
-        if self._events is None or not hasattr(self._events, "get_latest_events"):
+        if self._events is None:
             return []
-        out: list[KVCacheEvent] = self._events.get_latest_events(timeout_s)
-        return out
+        return self._events.get_latest_events(timeout_s)
 
     def cached_blocks(self) -> set[tuple[int | str, int, int]]:
         """(event hash, layer group, tier) of every cached block: what events describe."""
