@@ -26,6 +26,7 @@ from enum import Enum
 
 from kvpool.config import SequenceRequest
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
+from kvpool.groups import CrossAttention
 from kvpool.hashing import BlockKey
 from kvpool.radix import NO_SLOT, Run, Segment, common_prefix, first_token, match_full
 from kvpool.views import PlanView
@@ -168,27 +169,6 @@ class PartialClaimTracker:
         return PartialMode.TAKEOVER
 
 
-def _window_required(i: int, length: int, window: int, sink_blocks: int, tpb: int) -> bool:
-    """Is block i needed by a sliding-window group at sequence length ``length``?
-
-    A window of W tokens needs the blocks intersecting the last W+1 positions
-    [length - W - 1, length) plus its sink blocks.
-    """
-    return i < sink_blocks or (i + 1) * tpb > length - window - 1
-
-
-def _group_valid(view: PlanView, g: int, slots: list[int], length: int) -> bool:
-    """Can layer group g reuse ``length`` tokens whose blocks hold ``slots``?"""
-    w = view.config.window_sizes[g]
-    if w is None:
-        return NO_SLOT not in slots
-    tpb = view.tpb
-    sb = view.sink_blocks[g]
-    return all(
-        s != NO_SLOT for i, s in enumerate(slots) if _window_required(i, length, w, sb, tpb)
-    )
-
-
 def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
                        target: bytes) -> tuple[Block | None, int]:
     """The block after the matched path sharing the longest token prefix with ``target``
@@ -243,22 +223,22 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     else:
         d = sum(b - a for _, a, b in matched)
         slots = {g: flat(matched, g) for g in groups}
+    kinds = view.kinds
     if cfg.enable_partial_reuse and d * tpb < body:
         target = raw[d * step:min((d + 1) * tpb, body) * 4]
         cand, k = _partial_candidate(view, matched, root, target)
         if cand is not None:
             length = d * tpb + k
             run, i = cand
-            if all(_group_valid(view, g, [*slots[g], run.slot[g][i]], length) for g in groups):
+            if all(kinds[g].reusable([*slots[g], run.slot[g][i]], length) for g in groups):
                 return root_key, matched, cand, k, slots
     full = d
-    windows = cfg.window_sizes
     for g in groups:  # full attention needs every block: nothing past its first hole
-        if windows[g] is None and NO_SLOT in slots[g]:
+        if not kinds[g].windowed and NO_SLOT in slots[g]:
             d = min(d, slots[g].index(NO_SLOT))
     if not view.full_attention_only:
         while d > 0:
-            if all(_group_valid(view, g, slots[g] if d == full else slots[g][:d], d * tpb)
+            if all(kinds[g].reusable(slots[g] if d == full else slots[g][:d], d * tpb)
                    for g in groups):
                 break
             d -= 1
@@ -290,6 +270,7 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
     groups = range(cfg.num_groups)
+    kinds = view.kinds
     out: list[RequestPlan] = []
     for r in requests:
         root_key, matched, pblock, pk, matched_slots = walk(view, r)
@@ -299,12 +280,7 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
         reused = d * tpb + pk
         claimed: dict[int, Sequence[int]] = {}
         for g in view.self_groups:
-            w = cfg.window_sizes[g]
-            if w is None:
-                claimed[g] = range(d)
-            else:
-                sb = view.sink_blocks[g]
-                claimed[g] = [i for i in range(d) if _window_required(i, reused, w, sb, tpb)]
+            claimed[g] = kinds[g].claimed(d, reused)
         num_blocks = -(-n // tpb)
         out.append(RequestPlan(
             seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
@@ -333,9 +309,9 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             shared = p.last_shared or d < p.num_blocks - 1
             p.partial_mode = tracker.decide(view, p.partial, p.seq_id, shared)
         for g in groups:
-            if g in cfg.cross_attention_groups:
-                enc = p.request.encoder_tokens or []
-                p.new_blocks[g] = -(-len(enc) // tpb)
+            kind = kinds[g]
+            if isinstance(kind, CrossAttention):
+                p.new_blocks[g] = kind.blocks(len(p.request.encoder_tokens or ()))
                 continue
             first_fresh = d + (1 if p.partial is not None else 0)
             fresh = p.num_blocks - first_fresh

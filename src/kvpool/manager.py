@@ -43,6 +43,7 @@ from kvpool.errors import (
 )
 from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock, TokenIds
 from kvpool.eviction import EvictionPolicy, make_policies
+from kvpool.groups import group_kinds
 from kvpool.hashing import (
     BlockHasher,
     BlockKey,
@@ -180,7 +181,7 @@ class KVCacheManager:
         self.self_groups: tuple[int, ...] = tuple(
             g for g in range(groups) if g not in config.cross_attention_groups
         )
-        self.sink_blocks: tuple[int, ...] = tuple(-(-s // self.tpb) for s in config.sinks)
+        self._kinds = group_kinds(config)  # one per layer group: what it needs, what it drops
         # no sliding window: a sequence's self-attention tables all have the same length,
         # and decode growth within its last block changes nothing but its tokens
         self.full_attention_only = all(
@@ -342,7 +343,7 @@ class KVCacheManager:
         tier_hits = self._stats.tier_hits
         for g in range(cfg.num_groups):
             ref = self._ref[g]
-            if g in cfg.cross_attention_groups:
+            if self._kinds[g].cross:
                 enc = r.encoder_tokens or []
                 row = self._alloc_n(g, -(-len(enc) // tpb))
                 for s in row:
@@ -636,7 +637,7 @@ class KVCacheManager:
                 prune(run)
             return
         removed = [run.keys[i]]
-        if self.config.window_sizes[g] is None:
+        if not self._kinds[g].windowed:
             # A full-attention block without its prefix cannot be matched: drop the subtree's
             # queued blocks. Held or claimed ones stay (a sequence that computed a duplicate of
             # an ancestor holds its own copy) and are queued, unreachable, once released.
@@ -880,11 +881,8 @@ class KVCacheManager:
         return seq
 
     def _stale_limit(self, g: int, length: int) -> int:
-        """Blocks [sink_blocks, limit) of a window group are stale at ``length`` tokens."""
-        w = self.config.window_sizes[g]
-        if w is None:
-            return 0
-        return max(0, (length - w - 1) // self.tpb)
+        """Blocks [first_kept, limit) of group g are stale at ``length`` tokens (kvpool.groups)."""
+        return self._kinds[g].stale_limit(length)
 
     def needed_blocks_one_step(self, seq_id: int | str, num_new_tokens: int = 1) -> dict[int, int]:
         """GPU slots per layer group that growing by ``num_new_tokens`` tokens would take."""
@@ -901,7 +899,7 @@ class KVCacheManager:
         freed: dict[int, int] = {}
         blocks_after = -(-new_len // self.tpb)
         for g in range(self.config.num_groups):
-            if g in self.config.cross_attention_groups:
+            if self._kinds[g].cross:
                 need[g] = freed[g] = 0
                 continue
             table = seq.tables[g][0]
@@ -913,7 +911,7 @@ class KVCacheManager:
             counts: dict[int, int] = {}
             for b in range(seq.beam_width):
                 tb = seq.tables[g][b]
-                for i in range(self.sink_blocks[g], min(limit, len(tb))):
+                for i in range(self._kinds[g].first_kept, min(limit, len(tb))):
                     s = tb[i]
                     if s != NO_SLOT:
                         counts[s] = counts.get(s, 0) + 1
@@ -959,14 +957,14 @@ class KVCacheManager:
                 self._check_storage()  # evictions may offload: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             for g in range(self.config.num_groups):
-                if g in self.config.cross_attention_groups:
+                if self._kinds[g].cross:
                     continue
                 # The step computes the new tokens' KV; its first token still attends back a
                 # window from the old end, so staleness is judged at old length + 1.
                 self._release_stale(seq, g, seq.num_tokens + 1)
             blocks_after = -(-new_len // self.tpb)
             for g in range(self.config.num_groups):
-                if g in self.config.cross_attention_groups:
+                if self._kinds[g].cross:
                     continue
                 for b in range(seq.beam_width):
                     tb = seq.tables[g][b]
@@ -981,7 +979,7 @@ class KVCacheManager:
         limit = self._stale_limit(g, length)
         for b in range(seq.beam_width):
             tb = seq.tables[g][b]
-            for i in range(self.sink_blocks[g], min(limit, len(tb))):
+            for i in range(self._kinds[g].first_kept, min(limit, len(tb))):
                 s = tb[i]
                 if s != NO_SLOT:
                     self._unref(g, s)
@@ -1072,13 +1070,12 @@ class KVCacheManager:
                     f"its first {floor} tokens are committed"
                 )
             for g in self.self_groups:
-                w = self.config.window_sizes[g]
-                if w is None:
+                if not self._kinds[g].windowed:
                     continue
                 limit = self._stale_limit(g, new_len)
                 tb = seq.tables[g][0]
                 keep = -(-new_len // self.tpb)
-                for i in range(max(limit, self.sink_blocks[g]), min(keep, len(tb))):
+                for i in range(max(limit, self._kinds[g].first_kept), min(keep, len(tb))):
                     if tb[i] == NO_SLOT:
                         raise RewindError(
                             f"cannot rewind sequence {seq_id!r} to {new_len} tokens: layer "
@@ -1258,7 +1255,7 @@ class KVCacheManager:
             keys.extend(new_keys)
             slots: list[list[int]] = []
             for g in range(self.config.num_groups):
-                if g in self.config.cross_attention_groups:
+                if self._kinds[g].cross:
                     slots.append([NO_SLOT] * k)
                     continue
                 tb = seq.tables[g][0]

@@ -14,6 +14,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Protocol
 
 from kvpool.config import CacheConfig
+from kvpool.groups import group_kinds
 from kvpool.hashing import BlockHasher, BlockKey, cache_salt_id
 from kvpool.radix import NO_SLOT, Run
 
@@ -31,7 +32,7 @@ class PlanView:
     """What admission may read of one manager (see the module docstring)."""
 
     __slots__ = ("_free", "_queued", "_refs", "_root_keys", "config", "full_attention_only",
-                 "roots", "self_groups", "sequences", "sink_blocks", "step", "tpb")
+                 "kinds", "roots", "self_groups", "sequences", "step", "tpb")
 
     def __init__(self, config: CacheConfig, roots: Mapping[Scope, Run],
                  sequences: Container[int | str], refs: Sequence[Sequence[int]],
@@ -42,7 +43,7 @@ class PlanView:
         self.self_groups: tuple[int, ...] = tuple(
             g for g in range(config.num_groups) if g not in config.cross_attention_groups
         )
-        self.sink_blocks: tuple[int, ...] = tuple(-(-s // self.tpb) for s in config.sinks)
+        self.kinds = group_kinds(config)  # one per layer group (kvpool.groups)
         # no sliding window: a sequence's self-attention tables all have the same length
         self.full_attention_only = all(
             config.window_sizes[g] is None for g in self.self_groups
