@@ -19,20 +19,17 @@ error during the call) leaves the call done and the manager refusing every later
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
-from itertools import repeat
-from operator import itemgetter
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from kvpool import admission, jit
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
 from kvpool.config import DEFAULT_PRIORITY, CacheConfig, SequenceRequest
+from kvpool.emit import Emitter, EventSink, event_algo
 from kvpool.errors import (
     InvalidArgumentError,
     OutOfBlocksError,
@@ -41,14 +38,12 @@ from kvpool.errors import (
     StorageError,
     UnknownSequenceError,
 )
-from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock, TokenIds
+from kvpool.events.model import KVCacheEvent
 from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.groups import group_kinds
 from kvpool.hashing import (
     BlockHasher,
     BlockKey,
-    HashAlgo,
-    hash_algo,
     tokens_to_u32,
 )
 from kvpool.radix import NO_SLOT, Run, Segment, detach, prune
@@ -57,29 +52,6 @@ from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
 from kvpool.views import PlanView, Scope
-
-
-class EventSink(Protocol):
-    """The hooks the manager reports cache changes through (kvpool.events.EventManager)."""
-
-    def on_created(self, layer_group: int, window_size: int,
-                   num_blocks_per_cache_level: Sequence[int]) -> None: ...
-
-    def on_stored(self, layer_group: int, window_size: int, parent_hash: int | str | None,
-                  blocks: Sequence[StoredBlock]) -> None: ...
-
-    def on_removed(self, layer_group: int, window_size: int,
-                   block_hashes: Sequence[int | str]) -> None: ...
-
-    def on_updated(self, layer_group: int, window_size: int, block_hash: int | str, *,
-                   cache_level: EventDiff | None = None,
-                   priority: EventDiff | None = None) -> None: ...
-
-    def on_all_cleared(self) -> None: ...
-
-    def flush_iteration_events(self) -> None: ...
-
-    def get_latest_events(self, timeout_s: float | None = None) -> list[KVCacheEvent]: ...
 
 
 @dataclass(slots=True)
@@ -105,37 +77,6 @@ def _stage(c: BlockCopy) -> tuple[int, int]:
     if c.dst_tier < c.src_tier:
         return (1, 0)
     return (2, 0)
-
-
-def _projection(algo: HashAlgo) -> Callable[[list[BlockKey]], list[int | str]]:
-    """``event_hash`` of a list of keys, specialised to one algorithm (the manager projects
-    every event's keys; one comprehension per event)."""
-    if algo is HashAlgo.V1_BLOCK_KEY:
-        return list  # type: ignore[return-value]
-    if algo is HashAlgo.V2_SHA256:
-        return lambda keys: [k.hex() for k in keys]  # type: ignore[union-attr]
-    # The 64-bit projections read every key's first (v2_sha256_64) or last (vLLM) 8 bytes,
-    # big-endian, out of the keys joined: one struct call per event instead of a slice and an
-    # int.from_bytes per key (6x fewer instructions for a long chain). Keys are 32-byte
-    # digests; the struct's size check would reject any other length.
-    return partial(_project_u64, "Q24x" if algo is HashAlgo.V2_SHA256_64 else "24xQ")
-
-
-_PROJECT_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
-
-
-def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
-    """One big-endian u64 out of each 32-byte key (``field`` places it in the digest)."""
-    n = len(keys)
-    st = _PROJECT_STRUCTS.get((field, n))
-    if st is None:
-        st = struct.Struct(">" + field * n)
-        if len(_PROJECT_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
-            _PROJECT_STRUCTS[field, n] = st
-    return list(st.unpack(b"".join(keys)))  # type: ignore[arg-type]
-
-
-_FIRST = itemgetter(0)
 
 
 def _is_index(value: object, size: int) -> bool:
@@ -173,8 +114,6 @@ class KVCacheManager:
             raise InvalidArgumentError(f"config must be a CacheConfig, got {config!r}")
         self.config = config
         self.tpb = config.tokens_per_block
-        self._ev_algo = self._event_algo()
-        self._ev_hashes = _projection(self._ev_algo)
         self._clock = config.clock or time.monotonic
         self._lock = threading.RLock()
         groups = config.num_groups
@@ -195,7 +134,6 @@ class KVCacheManager:
             [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
             for t in range(self._tiers)
         ]
-        self._block_struct = struct.Struct(f"{self.tpb * 4}s")  # a block's token bytes
         self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
         self._free = [[p.free for p in tier] for tier in self._pools]
         self._queue = [[p.queue for p in tier] for tier in self._pools]
@@ -225,15 +163,15 @@ class KVCacheManager:
             from kvpool.events.manager import EventManager
 
             events = EventManager(config.event_buffer_max_size,
-                                  hash_algo=self._event_algo())
+                                  hash_algo=event_algo(config))
         self.events = events
         self._events = events
+        self._emit = Emitter(config, events)
         if events is not None:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
             jit.backend()
         self._copies: list[BlockCopy | None] = []
-        self._removed_pending: dict[int, list[int | str]] = {}
         # (tier, group, slot) -> index in _copies of the copy that fills it during this call
         self._pending_dst: dict[tuple[int, int, int], int] = {}
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
@@ -492,7 +430,7 @@ class KVCacheManager:
             i = idx_at[s]
             if (run is not prev or i != prev_n - 1) and (
                     i != cut.get(run, len(run.keys)) - 1 or run.children):
-                self._emit_removed(g, removed)  # keep the removed hashes in eviction order
+                self._emit.removed(g, removed)  # keep the removed hashes in eviction order
                 removed = []
                 self._cut_runs(cut)
                 cut = {}
@@ -518,7 +456,7 @@ class KVCacheManager:
         out += slots
         self._stats.evicted_blocks += len(victims) - slow
         self._stats.dropped_blocks += len(victims) - slow
-        self._emit_removed(g, removed)
+        self._emit.removed(g, removed)
         return out
 
     def _leaf_tails(self, g: int, slots: list[int]) -> list[tuple[Run, int]] | None:
@@ -566,7 +504,7 @@ class KVCacheManager:
                 continue
             sl[:] = [NO_SLOT] * len(sl)
             detach(run)
-        self._emit_removed(g, removed)
+        self._emit.removed(g, removed)
 
     def _cut_runs(self, cut: dict[Run, int]) -> None:
         """Truncate runs to the lengths ``cut`` gives (their tails lost every slot)."""
@@ -623,7 +561,7 @@ class KVCacheManager:
                 self._add_copy(BlockCopy(t, slot, t + 1, s2, g))
                 self._stats.offload_blocks += 1
                 self._stats.offload_bytes += self.storage.block_bytes(g)
-                self._emit_updated(g, run.keys[i], t, t + 1)
+                self._emit.updated(g, run.keys[i], t, t + 1)
                 return
         if self._pending_dst:
             self._cancel_copy_into(t, g, slot)
@@ -632,7 +570,7 @@ class KVCacheManager:
         self._stats.dropped_blocks += 1
         if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
             if self._events is not None:
-                self._emit_removed(g, [run.keys[i]])
+                self._emit.removed(g, [run.keys[i]])
             if not run.has_slot(i):
                 prune(run)
             return
@@ -657,7 +595,7 @@ class KVCacheManager:
                 r.tier[g][j] = 0
                 self._stats.dropped_blocks += 1
                 removed.append(r.keys[j])
-        self._emit_removed(g, removed)
+        self._emit.removed(g, removed)
         self._prune_subtree(run)
 
     @staticmethod
@@ -717,7 +655,7 @@ class KVCacheManager:
         self._pools[0][g].place(new, run, i)
         self._ref[g][new] = refs
         self._stats.onboard_bytes += self.storage.block_bytes(g)
-        self._emit_updated(g, run.keys[i], t, 0)
+        self._emit.updated(g, run.keys[i], t, 0)
         return 1
 
     def _take_over(self, run: Run, i: int, g: int, refs: int) -> int:
@@ -727,7 +665,7 @@ class KVCacheManager:
         self._pools[0][g].clear(s)
         run.slot[g][i] = NO_SLOT
         self._ref[g][s] = refs
-        self._emit_removed(g, [run.keys[i]])
+        self._emit.removed(g, [run.keys[i]])
         if not run.has_slot(i):
             prune(run)
         return s
@@ -747,7 +685,7 @@ class KVCacheManager:
         for t, g, s in self._pending_free:
             self._free[t][g].append(s)
         self._pending_free.clear()
-        self._flush_removed()
+        self._emit.flush_removed()
         self._pending_dst.clear()
         if self._copies:
             copies = sorted((c for c in self._copies if c is not None), key=_stage)
@@ -783,10 +721,6 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ events
 
-    def _event_algo(self) -> HashAlgo:
-        algo = self.config.event_hash_algo
-        return hash_algo(algo if algo is not None else self.config.hash_algo)
-
     def flush_iteration_events(self) -> None:
         """Publish this step's events (no-op without events)."""
         if self._events is not None:
@@ -804,67 +738,13 @@ class KVCacheManager:
             out: set[tuple[int | str, int, int]] = set()
             for root in self.roots.values():
                 for r in root.descendants():
-                    hashes = self._ev_hashes(r.keys)
+                    hashes = self._emit.hashes(r.keys)
                     for g, slots in enumerate(r.slot):
                         tiers = r.tier[g]
                         for j, s in enumerate(slots):
                             if s != NO_SLOT:
                                 out.add((hashes[j], g, tiers[j]))
             return out
-
-    def _emit_removed(self, g: int, keys: list[BlockKey]) -> None:
-        # Removals of one call are handed over together (one hook call per layer group),
-        # flushed before any other event so the stream's order is exactly the call's.
-        if self._events is not None and keys:
-            pending = self._removed_pending.get(g)
-            if pending is None:
-                pending = self._removed_pending[g] = []
-            pending.extend(self._ev_hashes(keys))
-
-    def _flush_removed(self) -> None:
-        if self._removed_pending and self._events is not None:
-            for g, hashes in self._removed_pending.items():
-                self._events.on_removed(g, self.config.window_size(g), hashes)
-            self._removed_pending = {}
-
-    def _emit_updated(self, g: int, key: BlockKey, old: int, new: int) -> None:
-        if self._events is not None:
-            self._flush_removed()
-            self._events.on_updated(g, self.config.window_size(g), self._ev_hashes([key])[0],
-                                    cache_level=EventDiff(old, new))
-
-    def _parent_key(self, run: Run, i: int) -> BlockKey | None:
-        """The key of the block before block i of ``run`` (None at a scope's root)."""
-        if i:
-            return run.keys[i - 1]
-        parent = run.parent
-        return None if parent is None or parent.parent is None else parent.keys[-1]
-
-    def _emit_stored(self, g: int, chain: list[Segment], lora_id: int | None) -> None:
-        """A stored event for a chain of blocks (each the child of the one before), given
-        as run segments."""
-        if self._events is None or not chain:
-            return
-        self._flush_removed()
-        parent = self._parent_key(chain[0][0], chain[0][1])
-        parent_hash = None if parent is None else self._ev_hashes([parent])[0]
-        step = self.step
-        blocks: list[StoredBlock] = []
-        for r, a, b in chain:
-            raw = r.tkey[a * step:b * step]
-            # Each block's tokens are its bytes, as TokenIds (no Python int per token); a
-            # partial block (a run of its own) is shorter than a block.
-            toks: Iterable[TokenIds] = (
-                map(TokenIds, repeat("I"), map(_FIRST, self._block_struct.iter_unpack(raw)))
-                if len(raw) == (b - a) * step  # whole blocks, cut in C
-                else [TokenIds("I", raw[i * step:(i + 1) * step]) for i in range(b - a)]
-            )
-            prio = r.prio
-            # one constructor call per block through map: no bytecode runs per block
-            blocks += map(StoredBlock, self._ev_hashes(r.keys[a:b]), toks, r.tier[g][a:b],
-                          repeat(DEFAULT_PRIORITY) if prio is None else prio[a:b],
-                          repeat(lora_id))
-        self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
 
     # ------------------------------------------------------------------ growth and release
 
@@ -1244,7 +1124,7 @@ class KVCacheManager:
                         else:
                             chain.append((run, n, n + 1))
                 elif events and g in chains:
-                    self._emit_stored(g, chains.pop(g), seq.lora_id)
+                    self._emit.stored(g, chains.pop(g), seq.lora_id)
             n += 1
             i += 1
         if i < upto:  # new blocks: a chain after block n - 1 of ``run``
@@ -1299,7 +1179,7 @@ class KVCacheManager:
                         piece.append((run, start, j))
                         start = -1
                     if piece and events:
-                        self._emit_stored(g, piece, seq.lora_id)
+                        self._emit.stored(g, piece, seq.lora_id)
                     piece = []
                 if start >= 0:
                     piece.append((run, start, base + k))
@@ -1307,7 +1187,7 @@ class KVCacheManager:
                     chains[g] = piece
             n = base + k
         for g, chain in chains.items():
-            self._emit_stored(g, chain, seq.lora_id)
+            self._emit.stored(g, chain, seq.lora_id)
         seq.committed_blocks = upto
         seq.at_run, seq.at_len = run, n
         if n == len(run.keys) and not run.children and not run.has_slot(n - 1):
@@ -1379,7 +1259,7 @@ class KVCacheManager:
         for g in stored:
             s = slots[g][0]
             self._pools[0][g].place(s, leaf, 0)
-            self._emit_stored(g, [(leaf, 0, 1)], seq.lora_id)
+            self._emit.stored(g, [(leaf, 0, 1)], seq.lora_id)
 
     # ------------------------------------------------------------------ preemption
 
@@ -1418,7 +1298,7 @@ class KVCacheManager:
                             self._pools[0][g].clear(s)
                             run.tier[g][i], run.slot[g][i] = 1, h
                             self._pools[1][g].place(h, run, i)
-                            self._emit_updated(g, run.keys[i], 0, 1)
+                            self._emit.updated(g, run.keys[i], 0, 1)
                         self._held[1][g].add(h)
                         self._ref[g][s] = 0
                         self._free[0][g].append(s)
@@ -1465,7 +1345,7 @@ class KVCacheManager:
                     self._pools[t][g].clear(h)
                     run.tier[g][i], run.slot[g][i] = 0, new
                     self._pools[0][g].place(new, run, i)
-                    self._emit_updated(g, run.keys[i], t, 0)
+                    self._emit.updated(g, run.keys[i], t, 0)
                 self._held[t][g].discard(h)
                 self._pending_free.append((t, g, h))
                 self._ref[g][new] = len(pos)
