@@ -90,7 +90,9 @@ def test_partial_match_takes_unreferenced_leaf_over_in_place() -> None:
     (plan,) = m.plan_batch([SequenceRequest("a", [1, 2, 3, 4, 5, 6, 0, 0])]).requests
     assert plan.partial_mode is PartialMode.TAKEOVER
     assert plan.reused_tokens == 6 and plan.new_blocks == {0: 0}
-    src_slot = plan.partial[0].slot[0][plan.partial[1]] if plan.partial is not None else None
+    src = plan.partial_source(0)
+    assert src is not None and src[0] == 0  # on the GPU
+    src_slot = src[1]
     res = m.add_sequence(SequenceRequest("a", [1, 2, 3, 4, 5, 6, 0, 0]))
     assert res.block_ids[0][0][1] == src_slot  # the leaf's slot, no copy
     assert m.storage.stats().total_blocks == 0

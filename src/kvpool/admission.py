@@ -54,10 +54,10 @@ class RequestPlan:
     root_key: BlockKey
     num_blocks: int  # context blocks (ceil(n / tpb))
     last_shared: bool  # the last context block is shared by all beams
-    matched: list[Segment]  # full matches, block order
+    _matched: list[Segment]  # full matches, block order (tree objects: internal)
     num_matched: int  # blocks in ``matched``
     claimed: dict[int, Sequence[int]]  # layer group -> indices of matched blocks it claims
-    partial: Block | None = None
+    _partial: Block | None = None  # the partial source (a tree block: internal)
     partial_tokens: int = 0
     partial_mode: PartialMode | None = None
     onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
@@ -72,12 +72,32 @@ class RequestPlan:
     def blocks(self) -> list[Block]:
         """The matched blocks one by one (built on first use: only slow paths need them)."""
         if self._blocks is None:
-            self._blocks = flat_blocks(self.matched)
+            self._blocks = flat_blocks(self._matched)
         return self._blocks
+
+    def tier_tokens(self, g: int, tiers: int = 3) -> list[int]:
+        """Reused tokens per tier their blocks are on now, in layer group g."""
+        d = self.num_matched
+        tpb = (self.reused_tokens - self.partial_tokens) // d if d else 0  # tokens per block
+        out = [0] * tiers
+        for run, a, b in self._matched:
+            for t in run.tier[g][a:b]:
+                out[t] += tpb
+        if self._partial is not None:
+            prun, i = self._partial
+            out[prun.tier[g][i]] += self.partial_tokens
+        return out
+
+    def partial_source(self, g: int) -> tuple[int, int] | None:
+        """(tier, slot) of the partially matched block in layer group g, or None."""
+        if self._partial is None:
+            return None
+        run, i = self._partial
+        return run.tier[g][i], run.slot[g][i]
 
     def matched_keys(self) -> list[BlockKey]:
         keys: list[BlockKey] = []
-        for run, a, b in self.matched:
+        for run, a, b in self._matched:
             keys += run.keys[a:b]
         return keys
 
@@ -285,11 +305,11 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
         out.append(RequestPlan(
             seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
             request=r, root_key=root_key, num_blocks=num_blocks,
-            last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, num_matched=d,
-            claimed=claimed, partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
+            last_shared=r.beam_width == 1 or n % tpb == 0, _matched=matched, num_matched=d,
+            claimed=claimed, _partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
         ))
     tracker = PartialClaimTracker()
-    if any(p.partial is not None for p in out):
+    if any(p._partial is not None for p in out):
         # partial sources are decided once every full match of the batch is known
         for p in out:
             blocks = p.blocks()
@@ -300,28 +320,28 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     onboarded: set[tuple[int, int, int]] = set()
     claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
     # a batch of one request without a partial source claims distinct slots: a count will do
-    single = len(out) == 1 and out[0].partial is None
+    single = len(out) == 1 and out[0]._partial is None
     n_claimed = [0] * cfg.num_groups
     for p in out:
         beams = p.request.beam_width
         d = p.num_matched
-        if p.partial is not None:
+        if p._partial is not None:
             shared = p.last_shared or d < p.num_blocks - 1
-            p.partial_mode = tracker.decide(view, p.partial, p.seq_id, shared)
+            p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
         for g in groups:
             kind = kinds[g]
             if isinstance(kind, CrossAttention):
                 p.new_blocks[g] = kind.blocks(len(p.request.encoder_tokens or ()))
                 continue
-            first_fresh = d + (1 if p.partial is not None else 0)
+            first_fresh = d + (1 if p._partial is not None else 0)
             fresh = p.num_blocks - first_fresh
             if fresh > 0 and not p.last_shared:
                 fresh += beams - 1
             copies = 0
-            if p.partial is not None:
+            if p._partial is not None:
                 copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
                 copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-                prun, pi = p.partial
+                prun, pi = p._partial
                 if view.evictable(prun, pi, g):
                     claimed_evictable[g].add(prun.slot[g][pi])
             onboard = 0
@@ -329,7 +349,7 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             ce = claimed_evictable[g]
             idxs = p.claimed[g]
             slots = p.claim_slots[g]  # every matched block's, from the walk
-            tiers = [0] * d if one_tier else flat(p.matched, g, tiers=True)
+            tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
             if len(idxs) != d:
                 tiers = [tiers[i] for i in idxs]
                 slots = [slots[i] for i in idxs]

@@ -219,14 +219,14 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            if self._tiers > 1 or any(p.partial is not None for p in plan.requests):
+            if self._tiers > 1 or any(p._partial is not None for p in plan.requests):
                 self._check_storage()  # the batch may copy: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             takeovers = self._claim(plan)
             results = [self._allocate(p, takeovers) for p in plan.requests]
             self._finish_call(release=[
-                p.partial for p in plan.requests
-                if p.partial is not None and (id(p.partial[0]), p.partial[1]) not in takeovers
+                p._partial for p in plan.requests
+                if p._partial is not None and (id(p._partial[0]), p._partial[1]) not in takeovers
             ])
             return results
 
@@ -256,9 +256,9 @@ class KVCacheManager:
             first = False
         # partial sources after every full match: a full match of the same block holds it
         for p in plan.requests:
-            if p.partial is None:
+            if p._partial is None:
                 continue
-            run, i = p.partial
+            run, i = p._partial
             for g in self.self_groups:
                 t, s = run.tier[g][i], run.slot[g][i]
                 p.partial_loc[g] = (t, s)
@@ -311,12 +311,12 @@ class KVCacheManager:
             last = p.num_blocks - 1
             per_beam_last = not p.last_shared
             per_beam: list[list[int]] = [[] for _ in range(beams)]
-            if p.partial is not None:
+            if p._partial is not None:
                 on_last = per_beam_last and d == last
                 copies = beams if on_last else 1
                 targets: list[int] = []
                 if p.partial_mode is PartialMode.TAKEOVER:
-                    targets.append(self._take_over(*p.partial, g, beams))
+                    targets.append(self._take_over(*p._partial, g, beams))
                     copies -= 1
                 src_tier, src_slot = p.partial_loc[g]
                 for s in self._alloc_n(g, copies):
@@ -329,7 +329,7 @@ class KVCacheManager:
                 else:
                     shared.append(targets[0])
                 st.partial_reused += 1
-            first_fresh = d + (1 if p.partial is not None else 0)
+            first_fresh = d + (1 if p._partial is not None else 0)
             n_shared_fresh = p.num_blocks - first_fresh - (1 if per_beam_last else 0)
             if n_shared_fresh > 0:
                 fresh = self._alloc_n(g, n_shared_fresh)
@@ -347,7 +347,7 @@ class KVCacheManager:
         st.reused = st.full_reused + st.partial_reused
         new = {g: self._new_count[g] - before[g] for g in range(cfg.num_groups)}
         st.alloc_new = sum(new[g] for g in self.self_groups)
-        return self._admitted(r, p.root_key, p.matched, p.reused_tokens, tables, new, st)
+        return self._admitted(r, p.root_key, p._matched, p.reused_tokens, tables, new, st)
 
     def _admitted(self, r: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                   reused_tokens: int, tables: list[list[list[int]]], new: dict[int, int],
