@@ -29,6 +29,7 @@ from typing import Any, cast
 from kvpool import admission, jit
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
 from kvpool.config import DEFAULT_PRIORITY, CacheConfig, SequenceRequest
+from kvpool.copies import CopyPlan
 from kvpool.emit import Emitter, EventSink, event_algo
 from kvpool.errors import (
     InvalidArgumentError,
@@ -67,16 +68,6 @@ class AdmitResult:
     block_ids: list[list[list[int]]]
     new_blocks: dict[int, int]
     stats: RequestStats
-
-
-def _stage(c: BlockCopy) -> tuple[int, int]:
-    # Copies leave colder tiers first (host->disk before GPU->host), then come up, then
-    # same-tier partial copies: each stage only overwrites slots whose data already moved.
-    if c.dst_tier > c.src_tier:
-        return (0, -c.src_tier)
-    if c.dst_tier < c.src_tier:
-        return (1, 0)
-    return (2, 0)
 
 
 def _is_index(value: object, size: int) -> bool:
@@ -171,9 +162,7 @@ class KVCacheManager:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
             jit.backend()
-        self._copies: list[BlockCopy | None] = []
-        # (tier, group, slot) -> index in _copies of the copy that fills it during this call
-        self._pending_dst: dict[tuple[int, int, int], int] = {}
+        self._copies = CopyPlan()  # the copies of the call in progress
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
@@ -320,7 +309,7 @@ class KVCacheManager:
                     copies -= 1
                 src_tier, src_slot = p.partial_loc[g]
                 for s in self._alloc_n(g, copies):
-                    self._add_copy(BlockCopy(src_tier, src_slot, 0, s, g))
+                    self._copies.add(BlockCopy(src_tier, src_slot, 0, s, g))
                     ref[s] += 1 if on_last else beams
                     targets.append(s)
                 if on_last:
@@ -389,7 +378,7 @@ class KVCacheManager:
         if len(out) == n:
             return out
         free = pool.free
-        if self._tiers > 1 or self._pending_dst:
+        if self._tiers > 1 or self._copies:
             pop = self._queue[0][g].pop
             while len(out) < n:
                 if free:  # an eviction's cascade freed its descendants' slots
@@ -558,13 +547,13 @@ class KVCacheManager:
                 run.slot[g][i] = s2
                 self._pools[t + 1][g].place(s2, run, i)
                 self._queue[t + 1][g].push(s2, run.priority(i), key=run.keys[i])
-                self._add_copy(BlockCopy(t, slot, t + 1, s2, g))
+                self._copies.add(BlockCopy(t, slot, t + 1, s2, g))
                 self._stats.offload_blocks += 1
                 self._stats.offload_bytes += self.storage.block_bytes(g)
                 self._emit.updated(g, run.keys[i], t, t + 1)
                 return
-        if self._pending_dst:
-            self._cancel_copy_into(t, g, slot)
+        if self._copies:
+            self._copies.cancel_into(t, g, slot)
         run.slot[g][i] = NO_SLOT
         run.tier[g][i] = 0
         self._stats.dropped_blocks += 1
@@ -588,7 +577,7 @@ class KVCacheManager:
                 if ds not in q:
                     continue
                 q.remove(ds)
-                self._cancel_copy_into(dt, g, ds)
+                self._copies.cancel_into(dt, g, ds)
                 self._pools[dt][g].clear(ds)
                 self._free[dt][g].append(ds)
                 r.slot[g][j] = NO_SLOT
@@ -607,28 +596,6 @@ class KVCacheManager:
             out += [(r, j) for j in range(len(r.keys))]
         return out
 
-    def _add_copy(self, c: BlockCopy) -> None:
-        """Record a copy; if its source was itself filled by a copy of this call, forward it.
-
-        After forwarding every copy of a call reads data that was in place when the call
-        began and writes a slot nothing else writes, so the stage order of ``_finish_call``
-        is a correct execution order.
-        """
-        idx = self._pending_dst.pop((c.src_tier, c.layer_group, c.src_slot), None)
-        if idx is not None:
-            first = self._copies[idx]
-            assert first is not None
-            c = BlockCopy(first.src_tier, first.src_slot, c.dst_tier, c.dst_slot, c.layer_group)
-            self._copies[idx] = None
-        self._pending_dst[(c.dst_tier, c.layer_group, c.dst_slot)] = len(self._copies)
-        self._copies.append(c)
-
-    def _cancel_copy_into(self, t: int, g: int, slot: int) -> None:
-        """The block at (t, g, slot) is dropped: a copy still bringing it there is moot."""
-        idx = self._pending_dst.pop((t, g, slot), None)
-        if idx is not None:
-            self._copies[idx] = None
-
     def _prune_subtree(self, run: Run) -> None:
         """Drop slotless blocks without children below and in ``run``, then upwards."""
         order = [run, *run.descendants()]
@@ -645,7 +612,7 @@ class KVCacheManager:
             self._ref[g][s] += refs
             return 0
         new = self._alloc(g)
-        self._add_copy(BlockCopy(t, s, 0, new, g))
+        self._copies.add(BlockCopy(t, s, 0, new, g))
         self._pools[t][g].clear(s)
         if s not in self._held[t][g]:
             self._pending_free.append((t, g, s))
@@ -686,12 +653,9 @@ class KVCacheManager:
             self._free[t][g].append(s)
         self._pending_free.clear()
         self._emit.flush_removed()
-        self._pending_dst.clear()
-        if self._copies:
-            copies = sorted((c for c in self._copies if c is not None), key=_stage)
-            self._copies = []
-            if copies:
-                self._copy(copies)
+        copies = self._copies.take()
+        if copies:
+            self._copy(copies)
 
     def _check_storage(self) -> None:
         """Before changing anything in a call that may copy: raise StorageError if the copies
@@ -1291,7 +1255,7 @@ class KVCacheManager:
                         h = self._lower_slot(1, g)
                         if h is None:
                             continue  # no room below: stays on the GPU, still held
-                        self._add_copy(BlockCopy(0, s, 1, h, g))
+                        self._copies.add(BlockCopy(0, s, 1, h, g))
                         run = self._run_at[0][g][s]
                         if run is not None:
                             i = self._idx_at[0][g][s]
@@ -1338,7 +1302,7 @@ class KVCacheManager:
             self._new_count = [0] * self.config.num_groups
             for (g, _), (t, h, pos) in seq.moved.items():
                 new = self._alloc(g)
-                self._add_copy(BlockCopy(t, h, 0, new, g))
+                self._copies.add(BlockCopy(t, h, 0, new, g))
                 run = self._run_at[t][g][h]
                 if run is not None:
                     i = self._idx_at[t][g][h]
