@@ -363,3 +363,18 @@ def test_bad_constructor_arguments_are_typed_errors() -> None:
         TorchStorage(4, [geometry], [[1], [1], [1]], device="cpu", disk_path=5)  # type: ignore[arg-type]
     with pytest.raises(StorageError, match="device"):
         TorchStorage(4, [geometry], [[1]], device=2**70)  # type: ignore[arg-type]
+
+
+def test_commit_after_a_split_finds_the_sequence_path_again() -> None:
+    # a's committed blocks end inside the run that b's admission splits: a's next commit finds
+    # its path again by tokens and extends it where it ends, not a block early
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=32))
+    a = list(range(1, 13))
+    m.add_sequence(SequenceRequest("a", a))
+    m.store_context_blocks("a", 8)  # blocks 0-3 in one run
+    m.add_sequence(SequenceRequest("b", [1, 2, 3, 4, 50, 51, 52]))
+    m.store_context_blocks("b", 6)  # splits a's run after block 1
+    m.store_context_blocks("a", 12)  # blocks 4-5 follow block 3
+    m.check_invariants()
+    assert m.count_reusable_tokens([*a, 99]) == 12
+    assert m.count_reusable_tokens([1, 2, 3, 4, 50, 51, 99]) == 6

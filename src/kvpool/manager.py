@@ -47,7 +47,7 @@ from kvpool.hashing import (
     BlockKey,
     tokens_to_u32,
 )
-from kvpool.radix import NO_SLOT, Run, Segment, detach, prune
+from kvpool.radix import NO_SLOT, Run, Segment, detach, match_full, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats, RequestStats
@@ -987,30 +987,19 @@ class KVCacheManager:
         return run, n - back
 
     def _walk_path(self, seq: Seq, blocks: int, rebuild: bool) -> tuple[Run, int] | None:
-        step = self.step
-        raw = seq.tokens.tobytes()
-        run = seq.root = self._root((seq.lora_id, seq.cache_salt))
-        n = 0
-        i = 0
-        while i < blocks:
-            blk = raw[i * step:(i + 1) * step]
-            if n < len(run.keys):
-                if run.tkey[n * step:(n + 1) * step] == blk:
-                    n += 1
-                    i += 1
-                    continue
-            else:
-                child = run.children.get(blk)
-                if child is not None:
-                    run, n = child, 1
-                    i += 1
-                    continue
-            if not rebuild:
-                return None
-            run = self._new_run(seq, run, n, i, blocks, [[NO_SLOT] * (blocks - i)
-                                                         for _ in range(self.config.num_groups)])
-            return run, blocks - i
-        return run, n
+        """Where the sequence's first ``blocks`` blocks end in the tree, found by their tokens
+        (``radix.match_full``, the walk admission uses too); with ``rebuild`` the blocks past
+        the match are recreated as a path run without slots, else None."""
+        root = seq.root = self._root((seq.lora_id, seq.cache_salt))
+        path = match_full(root, seq.tokens.tobytes(), blocks, self.step)
+        run, n = (path[-1][0], path[-1][2]) if path else (root, 0)
+        d = sum(b - a for _, a, b in path)
+        if d == blocks:
+            return run, n
+        if not rebuild:
+            return None
+        slots = [[NO_SLOT] * (blocks - d) for _ in range(self.config.num_groups)]
+        return self._new_run(seq, run, n, d, blocks, slots), blocks - d
 
     def _new_run(self, seq: Seq, run: Run, n: int, first: int, upto: int,
                  slots: list[list[int]], keys: list[BlockKey] | None = None) -> Run:
