@@ -1,5 +1,9 @@
 """Admission throughput of the block manager on two workloads.
 
+Requests enter through ``add_sequence_batch([request])``, the entry point engines call (with
+``--entry add_sequence`` through ``add_sequence``, which older releases served by a separate
+fast path).
+
 W1: 8 system prompts of 1,024 tokens; 2,000 requests, request i = prompt (i % 8) + 1,024
     unique tokens; tpb 32, 20,000 GPU blocks; each request added, stored and removed alone.
     Token ids are random in [0, 128,256) (a Llama 3 vocabulary), as an engine passes them.
@@ -20,8 +24,16 @@ and its extra cost over the first policy listed (the machine's run-to-run noise 
 policy alike, and the median keeps one disturbed round from deciding). Written to
 ``results/bench_admission_policies.json``.
 
+``--baseline SRC`` measures another checkout's code (SRC is its ``src`` folder, e.g. a git
+worktree of the previous release) in the same run: this code through ``add_sequence_batch``,
+the baseline through ``add_sequence_batch`` and through ``add_sequence``, each in its own
+process, interleaved for ``--rounds`` rounds; each row keeps its minimum CPU time (the machine's
+noise only ever adds) and its ratio to the baseline's rows. Written to
+``results/bench_admission_baseline.json``.
+
 Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--with-gc]
-       [--trace PATH] [--compare-policies NAMES [--rounds N]]
+       [--trace PATH] [--entry add_sequence_batch|add_sequence]
+       [--compare-policies NAMES [--rounds N]] [--baseline SRC [--rounds N]]
 """
 
 from __future__ import annotations
@@ -30,8 +42,11 @@ import argparse
 import collections
 import functools
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +65,16 @@ DEFAULT_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].defaul
 VOCAB = 128_256  # Llama 3's vocabulary size: W1's token ids are in [0, VOCAB)
 WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
 TRACE = builtin_trace("conversation")  # shipped in kvpool/data
+ENTRIES = ("add_sequence_batch", "add_sequence")
+ENTRY = ENTRIES[0]  # --entry: how requests enter the manager
+
+
+def admit(m: KVCacheManager, request: SequenceRequest) -> None:
+    """Admit one request through the entry point chosen by ``--entry``."""
+    if ENTRY == "add_sequence":
+        m.add_sequence(request)
+    else:
+        m.add_sequence_batch([request])
 
 
 @functools.cache  # the requests are only read: build them once per size
@@ -105,7 +130,7 @@ def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dic
         t0 = time.perf_counter()
         c0 = time.process_time()
         for i, toks in enumerate(reqs):
-            m.add_sequence(SequenceRequest(i, toks))
+            admit(m, SequenceRequest(i, toks))
             m.store_context_blocks(i, len(toks))
             m.remove_sequence(i)
         total = time.perf_counter() - t0
@@ -145,7 +170,7 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
     for i, toks in enumerate(reqs):
         while True:
             try:
-                m.add_sequence(SequenceRequest(i, toks))
+                admit(m, SequenceRequest(i, toks))
                 break
             except OutOfBlocksError:
                 if not held:
@@ -205,6 +230,39 @@ def compare_policies(policies: list[str], rounds: int, n: int) -> None:
            extra={"cpu_s": cpu})
 
 
+def compare_with(baseline: Path, rounds: int, child_args: list[str]) -> None:
+    """This code and ``baseline``'s, each run in its own process, interleaved (docstring)."""
+    variants = [("this", None, ENTRIES[0]), ("baseline", baseline, ENTRIES[0]),
+                ("baseline", baseline, ENTRIES[1])]
+    best: dict[tuple[str, str, str], dict[str, object]] = {}
+    for r in range(rounds):
+        for code, src, entry in variants:
+            env = dict(os.environ)
+            if src is not None:
+                env["PYTHONPATH"] = str(src)
+            out = subprocess.run(
+                [sys.executable, __file__, "--rows-json", "--entry", entry, *child_args],
+                env=env, check=True, capture_output=True, text=True).stdout
+            for row in json.loads(out.splitlines()[-1]):
+                key = (str(row["workload"]), code, entry)
+                if key not in best or float(row["cpu_s"]) < float(best[key]["cpu_s"]):  # type: ignore[arg-type]
+                    best[key] = row
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    rows = []
+    for (workload, code, entry), row in best.items():
+        base = {e: float(best[workload, "baseline", e]["cpu_s"]) for e in ENTRIES}  # type: ignore[arg-type]
+        cpu = float(row["cpu_s"])  # type: ignore[arg-type]
+        rows.append({
+            "workload": workload, "code": code, "entry": entry, "min_cpu_s": cpu,
+            "vs_base_batch": f"{cpu / base[ENTRIES[0]]:.2f}x",
+            "vs_base_add_seq": f"{cpu / base[ENTRIES[1]]:.2f}x",
+            "block_hit_rate": row["block_hit_rate"],
+        })
+    report("bench_admission_baseline", rows,
+           title=f"this code vs {baseline} (min CPU time of {rounds} interleaved rounds)",
+           extra={"baseline": str(baseline), "rows": [dict(r) for r in best.values()]})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs while developing")
@@ -217,10 +275,23 @@ def main() -> None:
                     help="leave Python's garbage collector on in the timed loops (default: off)")
     ap.add_argument("--compare-policies", metavar="NAMES",
                     help="W1 only: comma-separated policies, interleaved (see the docstring)")
-    ap.add_argument("--rounds", type=int, default=8, help="rounds of --compare-policies")
+    ap.add_argument("--rounds", type=int, default=8,
+                    help="rounds of --compare-policies or --baseline")
+    ap.add_argument("--entry", default=ENTRIES[0], choices=ENTRIES,
+                    help="how requests enter the manager (default: add_sequence_batch)")
+    ap.add_argument("--baseline", type=Path, metavar="SRC",
+                    help="another checkout's src folder, measured in the same run")
+    ap.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global WITH_GC
+    global WITH_GC, ENTRY
     WITH_GC = args.with_gc
+    ENTRY = args.entry
+    if args.baseline is not None:
+        child = ["--algo", args.algo, "--policy", args.policy, "--trace", str(args.trace)]
+        child += ["--quick"] * args.quick + ["--skip-w2"] * args.skip_w2
+        child += ["--with-gc"] * args.with_gc
+        compare_with(args.baseline, args.rounds, child)
+        return
     if args.compare_policies:
         compare_policies(args.compare_policies.split(","), args.rounds,
                          400 if args.quick else 2000)
@@ -231,7 +302,11 @@ def main() -> None:
         n = 800 if args.quick else 4000
         rows.append(run_w2(args.trace, n, algo, 0, args.policy))
         rows.append(run_w2(args.trace, n, algo, 80_000, args.policy))
-    report("bench_admission", rows, title="kvpool admission (tpb 32, 20,000 GPU blocks)")
+    if args.rows_json:  # a --baseline child: the rows for the parent, nothing written
+        print(json.dumps(rows))
+        return
+    report("bench_admission", rows,
+           title=f"kvpool admission through {ENTRY} (tpb 32, 20,000 GPU blocks)")
 
 
 if __name__ == "__main__":

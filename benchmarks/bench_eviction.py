@@ -17,9 +17,11 @@ change: that work bounds how cheap ``fresh`` and ``w1`` can get.
 Each (policy, keys) case warms up until the free list is empty and victims are popped, then
 runs ``--rounds`` rounds of ``--requests`` requests; a row gives the median CPU time
 (``time.process_time``) per block released (64 per request), keys made beforehand.
-``--baseline FILE`` loads another version of ``kvpool/eviction.py`` (say, ``git show
-HEAD~1:src/kvpool/eviction.py > /tmp/old.py``) and runs it interleaved round by round with
-the current one, in the same process, so that both see the same machine load.
+``--baseline FILE`` loads another version of the policies from one file (say, the single-file
+``kvpool/eviction.py`` of a release before the ``kvpool.eviction`` package: ``git worktree add
+/tmp/base 7d96295`` then ``--baseline /tmp/base/src/kvpool/eviction.py``) and runs it
+interleaved round by round with the current one, in the same process, so that both see the
+same machine load.
 
 Usage: python benchmarks/bench_eviction.py [--requests N] [--rounds R] [--baseline FILE]
        [--policies lru,2q]
@@ -128,7 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests per timed round")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--baseline", type=Path, help="another eviction.py to compare against")
+    ap.add_argument("--baseline", type=Path, help="a one-file eviction module to compare with")
     ap.add_argument("--policies", default=",".join(eviction.POLICIES))
     args = ap.parse_args()
     versions = {"current": eviction}

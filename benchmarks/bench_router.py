@@ -22,17 +22,28 @@ ms for ``v2_sha256`` and the token chain (xxh3), <= 5 ms for ``v1_block_key``.
 Run ``--quick`` for a smoke run (small sizes). The machine this runs on may be shared: read
 the CPU-time rates as the less disturbed ones.
 
-    .venv/bin/python benchmarks/bench_router.py [--quick]
+Before/after: ``--baseline SRC`` (the ``src`` folder of another checkout, say ``git worktree add
+/tmp/base 7d96295`` then ``--baseline /tmp/base/src``) runs this script ``--rounds`` times
+against each, in alternating subprocesses (``PYTHONPATH``), so both see the same machine load;
+a row per version gives the median of each number over the rounds.
+
+    .venv/bin/python benchmarks/bench_router.py [--quick] [--baseline SRC [--rounds N]]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
@@ -234,6 +245,35 @@ def _ok(passed: bool) -> str:
     return "yes" if passed else "no"
 
 
+def compare(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
+    """This script's rows for the baseline and the current source, rounds alternating (each run
+    in its own process), as medians over the rounds, the baseline's row first."""
+    import kvpool
+
+    sources = {"baseline": str(Path(args.baseline).resolve()),
+               "current": str(Path(kvpool.__file__).resolve().parents[1])}
+    runs: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in sources}
+    for r in range(args.rounds):
+        for version in sources if r % 2 == 0 else list(sources)[::-1]:
+            with tempfile.TemporaryDirectory() as out:
+                env = dict(os.environ, PYTHONPATH=sources[version], KVPOOL_RESULTS_DIR=out)
+                subprocess.run([sys.executable, __file__, *argv], env=env, check=True,
+                               stdout=subprocess.DEVNULL)
+                runs[version].append(json.loads((Path(out) / "router.json").read_text())["rows"])
+    rows: list[dict[str, Any]] = []
+    for i, first in enumerate(runs["baseline"][0]):
+        for version, per_round in runs.items():
+            row: dict[str, Any] = {"version": version}
+            for k, v in first.items():
+                if k == "ok":  # a round's verdict, not the median's
+                    continue
+                numbers = [rows_[i][k] for rows_ in per_round]
+                row[k] = (statistics.median(numbers) if isinstance(v, int | float)
+                          and not isinstance(v, bool) else v)
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
@@ -245,7 +285,16 @@ def main() -> None:
     parser.add_argument("--ingest-blocks", type=int, default=400_000)
     parser.add_argument("--only", choices=["ingest", "route"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", help="another checkout's src folder to compare with")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per version (--baseline)")
     args = parser.parse_args()
+    if args.baseline:
+        argv = sys.argv[1:]
+        i = next(i for i, a in enumerate(argv) if a.startswith("--baseline"))
+        del argv[i:i + (1 if "=" in argv[i] else 2)]
+        report("router", compare(args, argv), title="kvpool router: baseline and current, "
+               f"median of {args.rounds} alternating rounds", extra={"args": vars(args)})
+        return
     if args.quick:
         args.workers, args.blocks, args.queries, args.ingest_blocks = 8, 10_000, 40, 40_000
     rng = random.Random(args.seed)

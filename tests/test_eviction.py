@@ -20,7 +20,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool import eviction
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import InvalidArgumentError
 from kvpool.eviction import (
@@ -32,11 +31,11 @@ from kvpool.eviction import (
     PrioritizedLRU,
     SegmentedPolicy,
     TwoQueue,
-    _frequent_run,
-    _recent_run,
     make_policies,
     make_policy,
+    queue,
 )
+from kvpool.eviction.segmented import frequent_run, recent_run
 from kvpool.manager import KVCacheManager
 
 SEGMENTED = sorted(n for n, c in POLICIES.items() if issubclass(c, SegmentedPolicy))
@@ -87,7 +86,7 @@ def test_recent_run_is_the_victim_test_applied_one_by_one(
     run = 0
     while run < min(left, nr) and (not nf or nr - run > share * (nr - run + nf)):
         run += 1
-    assert _recent_run(nr, nf, share, left) == run
+    assert recent_run(nr, nf, share, left) == run
 
 
 @given(
@@ -105,7 +104,7 @@ def test_frequent_run_is_the_victim_test_applied_one_by_one(
     run = 0
     while run < min(left, nf) and not (nr and nr > share * (nr + nf - run)):
         run += 1
-    assert _frequent_run(nr, nf, share, left) == run
+    assert frequent_run(nr, nf, share, left) == run
 
 
 _COUNTS = st.sampled_from([1, 2, 3, 254, 255, 256]) | st.integers(1, 300)
@@ -857,8 +856,8 @@ class DifferentialMachine(RuleBasedStateMachine):
     def start(self, name: str, gate: str, capacity: int | None, tier: int, multiple: float,
               slack: int | None) -> None:
         if slack is not None:  # compact the lazy queues often
-            self._slack = eviction._SLACK
-            eviction._SLACK = slack
+            self._slack = queue.SLACK
+            queue.SLACK = slack
         factory = POLICIES[name]
         if issubclass(factory, SegmentedPolicy):
             self.p = factory(self.clock, capacity=capacity, offload_gate=gate, tier=tier,
@@ -870,7 +869,7 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if hasattr(self, "_slack"):
-            eviction._SLACK = self._slack
+            queue.SLACK = self._slack
 
     @property
     def pol(self) -> EvictionPolicy:

@@ -90,7 +90,9 @@ def test_partial_match_takes_unreferenced_leaf_over_in_place() -> None:
     (plan,) = m.plan_batch([SequenceRequest("a", [1, 2, 3, 4, 5, 6, 0, 0])]).requests
     assert plan.partial_mode is PartialMode.TAKEOVER
     assert plan.reused_tokens == 6 and plan.new_blocks == {0: 0}
-    src_slot = plan.partial[0].slot[0][plan.partial[1]] if plan.partial is not None else None
+    src = plan.partial_source(0)
+    assert src is not None and src[0] == 0  # on the GPU
+    src_slot = src[1]
     res = m.add_sequence(SequenceRequest("a", [1, 2, 3, 4, 5, 6, 0, 0]))
     assert res.block_ids[0][0][1] == src_slot  # the leaf's slot, no copy
     assert m.storage.stats().total_blocks == 0
@@ -138,7 +140,7 @@ def test_full_match_of_the_same_block_cancels_takeover_and_release() -> None:
     assert plan.requests[1].reused_tokens == 8
     res = m.add_sequence_batch(reqs)
     src = res[1].block_ids[0][0][1]
-    assert m.gpu_refs(0)[src] == 1  # b holds it; a's copy did not release it
+    assert m.debug_state()["ref"][0][src] == 1  # b holds it; a's copy did not release it
     assert res[0].block_ids[0][0][1] != src
     m.check_invariants()
 
@@ -361,3 +363,18 @@ def test_bad_constructor_arguments_are_typed_errors() -> None:
         TorchStorage(4, [geometry], [[1], [1], [1]], device="cpu", disk_path=5)  # type: ignore[arg-type]
     with pytest.raises(StorageError, match="device"):
         TorchStorage(4, [geometry], [[1]], device=2**70)  # type: ignore[arg-type]
+
+
+def test_commit_after_a_split_finds_the_sequence_path_again() -> None:
+    # a's committed blocks end inside the run that b's admission splits: a's next commit finds
+    # its path again by tokens and extends it where it ends, not a block early
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=32))
+    a = list(range(1, 13))
+    m.add_sequence(SequenceRequest("a", a))
+    m.store_context_blocks("a", 8)  # blocks 0-3 in one run
+    m.add_sequence(SequenceRequest("b", [1, 2, 3, 4, 50, 51, 52]))
+    m.store_context_blocks("b", 6)  # splits a's run after block 1
+    m.store_context_blocks("a", 12)  # blocks 4-5 follow block 3
+    m.check_invariants()
+    assert m.count_reusable_tokens([*a, 99]) == 12
+    assert m.count_reusable_tokens([1, 2, 3, 4, 50, 51, 99]) == 6

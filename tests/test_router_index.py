@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import struct
 from collections import Counter
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -35,7 +37,8 @@ from kvpool.hashing import (
     v2_block_key,
     v2_root_key,
 )
-from kvpool.router import index as index_module
+from kvpool.router import counts as counts_module
+from kvpool.router import token_keys as token_keys_module
 from kvpool.router.index import (
     HOLE_WINDOW,
     TIERS,
@@ -674,6 +677,15 @@ def _token_matched_stream(rng: random.Random, steps: int) -> list[KeyedEvent]:
     return out
 
 
+@contextlib.contextmanager
+def max_ledger(n: int) -> Iterator[None]:
+    """MAX_LEDGER patched where it is read: the ledger's bound (counts) and the generations of
+    recently removed mappings (token_keys)."""
+    with (mock.patch.object(counts_module, "MAX_LEDGER", n),
+          mock.patch.object(token_keys_module, "MAX_LEDGER", n)):
+        yield
+
+
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 60), keep=st.integers(1, 6))
 def test_removals_that_leave_nothing_held_forget_as_the_block_by_block_check_does(
     seed: int, steps: int, keep: int
@@ -686,10 +698,10 @@ def test_removals_that_leave_nothing_held_forget_as_the_block_by_block_check_doe
     for index in (fast, slow):
         index.add_worker("w", match_by_tokens=True, tokens_per_block=2)
     wf, ws = fast._workers["w"], slow._workers["w"]
-    with mock.patch.object(index_module, "MAX_LEDGER", keep):
+    with max_ledger(keep):
         for event in events:
             fast.apply("w", event)
-            with mock.patch.object(index_module, "_none_left", lambda *_: False):
+            with mock.patch.object(counts_module, "none_left", lambda *_: False):
                 slow.apply("w", event)
             assert (wf.chain, wf.chain_recent, wf.chain_older) == (
                 ws.chain, ws.chain_recent, ws.chain_older)
@@ -699,7 +711,7 @@ def test_removals_that_leave_nothing_held_forget_as_the_block_by_block_check_doe
 def test_recently_removed_mappings_are_remembered_for_at_least_max_ledger_removals() -> None:
     index = KvIndex()
     index.add_worker("w", match_by_tokens=True, tokens_per_block=1)
-    with mock.patch.object(index_module, "MAX_LEDGER", 4):
+    with max_ledger(4):
         index.apply("w", StoredTokens(0, list(range(10)), token_bytes(range(10)), 1))
         for eid, h in enumerate(range(10), start=1):
             index.apply("w", RemovedKeys(eid, [h], 0))

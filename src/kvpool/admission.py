@@ -23,15 +23,13 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from kvpool.config import SequenceRequest
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
+from kvpool.groups import CrossAttention
 from kvpool.hashing import BlockKey
 from kvpool.radix import NO_SLOT, Run, Segment, common_prefix, first_token, match_full
-
-if TYPE_CHECKING:
-    from kvpool.manager import KVCacheManager
+from kvpool.views import PlanView
 
 Block = tuple[Run, int]
 """Block i of a run."""
@@ -56,27 +54,50 @@ class RequestPlan:
     root_key: BlockKey
     num_blocks: int  # context blocks (ceil(n / tpb))
     last_shared: bool  # the last context block is shared by all beams
-    matched: list[Segment]  # full matches, block order
+    _matched: list[Segment]  # full matches, block order (tree objects: internal)
     num_matched: int  # blocks in ``matched``
     claimed: dict[int, Sequence[int]]  # layer group -> indices of matched blocks it claims
-    partial: Block | None = None
+    _partial: Block | None = None  # the partial source (a tree block: internal)
     partial_tokens: int = 0
     partial_mode: PartialMode | None = None
     onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
     claim_tiers: dict[int, list[int]] = field(default_factory=dict)  # tier of each claim
     claim_slots: dict[int, list[int]] = field(default_factory=dict)  # slot of each claim
     partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
+    # group -> claimed GPU slots that were queued (unreferenced) when planned, for the batch's
+    # first request whose claims the execution starts with (later ones recount)
+    queued: dict[int, list[int]] = field(default_factory=dict)
     _blocks: list[Block] | None = None
 
     def blocks(self) -> list[Block]:
         """The matched blocks one by one (built on first use: only slow paths need them)."""
         if self._blocks is None:
-            self._blocks = flat_blocks(self.matched)
+            self._blocks = flat_blocks(self._matched)
         return self._blocks
+
+    def tier_tokens(self, g: int, tiers: int = 3) -> list[int]:
+        """Reused tokens per tier their blocks are on now, in layer group g."""
+        d = self.num_matched
+        tpb = (self.reused_tokens - self.partial_tokens) // d if d else 0  # tokens per block
+        out = [0] * tiers
+        for run, a, b in self._matched:
+            for t in run.tier[g][a:b]:
+                out[t] += tpb
+        if self._partial is not None:
+            prun, i = self._partial
+            out[prun.tier[g][i]] += self.partial_tokens
+        return out
+
+    def partial_source(self, g: int) -> tuple[int, int] | None:
+        """(tier, slot) of the partially matched block in layer group g, or None."""
+        if self._partial is None:
+            return None
+        run, i = self._partial
+        return run.tier[g][i], run.slot[g][i]
 
     def matched_keys(self) -> list[BlockKey]:
         keys: list[BlockKey] = []
-        for run, a, b in self.matched:
+        for run, a, b in self._matched:
             keys += run.keys[a:b]
         return keys
 
@@ -151,7 +172,7 @@ class PartialClaimTracker:
     def note_full_match(self, run: Run, i: int) -> None:
         self._full.add((id(run), i))
 
-    def decide(self, mgr: KVCacheManager, block: Block, seq_id: int | str,
+    def decide(self, view: PlanView, block: Block, seq_id: int | str,
                shared_block: bool) -> PartialMode:
         run, i = block
         key = (id(run), i)
@@ -161,39 +182,18 @@ class PartialClaimTracker:
             or not shared_block
             or i != len(run.keys) - 1
             or not run.is_leaf
-            or not mgr.is_unreferenced_gpu_block(run, i)
+            or not view.unreferenced_on_gpu(run, i)
         ):
             return PartialMode.COPY
         self._taker[key] = seq_id
         return PartialMode.TAKEOVER
 
 
-def _window_required(i: int, length: int, window: int, sink_blocks: int, tpb: int) -> bool:
-    """Is block i needed by a sliding-window group at sequence length ``length``?
-
-    A window of W tokens needs the blocks intersecting the last W+1 positions
-    [length - W - 1, length) plus its sink blocks.
-    """
-    return i < sink_blocks or (i + 1) * tpb > length - window - 1
-
-
-def _group_valid(mgr: KVCacheManager, g: int, slots: list[int], length: int) -> bool:
-    """Can layer group g reuse ``length`` tokens whose blocks hold ``slots``?"""
-    w = mgr.config.window_sizes[g]
-    if w is None:
-        return NO_SLOT not in slots
-    tpb = mgr.tpb
-    sb = mgr.sink_blocks[g]
-    return all(
-        s != NO_SLOT for i, s in enumerate(slots) if _window_required(i, length, w, sb, tpb)
-    )
-
-
-def _partial_candidate(mgr: KVCacheManager, segments: list[Segment], root: Run,
+def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
                        target: bytes) -> tuple[Block | None, int]:
     """The block after the matched path sharing the longest token prefix with ``target``
     that holds a slot in every self-attention group; (block, shared tokens) or (None, 0)."""
-    step = 4 * mgr.tpb
+    step = 4 * view.tpb
     if segments:
         run, _, b = segments[-1]
         if b < len(run.keys):  # inside a run: its next block is the only candidate
@@ -204,7 +204,7 @@ def _partial_candidate(mgr: KVCacheManager, segments: list[Segment], root: Run,
         cands = [(c, 0) for c in root.children_starting_with(first_token(target))]
     best: Block | None = None
     best_k = 0
-    groups = mgr.self_groups
+    groups = view.self_groups
     for run, i in cands:
         if any(run.slot[g][i] == NO_SLOT for g in groups):
             continue
@@ -214,7 +214,7 @@ def _partial_candidate(mgr: KVCacheManager, segments: list[Segment], root: Run,
     return best, best_k
 
 
-def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
+def walk(view: PlanView, request: SequenceRequest) -> tuple[
     BlockKey, list[Segment], Block | None, int, dict[int, list[int]]
 ]:
     """Find a request's reuse: the longest prefix valid in every self-attention layer group.
@@ -223,18 +223,18 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
     a time, so a matched block is never hashed again. Returns (root key, matched segments,
     partial block, partial tokens, the matched blocks' slots per self-attention group).
     """
-    cfg = mgr.config
-    root_key = mgr.root_key(request.lora_id, request.cache_salt)
-    groups = mgr.self_groups
-    root = mgr.roots.get((request.lora_id, request.cache_salt)) if cfg.enable_block_reuse \
+    cfg = view.config
+    root_key = view.root_key(request.lora_id, request.cache_salt)
+    groups = view.self_groups
+    root = view.roots.get((request.lora_id, request.cache_salt)) if cfg.enable_block_reuse \
         else None
     if root is None:
         return root_key, [], None, 0, {g: [] for g in groups}
-    tpb = mgr.tpb
+    tpb = view.tpb
     tokens = request.tokens
     body = len(tokens) - 1
     raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
-    step = mgr.step
+    step = view.step
     matched = match_full(root, raw, body // tpb, step)
     if len(matched) == 1:
         run, a, b = matched[0]
@@ -243,22 +243,22 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
     else:
         d = sum(b - a for _, a, b in matched)
         slots = {g: flat(matched, g) for g in groups}
+    kinds = view.kinds
     if cfg.enable_partial_reuse and d * tpb < body:
         target = raw[d * step:min((d + 1) * tpb, body) * 4]
-        cand, k = _partial_candidate(mgr, matched, root, target)
+        cand, k = _partial_candidate(view, matched, root, target)
         if cand is not None:
             length = d * tpb + k
             run, i = cand
-            if all(_group_valid(mgr, g, [*slots[g], run.slot[g][i]], length) for g in groups):
+            if all(kinds[g].reusable([*slots[g], run.slot[g][i]], length) for g in groups):
                 return root_key, matched, cand, k, slots
     full = d
-    windows = cfg.window_sizes
     for g in groups:  # full attention needs every block: nothing past its first hole
-        if windows[g] is None and NO_SLOT in slots[g]:
+        if not kinds[g].windowed and NO_SLOT in slots[g]:
             d = min(d, slots[g].index(NO_SLOT))
-    if not mgr.full_attention_only:
+    if not view.full_attention_only:
         while d > 0:
-            if all(_group_valid(mgr, g, slots[g] if d == full else slots[g][:d], d * tpb)
+            if all(kinds[g].reusable(slots[g] if d == full else slots[g][:d], d * tpb)
                    for g in groups):
                 break
             d -= 1
@@ -267,15 +267,15 @@ def walk(mgr: KVCacheManager, request: SequenceRequest) -> tuple[
     return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
 
 
-def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
+def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     """Plan a batch without changing anything (see the module docstring)."""
-    cfg = mgr.config
-    tpb = mgr.tpb
+    cfg = view.config
+    tpb = view.tpb
     seen: set[int | str] = set()
     for r in requests:
         if not isinstance(r, SequenceRequest):
             raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
-        if r.seq_id in seen or r.seq_id in mgr.sequences:
+        if r.seq_id in seen or r.seq_id in view.sequences:
             where = "twice in this batch" if r.seq_id in seen else "already in use"
             raise DuplicateSequenceError(f"sequence id {r.seq_id!r} is {where}")
         seen.add(r.seq_id)
@@ -290,74 +290,78 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
     groups = range(cfg.num_groups)
+    kinds = view.kinds
     out: list[RequestPlan] = []
     for r in requests:
-        root_key, matched, pblock, pk, matched_slots = walk(mgr, r)
+        root_key, matched, pblock, pk, matched_slots = walk(view, r)
         n = len(r.tokens)
         d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
             b - a for _, a, b in matched)
         reused = d * tpb + pk
         claimed: dict[int, Sequence[int]] = {}
-        for g in mgr.self_groups:
-            w = cfg.window_sizes[g]
-            if w is None:
-                claimed[g] = range(d)
-            else:
-                sb = mgr.sink_blocks[g]
-                claimed[g] = [i for i in range(d) if _window_required(i, reused, w, sb, tpb)]
+        for g in view.self_groups:
+            claimed[g] = kinds[g].claimed(d, reused)
         num_blocks = -(-n // tpb)
         out.append(RequestPlan(
             seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
             request=r, root_key=root_key, num_blocks=num_blocks,
-            last_shared=r.beam_width == 1 or n % tpb == 0, matched=matched, num_matched=d,
-            claimed=claimed, partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
+            last_shared=r.beam_width == 1 or n % tpb == 0, _matched=matched, num_matched=d,
+            claimed=claimed, _partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
         ))
     tracker = PartialClaimTracker()
-    if any(p.partial is not None for p in out):
+    if any(p._partial is not None for p in out):
         # partial sources are decided once every full match of the batch is known
         for p in out:
             blocks = p.blocks()
             for idxs in p.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
-    one_tier = mgr.config.num_tiers == 1
+    one_tier = view.config.num_tiers == 1
     onboarded: set[tuple[int, int, int]] = set()
     claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
+    # a batch of one request without a partial source claims distinct slots: a count will do
+    single = len(out) == 1 and out[0]._partial is None
+    n_claimed = [0] * cfg.num_groups
     for p in out:
         beams = p.request.beam_width
         d = p.num_matched
-        if p.partial is not None:
+        if p._partial is not None:
             shared = p.last_shared or d < p.num_blocks - 1
-            p.partial_mode = tracker.decide(mgr, p.partial, p.seq_id, shared)
+            p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
         for g in groups:
-            if g in cfg.cross_attention_groups:
-                enc = p.request.encoder_tokens or []
-                p.new_blocks[g] = -(-len(enc) // tpb)
+            kind = kinds[g]
+            if isinstance(kind, CrossAttention):
+                p.new_blocks[g] = kind.blocks(len(p.request.encoder_tokens or ()))
                 continue
-            first_fresh = d + (1 if p.partial is not None else 0)
+            first_fresh = d + (1 if p._partial is not None else 0)
             fresh = p.num_blocks - first_fresh
             if fresh > 0 and not p.last_shared:
                 fresh += beams - 1
             copies = 0
-            if p.partial is not None:
+            if p._partial is not None:
                 copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
                 copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-                prun, pi = p.partial
-                if mgr.gpu_evictable(prun, pi, g):
+                prun, pi = p._partial
+                if view.evictable(prun, pi, g):
                     claimed_evictable[g].add(prun.slot[g][pi])
             onboard = 0
-            ref = mgr.gpu_refs(g)
+            ref = view.refs(g)
             ce = claimed_evictable[g]
             idxs = p.claimed[g]
             slots = p.claim_slots[g]  # every matched block's, from the walk
-            tiers = [0] * d if one_tier else flat(p.matched, g, tiers=True)
+            tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
             if len(idxs) != d:
                 tiers = [tiers[i] for i in idxs]
                 slots = [slots[i] for i in idxs]
             p.claim_tiers[g] = tiers
             p.claim_slots[g] = slots
-            if not any(tiers):
-                ce.update([s for s in slots if not ref[s]])
+            if one_tier or not any(tiers):
+                queued = [s for s in slots if not ref[s]]
+                p.queued[g] = queued
+                if single:
+                    n_claimed[g] += len(queued)  # slots are distinct within a request
+                else:
+                    ce.update(queued)
             else:
                 blocks = p.blocks()
                 for i, t, s in zip(idxs, tiers, slots, strict=True):
@@ -371,5 +375,6 @@ def plan(mgr: KVCacheManager, requests: list[SequenceRequest]) -> BatchPlan:
             p.onboard[g] = onboard
             p.new_blocks[g] = fresh + copies + onboard
     totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
-    available = {g: mgr.gpu_available(g) - len(claimed_evictable[g]) for g in groups}
+    available = {g: view.available(g) - len(claimed_evictable[g]) - n_claimed[g]
+                 for g in groups}
     return BatchPlan(requests=out, new_blocks=totals, available=available)

@@ -25,6 +25,8 @@ MAX_PRIORITY = 100
 DEFAULT_MAX_SEQ_LEN = 131_072
 OFFLOAD_GATES: tuple[str, ...] = ("all", "reused")
 """``CacheConfig.offload_gate`` values: every victim may go down a tier, or only reused ones."""
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "2q", "s3fifo", "arc")
+"""``CacheConfig.eviction_policy`` values (``kvpool.eviction.POLICIES`` maps each to its class)."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -280,11 +282,11 @@ class CacheConfig:
         for name in ("enable_block_reuse", "enable_partial_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        from kvpool.eviction import POLICIES  # here: eviction imports this module
-
-        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES:
+        if (not isinstance(self.eviction_policy, str)
+                or self.eviction_policy not in EVICTION_POLICIES):
             raise InvalidArgumentError(
-                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
+                f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, "
+                f"got {self.eviction_policy!r}"
             )
         if self.offload_gate not in OFFLOAD_GATES:
             raise InvalidArgumentError(

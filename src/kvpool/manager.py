@@ -19,20 +19,18 @@ error during the call) leaves the call done and the manager refusing every later
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
-from itertools import repeat
-from operator import itemgetter
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from kvpool import admission, jit
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import DEFAULT_PRIORITY, CacheConfig, SequenceRequest
+from kvpool.copies import CopyPlan
+from kvpool.emit import Emitter, EventSink, event_algo
 from kvpool.errors import (
     InvalidArgumentError,
     OutOfBlocksError,
@@ -41,42 +39,20 @@ from kvpool.errors import (
     StorageError,
     UnknownSequenceError,
 )
-from kvpool.events.model import EventDiff, KVCacheEvent, StoredBlock, TokenIds
+from kvpool.events.model import KVCacheEvent
 from kvpool.eviction import EvictionPolicy, make_policies
+from kvpool.groups import group_kinds
 from kvpool.hashing import (
     BlockHasher,
     BlockKey,
-    HashAlgo,
-    cache_salt_id,
-    hash_algo,
     tokens_to_u32,
 )
-from kvpool.radix import DEFAULT_PRIORITY, NO_SLOT, Run, Segment, detach, prune
+from kvpool.radix import NO_SLOT, Run, Segment, detach, match_full, prune
 from kvpool.sequence import Sequence as Seq
+from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
-
-Scope = tuple[int | None, str | None]
-"""A reuse scope: (LoRA id, cache salt)."""
-
-
-class EventSink(Protocol):
-    """The hooks the manager reports cache changes through (kvpool.events.EventManager)."""
-
-    def on_created(self, layer_group: int, window_size: int,
-                   num_blocks_per_cache_level: Sequence[int]) -> None: ...
-
-    def on_stored(self, layer_group: int, window_size: int, parent_hash: int | str | None,
-                  blocks: Sequence[StoredBlock]) -> None: ...
-
-    def on_removed(self, layer_group: int, window_size: int,
-                   block_hashes: Sequence[int | str]) -> None: ...
-
-    def on_updated(self, layer_group: int, window_size: int, block_hash: int | str, *,
-                   cache_level: EventDiff | None = None,
-                   priority: EventDiff | None = None) -> None: ...
-
-    def on_all_cleared(self) -> None: ...
+from kvpool.views import PlanView, Scope
 
 
 @dataclass(slots=True)
@@ -92,47 +68,6 @@ class AdmitResult:
     block_ids: list[list[list[int]]]
     new_blocks: dict[int, int]
     stats: RequestStats
-
-
-def _stage(c: BlockCopy) -> tuple[int, int]:
-    # Copies leave colder tiers first (host->disk before GPU->host), then come up, then
-    # same-tier partial copies: each stage only overwrites slots whose data already moved.
-    if c.dst_tier > c.src_tier:
-        return (0, -c.src_tier)
-    if c.dst_tier < c.src_tier:
-        return (1, 0)
-    return (2, 0)
-
-
-def _projection(algo: HashAlgo) -> Callable[[list[BlockKey]], list[int | str]]:
-    """``event_hash`` of a list of keys, specialised to one algorithm (the manager projects
-    every event's keys; one comprehension per event)."""
-    if algo is HashAlgo.V1_BLOCK_KEY:
-        return list  # type: ignore[return-value]
-    if algo is HashAlgo.V2_SHA256:
-        return lambda keys: [k.hex() for k in keys]  # type: ignore[union-attr]
-    # The 64-bit projections read every key's first (v2_sha256_64) or last (vLLM) 8 bytes,
-    # big-endian, out of the keys joined: one struct call per event instead of a slice and an
-    # int.from_bytes per key (6x fewer instructions for a long chain). Keys are 32-byte
-    # digests; the struct's size check would reject any other length.
-    return partial(_project_u64, "Q24x" if algo is HashAlgo.V2_SHA256_64 else "24xQ")
-
-
-_PROJECT_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
-
-
-def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
-    """One big-endian u64 out of each 32-byte key (``field`` places it in the digest)."""
-    n = len(keys)
-    st = _PROJECT_STRUCTS.get((field, n))
-    if st is None:
-        st = struct.Struct(">" + field * n)
-        if len(_PROJECT_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
-            _PROJECT_STRUCTS[field, n] = st
-    return list(st.unpack(b"".join(keys)))  # type: ignore[arg-type]
-
-
-_FIRST = itemgetter(0)
 
 
 def _is_index(value: object, size: int) -> bool:
@@ -170,51 +105,45 @@ class KVCacheManager:
             raise InvalidArgumentError(f"config must be a CacheConfig, got {config!r}")
         self.config = config
         self.tpb = config.tokens_per_block
-        self._ev_algo = self._event_algo()
-        self._ev_hashes = _projection(self._ev_algo)
         self._clock = config.clock or time.monotonic
         self._lock = threading.RLock()
         groups = config.num_groups
         self.self_groups: tuple[int, ...] = tuple(
             g for g in range(groups) if g not in config.cross_attention_groups
         )
-        self.sink_blocks: tuple[int, ...] = tuple(-(-s // self.tpb) for s in config.sinks)
+        self._kinds = group_kinds(config)  # one per layer group: what it needs, what it drops
         # no sliding window: a sequence's self-attention tables all have the same length,
         # and decode growth within its last block changes nothing but its tokens
         self.full_attention_only = all(
             config.window_sizes[g] is None for g in self.self_groups
         )
-        # admissions may take the path without batch machinery (``_add_simple``)
-        self._simple = (self.full_attention_only and not config.cross_attention_groups
-                        and config.num_tiers == 1)
         self._tiers = config.num_tiers
-        self._free: list[list[list[int]]] = [
-            [list(range(n - 1, -1, -1)) for n in config.slots[t]] for t in range(self._tiers)
+        # one SlotPool per (tier, layer group) owns its free list, references, queue and
+        # back-pointers; the lists below are those pools' own containers, per tier and group
+        queues: list[list[EvictionPolicy]] = make_policies(config, self._clock)
+        self._pools: list[list[SlotPool[Run, EvictionPolicy]]] = [
+            [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
+            for t in range(self._tiers)
         ]
-        self._queue: list[list[EvictionPolicy]] = make_policies(config, self._clock)
-        self._block_struct = struct.Struct(f"{self.tpb * 4}s")  # a block's token bytes
         self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
-        self._run_at: list[list[list[Run | None]]] = [
-            [[None] * n for n in config.slots[t]] for t in range(self._tiers)
-        ]
-        self._idx_at: list[list[list[int]]] = [
-            [[0] * n for n in config.slots[t]] for t in range(self._tiers)
-        ]
-        self._ref: list[list[int]] = [[0] * n for n in config.slots[0]]
-        # colder-tier slots holding blocks of suspended sequences (never evicted)
-        self._held: list[list[set[int]]] = [
-            [set() for _ in range(groups)] for _ in range(self._tiers)
-        ]
+        self._free = [[p.free for p in tier] for tier in self._pools]
+        self._queue = [[p.queue for p in tier] for tier in self._pools]
+        self._run_at = [[p.run_at for p in tier] for tier in self._pools]
+        self._idx_at = [[p.idx_at for p in tier] for tier in self._pools]
+        self._ref = [p.ref for p in self._pools[0]]
+        self._held = [[p.held for p in tier] for tier in self._pools]
         # one tree per reuse scope (LoRA id, cache salt): scopes never share a root, whatever
         # the hash algorithm (v1 and vLLM mix the scope into the first block's key, so their
         # root keys are equal across scopes)
         self.roots: dict[Scope, Run] = {}
-        self._root_keys: dict[tuple[int | None, str | None], BlockKey] = {}
         self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[int | str, Seq] = {}
+        self._view = PlanView(config, self.roots, self.sequences, self._ref, self._free[0],
+                              self._queue[0])
         _check_hooks("storage", storage, ("block_bytes", "close", "copy_blocks", "stats"))
         _check_hooks("events", events, ("on_all_cleared", "on_created", "on_removed",
-                                        "on_stored", "on_updated"))
+                                        "on_stored", "on_updated", "flush_iteration_events",
+                                        "get_latest_events"))
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
 
@@ -225,17 +154,15 @@ class KVCacheManager:
             from kvpool.events.manager import EventManager
 
             events = EventManager(config.event_buffer_max_size,
-                                  hash_algo=self._event_algo())
+                                  hash_algo=event_algo(config))
         self.events = events
         self._events = events
+        self._emit = Emitter(config, events)
         if events is not None:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
             jit.backend()
-        self._copies: list[BlockCopy | None] = []
-        self._removed_pending: dict[int, list[int | str]] = {}
-        # (tier, group, slot) -> index in _copies of the copy that fills it during this call
-        self._pending_dst: dict[tuple[int, int, int], int] = {}
+        self._copies = CopyPlan()  # the copies of the call in progress
         self._pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
         self._new_count = [0] * groups
         self._retention_seen = False  # has any block had a retention priority set?
@@ -247,49 +174,19 @@ class KVCacheManager:
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(self._tiers)])
 
-    # ------------------------------------------------------------------ queries used by planning
-
-    def root_key(self, lora_id: int | None, cache_salt: str | None) -> BlockKey:
-        """The root key of a reuse scope (cached: v2 roots are a sha256 each)."""
-        scope = (lora_id, cache_salt)
-        key = self._root_keys.get(scope)
-        if key is None:
-            salt = cache_salt_id(cache_salt) if cache_salt is not None else None
-            key = BlockHasher.root_key(self.config.hash_algo, lora_id=lora_id, salt_id=salt)
-            self._root_keys[scope] = key
-        return key
-
-    def gpu_refs(self, g: int) -> list[int]:
-        """Reference counts of group g's GPU slots (read only)."""
-        return self._ref[g]
-
     def gpu_available(self, g: int) -> int:
-        """Free plus evictable GPU slots of group g."""
-        return len(self._free[0][g]) + len(self._queue[0][g])
-
-    def gpu_evictable(self, run: Run, i: int, g: int) -> bool:
-        """Does block i of ``run`` hold a queued (cached, unreferenced) GPU slot in group g?"""
-        s = run.slot[g][i]
-        return s != NO_SLOT and run.tier[g][i] == 0 and self._ref[g][s] == 0
-
-    def is_unreferenced_gpu_block(self, run: Run, i: int) -> bool:
-        """Does block i of ``run`` hold an unreferenced GPU slot in every self-attention group?"""
-        return all(self.gpu_evictable(run, i, g) for g in self.self_groups)
+        """Free plus evictable GPU slots of group g (no checks: see ``num_free_blocks``)."""
+        return self._pools[0][g].available()
 
     # ------------------------------------------------------------------ admission
 
     def plan_batch(self, requests: Sequence[SequenceRequest]) -> BatchPlan:
         """What ``add_sequence_batch(requests)`` would reuse and allocate; changes nothing."""
         with self._lock:
-            return admission.plan(self, _request_list(requests))
+            return admission.plan(self._view, _request_list(requests))
 
     def add_sequence(self, request: SequenceRequest) -> AdmitResult:
-        """Admit one request (a batch of one)."""
-        if self._simple:
-            with self._lock:
-                res = self._add_simple(request)
-            if res is not None:
-                return res
+        """Admit one request: ``add_sequence_batch([request])[0]``."""
         return self.add_sequence_batch([request])[0]
 
     def add_sequence_batch(self, requests: Sequence[SequenceRequest]) -> list[AdmitResult]:
@@ -301,7 +198,7 @@ class KVCacheManager:
         exactly as before.
         """
         with self._lock:
-            plan = admission.plan(self, _request_list(requests))
+            plan = admission.plan(self._view, _request_list(requests))
             if not plan.fits:
                 detail = ", ".join(
                     f"group {g}: need {plan.new_blocks[g]}, have {plan.available[g]}"
@@ -311,27 +208,30 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            if self._tiers > 1 or any(p.partial is not None for p in plan.requests):
+            if self._tiers > 1 or any(p._partial is not None for p in plan.requests):
                 self._check_storage()  # the batch may copy: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             takeovers = self._claim(plan)
             results = [self._allocate(p, takeovers) for p in plan.requests]
             self._finish_call(release=[
-                p.partial for p in plan.requests
-                if p.partial is not None and (id(p.partial[0]), p.partial[1]) not in takeovers
+                p._partial for p in plan.requests
+                if p._partial is not None and (id(p._partial[0]), p._partial[1]) not in takeovers
             ])
             return results
 
     def _claim(self, plan: BatchPlan) -> set[tuple[int, int]]:
         """Phase 1: reference every full match; take partial sources out of the queues."""
         takeovers: set[tuple[int, int]] = set()
+        first = True
         for p in plan.requests:
             beams = p.request.beam_width
             for g, slots in p.claim_slots.items():
                 tiers = p.claim_tiers[g]
                 ref = self._ref[g]
                 if not any(tiers):  # all on the GPU (slots are distinct within a request)
-                    self._queue[0][g].remove_many([s for s in slots if not ref[s]])
+                    # the first request claims from the state it was planned against
+                    queued = p.queued[g] if first else [s for s in slots if not ref[s]]
+                    self._queue[0][g].remove_many(queued)
                     for s in slots:
                         ref[s] += beams
                     continue
@@ -342,11 +242,12 @@ class KVCacheManager:
                         ref[s] += beams
                     elif s in self._queue[t][g]:
                         self._queue[t][g].remove(s)  # claimed for onboarding
+            first = False
         # partial sources after every full match: a full match of the same block holds it
         for p in plan.requests:
-            if p.partial is None:
+            if p._partial is None:
                 continue
-            run, i = p.partial
+            run, i = p._partial
             for g in self.self_groups:
                 t, s = run.tier[g][i], run.slot[g][i]
                 p.partial_loc[g] = (t, s)
@@ -369,7 +270,7 @@ class KVCacheManager:
         tier_hits = self._stats.tier_hits
         for g in range(cfg.num_groups):
             ref = self._ref[g]
-            if g in cfg.cross_attention_groups:
+            if self._kinds[g].cross:
                 enc = r.encoder_tokens or []
                 row = self._alloc_n(g, -(-len(enc) // tpb))
                 for s in row:
@@ -399,16 +300,16 @@ class KVCacheManager:
             last = p.num_blocks - 1
             per_beam_last = not p.last_shared
             per_beam: list[list[int]] = [[] for _ in range(beams)]
-            if p.partial is not None:
+            if p._partial is not None:
                 on_last = per_beam_last and d == last
                 copies = beams if on_last else 1
                 targets: list[int] = []
                 if p.partial_mode is PartialMode.TAKEOVER:
-                    targets.append(self._take_over(*p.partial, g, beams))
+                    targets.append(self._take_over(*p._partial, g, beams))
                     copies -= 1
                 src_tier, src_slot = p.partial_loc[g]
                 for s in self._alloc_n(g, copies):
-                    self._add_copy(BlockCopy(src_tier, src_slot, 0, s, g))
+                    self._copies.add(BlockCopy(src_tier, src_slot, 0, s, g))
                     ref[s] += 1 if on_last else beams
                     targets.append(s)
                 if on_last:
@@ -417,7 +318,7 @@ class KVCacheManager:
                 else:
                     shared.append(targets[0])
                 st.partial_reused += 1
-            first_fresh = d + (1 if p.partial is not None else 0)
+            first_fresh = d + (1 if p._partial is not None else 0)
             n_shared_fresh = p.num_blocks - first_fresh - (1 if per_beam_last else 0)
             if n_shared_fresh > 0:
                 fresh = self._alloc_n(g, n_shared_fresh)
@@ -435,7 +336,7 @@ class KVCacheManager:
         st.reused = st.full_reused + st.partial_reused
         new = {g: self._new_count[g] - before[g] for g in range(cfg.num_groups)}
         st.alloc_new = sum(new[g] for g in self.self_groups)
-        return self._admitted(r, p.root_key, p.matched, p.reused_tokens, tables, new, st)
+        return self._admitted(r, p.root_key, p._matched, p.reused_tokens, tables, new, st)
 
     def _admitted(self, r: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                   reused_tokens: int, tables: list[list[list[int]]], new: dict[int, int],
@@ -467,67 +368,17 @@ class KVCacheManager:
             block_ids=[[list(b) for b in t] for t in tables], new_blocks=new, stats=st,
         )
 
-    def _add_simple(self, r: SequenceRequest) -> AdmitResult | None:
-        """``add_sequence`` for the common case, without the batch machinery: a manager of
-        full-attention groups on one tier and a request of one beam with no partial match.
-
-        Plans, claims and allocates exactly as ``add_sequence_batch([r])`` (a differential
-        property test runs both side by side); returns None when the request needs the
-        general path (a partial match, a beam search, or a batch that does not fit: the
-        general path raises the error).
-        """
-        if (type(r) is not SequenceRequest or r.beam_width != 1 or r.seq_id in self.sequences):
-            return None
-        root_key, matched, partial, _, slots = admission.walk(self, r)
-        if partial is not None:
-            return None
-        d = len(slots[0]) if slots else 0
-        num_blocks = -(-len(r.tokens) // self.tpb)
-        fresh = num_blocks - d
-        free, queue = self._free[0], self._queue[0]
-        queued: list[list[int]] = []  # per group: the matched blocks claimed out of the queue
-        for g in self.self_groups:
-            ref = self._ref[g]
-            q = [s for s in slots[g] if not ref[s]]
-            if fresh > len(free[g]) + len(queue[g]) - len(q):
-                return None
-            queued.append(q)
-        self._new_count = [0] * self.config.num_groups
-        for g in self.self_groups:
-            ref = self._ref[g]
-            queue[g].remove_many(queued[g])
-            for s in slots[g]:
-                ref[s] += 1
-        tables: list[list[list[int]]] = []
-        for g in self.self_groups:
-            ref = self._ref[g]
-            row = self._alloc_n(g, fresh)
-            for s in row:
-                ref[s] = 1
-            tables.append([slots[g] + row])
-        groups = len(self.self_groups)
-        self._stats.tier_hits[0] += d * groups
-        st = RequestStats(alloc_total=num_blocks * groups, alloc_new=fresh * groups,
-                          reused=d * groups, full_reused=d * groups, missed=fresh * groups)
-        res = self._admitted(r, root_key, matched, d * self.tpb, tables,
-                             dict.fromkeys(self.self_groups, fresh), st)
-        self._finish_call()
-        return res
-
     def _alloc_n(self, g: int, n: int) -> list[int]:
         """``n`` GPU slots of group g (free ones first, then evicted victims)."""
         if n <= 0:
             return []
-        free = self._free[0][g]
+        pool = self._pools[0][g]
         self._new_count[g] += n
-        if len(free) >= n:
-            out = free[-n:]
-            del free[-n:]
-            out.reverse()
+        out = pool.take(n)
+        if len(out) == n:
             return out
-        out = free[::-1]
-        free.clear()
-        if self._tiers > 1 or self._pending_dst:
+        free = pool.free
+        if self._tiers > 1 or self._copies:
             pop = self._queue[0][g].pop
             while len(out) < n:
                 if free:  # an eviction's cascade freed its descendants' slots
@@ -568,7 +419,7 @@ class KVCacheManager:
             i = idx_at[s]
             if (run is not prev or i != prev_n - 1) and (
                     i != cut.get(run, len(run.keys)) - 1 or run.children):
-                self._emit_removed(g, removed)  # keep the removed hashes in eviction order
+                self._emit.removed(g, removed)  # keep the removed hashes in eviction order
                 removed = []
                 self._cut_runs(cut)
                 cut = {}
@@ -594,7 +445,7 @@ class KVCacheManager:
         out += slots
         self._stats.evicted_blocks += len(victims) - slow
         self._stats.dropped_blocks += len(victims) - slow
-        self._emit_removed(g, removed)
+        self._emit.removed(g, removed)
         return out
 
     def _leaf_tails(self, g: int, slots: list[int]) -> list[tuple[Run, int]] | None:
@@ -642,7 +493,7 @@ class KVCacheManager:
                 continue
             sl[:] = [NO_SLOT] * len(sl)
             detach(run)
-        self._emit_removed(g, removed)
+        self._emit.removed(g, removed)
 
     def _cut_runs(self, cut: dict[Run, int]) -> None:
         """Truncate runs to the lengths ``cut`` gives (their tails lost every slot)."""
@@ -686,7 +537,7 @@ class KVCacheManager:
         run = self._run_at[t][g][slot]
         i = self._idx_at[t][g][slot]
         assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
-        self._run_at[t][g][slot] = None
+        self._pools[t][g].clear(slot)
         self._stats.evicted_blocks += 1
         if (offload and t + 1 < self._tiers and priority >= self.config.offload_min_priority
                 and self._queue[t][g].should_offload(slot)):
@@ -694,27 +545,26 @@ class KVCacheManager:
             if s2 is not None:
                 run.tier[g][i] = t + 1
                 run.slot[g][i] = s2
-                self._run_at[t + 1][g][s2] = run
-                self._idx_at[t + 1][g][s2] = i
+                self._pools[t + 1][g].place(s2, run, i)
                 self._queue[t + 1][g].push(s2, run.priority(i), key=run.keys[i])
-                self._add_copy(BlockCopy(t, slot, t + 1, s2, g))
+                self._copies.add(BlockCopy(t, slot, t + 1, s2, g))
                 self._stats.offload_blocks += 1
                 self._stats.offload_bytes += self.storage.block_bytes(g)
-                self._emit_updated(g, run.keys[i], t, t + 1)
+                self._emit.updated(g, run.keys[i], t, t + 1)
                 return
-        if self._pending_dst:
-            self._cancel_copy_into(t, g, slot)
+        if self._copies:
+            self._copies.cancel_into(t, g, slot)
         run.slot[g][i] = NO_SLOT
         run.tier[g][i] = 0
         self._stats.dropped_blocks += 1
         if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
             if self._events is not None:
-                self._emit_removed(g, [run.keys[i]])
+                self._emit.removed(g, [run.keys[i]])
             if not run.has_slot(i):
                 prune(run)
             return
         removed = [run.keys[i]]
-        if self.config.window_sizes[g] is None:
+        if not self._kinds[g].windowed:
             # A full-attention block without its prefix cannot be matched: drop the subtree's
             # queued blocks. Held or claimed ones stay (a sequence that computed a duplicate of
             # an ancestor holds its own copy) and are queued, unreachable, once released.
@@ -727,14 +577,14 @@ class KVCacheManager:
                 if ds not in q:
                     continue
                 q.remove(ds)
-                self._cancel_copy_into(dt, g, ds)
-                self._run_at[dt][g][ds] = None
+                self._copies.cancel_into(dt, g, ds)
+                self._pools[dt][g].clear(ds)
                 self._free[dt][g].append(ds)
                 r.slot[g][j] = NO_SLOT
                 r.tier[g][j] = 0
                 self._stats.dropped_blocks += 1
                 removed.append(r.keys[j])
-        self._emit_removed(g, removed)
+        self._emit.removed(g, removed)
         self._prune_subtree(run)
 
     @staticmethod
@@ -745,28 +595,6 @@ class KVCacheManager:
         for r in run.descendants():
             out += [(r, j) for j in range(len(r.keys))]
         return out
-
-    def _add_copy(self, c: BlockCopy) -> None:
-        """Record a copy; if its source was itself filled by a copy of this call, forward it.
-
-        After forwarding every copy of a call reads data that was in place when the call
-        began and writes a slot nothing else writes, so the stage order of ``_finish_call``
-        is a correct execution order.
-        """
-        idx = self._pending_dst.pop((c.src_tier, c.layer_group, c.src_slot), None)
-        if idx is not None:
-            first = self._copies[idx]
-            assert first is not None
-            c = BlockCopy(first.src_tier, first.src_slot, c.dst_tier, c.dst_slot, c.layer_group)
-            self._copies[idx] = None
-        self._pending_dst[(c.dst_tier, c.layer_group, c.dst_slot)] = len(self._copies)
-        self._copies.append(c)
-
-    def _cancel_copy_into(self, t: int, g: int, slot: int) -> None:
-        """The block at (t, g, slot) is dropped: a copy still bringing it there is moot."""
-        idx = self._pending_dst.pop((t, g, slot), None)
-        if idx is not None:
-            self._copies[idx] = None
 
     def _prune_subtree(self, run: Run) -> None:
         """Drop slotless blocks without children below and in ``run``, then upwards."""
@@ -784,28 +612,27 @@ class KVCacheManager:
             self._ref[g][s] += refs
             return 0
         new = self._alloc(g)
-        self._add_copy(BlockCopy(t, s, 0, new, g))
-        self._run_at[t][g][s] = None
+        self._copies.add(BlockCopy(t, s, 0, new, g))
+        self._pools[t][g].clear(s)
         if s not in self._held[t][g]:
             self._pending_free.append((t, g, s))
         # else: a suspended sequence holds that copy; it stays held, no longer cached
         run.tier[g][i] = 0
         run.slot[g][i] = new
-        self._run_at[0][g][new] = run
-        self._idx_at[0][g][new] = i
+        self._pools[0][g].place(new, run, i)
         self._ref[g][new] = refs
         self._stats.onboard_bytes += self.storage.block_bytes(g)
-        self._emit_updated(g, run.keys[i], t, 0)
+        self._emit.updated(g, run.keys[i], t, 0)
         return 1
 
     def _take_over(self, run: Run, i: int, g: int, refs: int) -> int:
         """The request adopts an unreferenced leaf's slot in place; the block leaves the tree."""
         s = run.slot[g][i]
         assert run.tier[g][i] == 0 and self._ref[g][s] == 0
-        self._run_at[0][g][s] = None
+        self._pools[0][g].clear(s)
         run.slot[g][i] = NO_SLOT
         self._ref[g][s] = refs
-        self._emit_removed(g, [run.keys[i]])
+        self._emit.removed(g, [run.keys[i]])
         if not run.has_slot(i):
             prune(run)
         return s
@@ -825,13 +652,10 @@ class KVCacheManager:
         for t, g, s in self._pending_free:
             self._free[t][g].append(s)
         self._pending_free.clear()
-        self._flush_removed()
-        self._pending_dst.clear()
-        if self._copies:
-            copies = sorted((c for c in self._copies if c is not None), key=_stage)
-            self._copies = []
-            if copies:
-                self._copy(copies)
+        self._emit.flush_removed()
+        copies = self._copies.take()
+        if copies:
+            self._copy(copies)
 
     def _check_storage(self) -> None:
         """Before changing anything in a call that may copy: raise StorageError if the copies
@@ -861,21 +685,16 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ events
 
-    def _event_algo(self) -> HashAlgo:
-        algo = self.config.event_hash_algo
-        return hash_algo(algo if algo is not None else self.config.hash_algo)
-
     def flush_iteration_events(self) -> None:
         """Publish this step's events (no-op without events)."""
-        if self._events is not None and hasattr(self._events, "flush_iteration_events"):
+        if self._events is not None:
             self._events.flush_iteration_events()
 
     def get_latest_events(self, timeout_s: float | None = 0) -> list[KVCacheEvent]:
         """Published events not read yet (see ``EventManager.get_latest_events``)."""
-        if self._events is None or not hasattr(self._events, "get_latest_events"):
+        if self._events is None:
             return []
-        out: list[KVCacheEvent] = self._events.get_latest_events(timeout_s)
-        return out
+        return self._events.get_latest_events(timeout_s)
 
     def cached_blocks(self) -> set[tuple[int | str, int, int]]:
         """(event hash, layer group, tier) of every cached block: what events describe."""
@@ -883,67 +702,13 @@ class KVCacheManager:
             out: set[tuple[int | str, int, int]] = set()
             for root in self.roots.values():
                 for r in root.descendants():
-                    hashes = self._ev_hashes(r.keys)
+                    hashes = self._emit.hashes(r.keys)
                     for g, slots in enumerate(r.slot):
                         tiers = r.tier[g]
                         for j, s in enumerate(slots):
                             if s != NO_SLOT:
                                 out.add((hashes[j], g, tiers[j]))
             return out
-
-    def _emit_removed(self, g: int, keys: list[BlockKey]) -> None:
-        # Removals of one call are handed over together (one hook call per layer group),
-        # flushed before any other event so the stream's order is exactly the call's.
-        if self._events is not None and keys:
-            pending = self._removed_pending.get(g)
-            if pending is None:
-                pending = self._removed_pending[g] = []
-            pending.extend(self._ev_hashes(keys))
-
-    def _flush_removed(self) -> None:
-        if self._removed_pending and self._events is not None:
-            for g, hashes in self._removed_pending.items():
-                self._events.on_removed(g, self.config.window_size(g), hashes)
-            self._removed_pending = {}
-
-    def _emit_updated(self, g: int, key: BlockKey, old: int, new: int) -> None:
-        if self._events is not None:
-            self._flush_removed()
-            self._events.on_updated(g, self.config.window_size(g), self._ev_hashes([key])[0],
-                                    cache_level=EventDiff(old, new))
-
-    def _parent_key(self, run: Run, i: int) -> BlockKey | None:
-        """The key of the block before block i of ``run`` (None at a scope's root)."""
-        if i:
-            return run.keys[i - 1]
-        parent = run.parent
-        return None if parent is None or parent.parent is None else parent.keys[-1]
-
-    def _emit_stored(self, g: int, chain: list[Segment], lora_id: int | None) -> None:
-        """A stored event for a chain of blocks (each the child of the one before), given
-        as run segments."""
-        if self._events is None or not chain:
-            return
-        self._flush_removed()
-        parent = self._parent_key(chain[0][0], chain[0][1])
-        parent_hash = None if parent is None else self._ev_hashes([parent])[0]
-        step = self.step
-        blocks: list[StoredBlock] = []
-        for r, a, b in chain:
-            raw = r.tkey[a * step:b * step]
-            # Each block's tokens are its bytes, as TokenIds (no Python int per token); a
-            # partial block (a run of its own) is shorter than a block.
-            toks: Iterable[TokenIds] = (
-                map(TokenIds, repeat("I"), map(_FIRST, self._block_struct.iter_unpack(raw)))
-                if len(raw) == (b - a) * step  # whole blocks, cut in C
-                else [TokenIds("I", raw[i * step:(i + 1) * step]) for i in range(b - a)]
-            )
-            prio = r.prio
-            # one constructor call per block through map: no bytecode runs per block
-            blocks += map(StoredBlock, self._ev_hashes(r.keys[a:b]), toks, r.tier[g][a:b],
-                          repeat(DEFAULT_PRIORITY) if prio is None else prio[a:b],
-                          repeat(lora_id))
-        self._events.on_stored(g, self.config.window_size(g), parent_hash, blocks)
 
     # ------------------------------------------------------------------ growth and release
 
@@ -960,11 +725,8 @@ class KVCacheManager:
         return seq
 
     def _stale_limit(self, g: int, length: int) -> int:
-        """Blocks [sink_blocks, limit) of a window group are stale at ``length`` tokens."""
-        w = self.config.window_sizes[g]
-        if w is None:
-            return 0
-        return max(0, (length - w - 1) // self.tpb)
+        """Blocks [first_kept, limit) of group g are stale at ``length`` tokens (kvpool.groups)."""
+        return self._kinds[g].stale_limit(length)
 
     def needed_blocks_one_step(self, seq_id: int | str, num_new_tokens: int = 1) -> dict[int, int]:
         """GPU slots per layer group that growing by ``num_new_tokens`` tokens would take."""
@@ -981,7 +743,7 @@ class KVCacheManager:
         freed: dict[int, int] = {}
         blocks_after = -(-new_len // self.tpb)
         for g in range(self.config.num_groups):
-            if g in self.config.cross_attention_groups:
+            if self._kinds[g].cross:
                 need[g] = freed[g] = 0
                 continue
             table = seq.tables[g][0]
@@ -993,7 +755,7 @@ class KVCacheManager:
             counts: dict[int, int] = {}
             for b in range(seq.beam_width):
                 tb = seq.tables[g][b]
-                for i in range(self.sink_blocks[g], min(limit, len(tb))):
+                for i in range(self._kinds[g].first_kept, min(limit, len(tb))):
                     s = tb[i]
                     if s != NO_SLOT:
                         counts[s] = counts.get(s, 0) + 1
@@ -1039,14 +801,14 @@ class KVCacheManager:
                 self._check_storage()  # evictions may offload: fail before changing anything
             self._new_count = [0] * self.config.num_groups
             for g in range(self.config.num_groups):
-                if g in self.config.cross_attention_groups:
+                if self._kinds[g].cross:
                     continue
                 # The step computes the new tokens' KV; its first token still attends back a
                 # window from the old end, so staleness is judged at old length + 1.
                 self._release_stale(seq, g, seq.num_tokens + 1)
             blocks_after = -(-new_len // self.tpb)
             for g in range(self.config.num_groups):
-                if g in self.config.cross_attention_groups:
+                if self._kinds[g].cross:
                     continue
                 for b in range(seq.beam_width):
                     tb = seq.tables[g][b]
@@ -1061,7 +823,7 @@ class KVCacheManager:
         limit = self._stale_limit(g, length)
         for b in range(seq.beam_width):
             tb = seq.tables[g][b]
-            for i in range(self.sink_blocks[g], min(limit, len(tb))):
+            for i in range(self._kinds[g].first_kept, min(limit, len(tb))):
                 s = tb[i]
                 if s != NO_SLOT:
                     self._unref(g, s)
@@ -1089,15 +851,12 @@ class KVCacheManager:
         would take every block after it along (a full-attention block without its prefix
         cannot be matched). Uncached blocks become free.
         """
-        ref = self._ref[g]
         run_at = self._run_at[0][g]
         idx_at = self._idx_at[0][g]
         queue = self._queue[0][g]
         if NO_SLOT in slots:
             slots = [s for s in slots if s != NO_SLOT]
-        for s in slots:
-            ref[s] -= 1
-        gone = [s for s in reversed(slots) if not ref[s]]
+        gone = self._pools[0][g].drop(slots)
         if not gone:
             return
         runs = [run_at[s] for s in gone]
@@ -1155,13 +914,12 @@ class KVCacheManager:
                     f"its first {floor} tokens are committed"
                 )
             for g in self.self_groups:
-                w = self.config.window_sizes[g]
-                if w is None:
+                if not self._kinds[g].windowed:
                     continue
                 limit = self._stale_limit(g, new_len)
                 tb = seq.tables[g][0]
                 keep = -(-new_len // self.tpb)
-                for i in range(max(limit, self.sink_blocks[g]), min(keep, len(tb))):
+                for i in range(max(limit, self._kinds[g].first_kept), min(keep, len(tb))):
                     if tb[i] == NO_SLOT:
                         raise RewindError(
                             f"cannot rewind sequence {seq_id!r} to {new_len} tokens: layer "
@@ -1229,30 +987,19 @@ class KVCacheManager:
         return run, n - back
 
     def _walk_path(self, seq: Seq, blocks: int, rebuild: bool) -> tuple[Run, int] | None:
-        step = self.step
-        raw = seq.tokens.tobytes()
-        run = seq.root = self._root((seq.lora_id, seq.cache_salt))
-        n = 0
-        i = 0
-        while i < blocks:
-            blk = raw[i * step:(i + 1) * step]
-            if n < len(run.keys):
-                if run.tkey[n * step:(n + 1) * step] == blk:
-                    n += 1
-                    i += 1
-                    continue
-            else:
-                child = run.children.get(blk)
-                if child is not None:
-                    run, n = child, 1
-                    i += 1
-                    continue
-            if not rebuild:
-                return None
-            run = self._new_run(seq, run, n, i, blocks, [[NO_SLOT] * (blocks - i)
-                                                         for _ in range(self.config.num_groups)])
-            return run, blocks - i
-        return run, n
+        """Where the sequence's first ``blocks`` blocks end in the tree, found by their tokens
+        (``radix.match_full``, the walk admission uses too); with ``rebuild`` the blocks past
+        the match are recreated as a path run without slots, else None."""
+        root = seq.root = self._root((seq.lora_id, seq.cache_salt))
+        path = match_full(root, seq.tokens.tobytes(), blocks, self.step)
+        run, n = (path[-1][0], path[-1][2]) if path else (root, 0)
+        d = sum(b - a for _, a, b in path)
+        if d == blocks:
+            return run, n
+        if not rebuild:
+            return None
+        slots = [[NO_SLOT] * (blocks - d) for _ in range(self.config.num_groups)]
+        return self._new_run(seq, run, n, d, blocks, slots), blocks - d
 
     def _new_run(self, seq: Seq, run: Run, n: int, first: int, upto: int,
                  slots: list[list[int]], keys: list[BlockKey] | None = None) -> Run:
@@ -1274,11 +1021,12 @@ class KVCacheManager:
         """Point the slots of ``run``'s blocks at it (after a split renumbered them)."""
         for g, slots in enumerate(run.slot):
             tiers = run.tier[g]
+            if not any(tiers):
+                self._pools[0][g].place_all(slots, run)
+                continue
             for j, s in enumerate(slots):
                 if s != NO_SLOT:
-                    t = tiers[j]
-                    self._run_at[t][g][s] = run
-                    self._idx_at[t][g][s] = j
+                    self._pools[tiers[j]][g].place(s, run, j)
 
     def _commit(self, seq: Seq, upto: int) -> None:
         """Insert the sequence's full blocks [committed, upto) into the tree (beam 0).
@@ -1329,7 +1077,7 @@ class KVCacheManager:
                         else:
                             chain.append((run, n, n + 1))
                 elif events and g in chains:
-                    self._emit_stored(g, chains.pop(g), seq.lora_id)
+                    self._emit.stored(g, chains.pop(g), seq.lora_id)
             n += 1
             i += 1
         if i < upto:  # new blocks: a chain after block n - 1 of ``run``
@@ -1340,7 +1088,7 @@ class KVCacheManager:
             keys.extend(new_keys)
             slots: list[list[int]] = []
             for g in range(self.config.num_groups):
-                if g in self.config.cross_attention_groups:
+                if self._kinds[g].cross:
                     slots.append([NO_SLOT] * k)
                     continue
                 tb = seq.tables[g][0]
@@ -1384,7 +1132,7 @@ class KVCacheManager:
                         piece.append((run, start, j))
                         start = -1
                     if piece and events:
-                        self._emit_stored(g, piece, seq.lora_id)
+                        self._emit.stored(g, piece, seq.lora_id)
                     piece = []
                 if start >= 0:
                     piece.append((run, start, base + k))
@@ -1392,7 +1140,7 @@ class KVCacheManager:
                     chains[g] = piece
             n = base + k
         for g, chain in chains.items():
-            self._emit_stored(g, chain, seq.lora_id)
+            self._emit.stored(g, chain, seq.lora_id)
         seq.committed_blocks = upto
         seq.at_run, seq.at_len = run, n
         if n == len(run.keys) and not run.children and not run.has_slot(n - 1):
@@ -1463,9 +1211,8 @@ class KVCacheManager:
         self._set_priority(seq, leaf, 0, full * self.tpb)
         for g in stored:
             s = slots[g][0]
-            self._run_at[0][g][s] = leaf
-            self._idx_at[0][g][s] = 0
-            self._emit_stored(g, [(leaf, 0, 1)], seq.lora_id)
+            self._pools[0][g].place(s, leaf, 0)
+            self._emit.stored(g, [(leaf, 0, 1)], seq.lora_id)
 
     # ------------------------------------------------------------------ preemption
 
@@ -1497,15 +1244,14 @@ class KVCacheManager:
                         h = self._lower_slot(1, g)
                         if h is None:
                             continue  # no room below: stays on the GPU, still held
-                        self._add_copy(BlockCopy(0, s, 1, h, g))
+                        self._copies.add(BlockCopy(0, s, 1, h, g))
                         run = self._run_at[0][g][s]
                         if run is not None:
                             i = self._idx_at[0][g][s]
-                            self._run_at[0][g][s] = None
+                            self._pools[0][g].clear(s)
                             run.tier[g][i], run.slot[g][i] = 1, h
-                            self._run_at[1][g][h] = run
-                            self._idx_at[1][g][h] = i
-                            self._emit_updated(g, run.keys[i], 0, 1)
+                            self._pools[1][g].place(h, run, i)
+                            self._emit.updated(g, run.keys[i], 0, 1)
                         self._held[1][g].add(h)
                         self._ref[g][s] = 0
                         self._free[0][g].append(s)
@@ -1545,15 +1291,14 @@ class KVCacheManager:
             self._new_count = [0] * self.config.num_groups
             for (g, _), (t, h, pos) in seq.moved.items():
                 new = self._alloc(g)
-                self._add_copy(BlockCopy(t, h, 0, new, g))
+                self._copies.add(BlockCopy(t, h, 0, new, g))
                 run = self._run_at[t][g][h]
                 if run is not None:
                     i = self._idx_at[t][g][h]
-                    self._run_at[t][g][h] = None
+                    self._pools[t][g].clear(h)
                     run.tier[g][i], run.slot[g][i] = 0, new
-                    self._run_at[0][g][new] = run
-                    self._idx_at[0][g][new] = i
-                    self._emit_updated(g, run.keys[i], t, 0)
+                    self._pools[0][g].place(new, run, i)
+                    self._emit.updated(g, run.keys[i], t, 0)
                 self._held[t][g].discard(h)
                 self._pending_free.append((t, g, h))
                 self._ref[g][new] = len(pos)
@@ -1634,7 +1379,7 @@ class KVCacheManager:
             enc = [0] if self.config.cross_attention_groups else None
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
-            _, matched, _, k, _ = admission.walk(self, req)
+            _, matched, _, k, _ = admission.walk(self._view, req)
             return sum(b - a for _, a, b in matched) * self.tpb + k
 
     def num_free_blocks(self, layer_group: int = 0) -> int:
@@ -1759,7 +1504,7 @@ class KVCacheManager:
             step = self.step
             seen: set[tuple[Scope, BlockKey | None, BlockKey]] = set()
             for scope, root in self.roots.items():
-                rk = self.root_key(*scope)
+                rk = self._view.root_key(*scope)
                 assert not root.keys and root.parent is None
                 for r in root.descendants():
                     n = len(r.keys)

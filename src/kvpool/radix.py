@@ -35,10 +35,10 @@ from collections.abc import Iterator
 from types import MappingProxyType
 from typing import cast
 
+from kvpool.config import DEFAULT_PRIORITY
 from kvpool.hashing import BlockKey
 
 NO_SLOT = -1
-DEFAULT_PRIORITY = 35
 _U32 = struct.Struct("=I")  # one token as the tree stores it (native uint32, like array("I"))
 _NO_CHILDREN = cast("dict[bytes, Run]", MappingProxyType({}))
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
-BlockHash = int | str
+from kvpool.config import DEFAULT_PRIORITY as DEFAULT_PRIORITY  # re-exported: defined once, there
 
-DEFAULT_PRIORITY = 35
+BlockHash = int | str
 
 
 class EventDiff(msgspec.Struct, frozen=True, gc=False):

@@ -647,15 +647,7 @@ class SimWorker:
 
     def _tier_tokens(self, plan: RequestPlan) -> list[int]:
         """Reused tokens per tier the matched blocks are on (reference layer group)."""
-        g = self._ref_group
-        out = [0, 0, 0]
-        for run, a, b in plan.matched:
-            for t in run.tier[g][a:b]:
-                out[t] += self.tpb
-        if plan.partial is not None:
-            prun, i = plan.partial
-            out[prun.tier[g][i]] += plan.partial_tokens
-        return out
+        return plan.tier_tokens(self._ref_group)
 
     def _is_sync(self, length: int) -> bool:
         """Does growing a sequence to ``length`` tokens change more than its token list?"""
