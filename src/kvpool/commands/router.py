@@ -12,12 +12,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 from typing import Any
 
 from msgspec.structs import replace
 
-from kvpool.commands._args import LOG_LEVELS, log_level, port
+from kvpool.commands._args import LOG_LEVELS, cancel_on_signals, log_level, port
 from kvpool.router.config import ServiceConfig, load_config
 from kvpool.router.service import serve
 
@@ -61,12 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(config: ServiceConfig) -> None:
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):  # platforms without signal handlers
-            loop.add_signal_handler(sig, task.cancel)
+    cancel_on_signals()
 
     def ready(port: int) -> None:
         print(f"kvpool router listening on http://{config.host}:{port}", flush=True)

@@ -18,9 +18,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 from typing import Any
 
+from kvpool.commands._args import cancel_on_signals
 from kvpool.errors import InvalidArgumentError
 from kvpool.planner import parse_size
 
@@ -116,12 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(server: Any) -> None:
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):  # platforms without signal handlers
-            loop.add_signal_handler(sig, task.cancel)
+    cancel_on_signals()
     port = await server.start()
     try:
         pub = server.publisher
