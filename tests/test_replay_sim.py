@@ -31,7 +31,7 @@ from kvpool.replay.cluster import (
     workload_bounds,
 )
 from kvpool.replay.engine_sim import RequestRecord, SchedulerConfig, SimWorker, TimeModel
-from kvpool.replay.report import strip_wall, to_json, to_markdown
+from kvpool.replay.report import render, strip_wall, to_json, to_markdown
 from kvpool.replay.workloads import Request, Workload, synthetic_workload
 
 SMALL_SCHED = SchedulerConfig(max_batch_size=4, max_num_tokens=16)
@@ -465,3 +465,25 @@ def test_approx_routes_on_no_event_and_the_markdown_marks_each_columns_best() ->
     assert marked == [r == max(rates) for r in rates]
     belady = [row.split("|")[4] for row in table]  # the bound is not a "best" column
     assert not any("**" in cell for cell in belady)
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_the_terminal_table_never_cuts_a_cell(width: int) -> None:
+    """Policies that do not fit side by side go on into further tables: every policy shows,
+    every row keeps its label and values, and no cell is cut (rich would write '…')."""
+    from rich.console import Console
+
+    policies = ["cost", "trtllm", "approx", "round-robin", "least-loaded", "random"]
+    res = replay(small_synthetic(), small_cluster(), policies)
+    console = Console(width=width, record=True, color_system=None)
+    render(res, console)
+    text = console.export_text()
+    assert "…" not in text
+    assert all(len(line) <= width for line in text.splitlines())
+    headers = " ".join(line for line in text.splitlines() if line.startswith("┃"))
+    for p in policies:
+        assert all(part in headers for part in p.split("-")), p
+    tables = text.count("kvpool replay")
+    assert tables >= 2 if width == 60 else tables >= 1
+    # every table repeats every row: one "prefill computed" line per table
+    assert text.count("prefill computed") == tables

@@ -297,25 +297,27 @@ def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
 
 def render(result: ReplayResult, console: Any) -> None:
     """Print the replay: what ran, the bounds, and one column per policy (the best of a row
-    in bold and marked ``*``)."""
-    from rich.table import Table
-
+    in bold and marked ``*``). Policies that do not fit the console's width side by side go on
+    into further tables, so no cell is ever cut."""
     sums = [summarize(p, result.bounds) for p in result.policies]
     for line in _describe(result):
         console.print(line, highlight=False)
-    table = Table(title="kvpool replay", title_style="bold")
-    table.add_column("metric", no_wrap=True)
-    narrow = console.width < 110
-    for s in sums:
-        name = s["policy"].replace("-", "-\n") if narrow else s["policy"]
-        table.add_column(name, justify="right", no_wrap=True)
+    rows = []
     for label, cells, vals, best in _rows(result, sums):
         if best and len(vals) > 1 and len(set(vals)) > 1:
             target = max(vals) if best == "max" else min(vals)
             cells = [f"[bold green]{c}*[/]" if v == target else f"{c} "
                      for c, v in zip(cells, vals, strict=True)]
-        table.add_row(label, *cells)
-    console.print(table)
+        rows.append((label, cells))
+    names = [s["policy"] for s in sums]
+    start = 0
+    while start < len(names):
+        stop = len(names)
+        while stop > start + 1 and _width(console, names, rows, start, stop) > console.width:
+            stop -= 1
+        title = "kvpool replay" if start == 0 else "kvpool replay (continued)"
+        console.print(_table(console, names, rows, start, stop, title))
+        start = stop
     console.print(
         "[dim]* best of the row. Hit rates: tokens each request reused at its first "
         "admission / prompt tokens. Bounds count whole blocks; a run's Belady bound is the "
@@ -323,6 +325,33 @@ def render(result: ReplayResult, console: Any) -> None:
         "route decisions and wall time are measured.[/]",
         highlight=False,
     )
+
+
+def _table(console: Any, names: list[str], rows: list[tuple[str, list[str]]], start: int,
+           stop: int, title: str) -> Any:
+    """The policies ``names[start:stop]`` as columns of one rich table."""
+    from rich.table import Table
+
+    table = Table(title=title, title_style="bold")
+    table.add_column("metric", no_wrap=True)
+    narrow = console.width < 110
+    for name in names[start:stop]:
+        table.add_column(name.replace("-", "-\n") if narrow else name, justify="right",
+                         no_wrap=True)
+    for label, cells in rows:
+        table.add_row(label, *cells[start:stop])
+    return table
+
+
+def _width(console: Any, names: list[str], rows: list[tuple[str, list[str]]], start: int,
+           stop: int) -> int:
+    """The width the table of ``names[start:stop]`` needs with no cell cut."""
+    from rich.measure import Measurement
+
+    table = _table(console, names, rows, start, stop, "")
+    # measured without the console's limit: Measurement clamps to the width it is given
+    wide = console.options.update_width(10_000)
+    return int(Measurement.get(console, wide, table).maximum)
 
 
 def to_markdown(result: ReplayResult) -> str:
