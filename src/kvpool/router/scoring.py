@@ -52,9 +52,14 @@ Both terms are prompt tokens to compute, so the weights are exchange rates:
   and among workers with the same prefix it sends the request to the shortest queue.
   ``docs/routing_sensitivity.png`` shows hit rate and TTFT against it.
 
-Ties (equal cost) go to the worker whose unfinished requests hold the fewest prompt tokens
-(the KV its decode steps read), then to fewer unfinished requests, then to the worker after
-the last such tie's pick, so cold prompts spread over an idle cluster. Workers with
+Ties (equal cost: mostly prompts that share only a prefix every worker holds) go to the worker
+with the fewest unfinished requests, then the fewest prompt tokens held by them, then the
+worker after the last such tie's pick. The batch is what a worker runs out of first: each
+unfinished request takes a batch slot and a token of every step's budget until it finishes,
+and holds its KV until then; a worker with more of them evicts cached prefixes of its own
+conversations to admit a new one (on 2 workers of the synthetic replay, with GPU pools too
+small for the working set, this order reuses 81.3 % of prompt tokens against 80.5 % with held
+tokens first, and TensorRT-LLM's 81.2 %). Workers with
 ``max_batch_size`` unfinished requests are *saturated*: they are chosen only when every healthy
 worker is. With ``temperature > 0`` the choice is sampled from a softmax over the scores
 normalized to [0, 1] (``p ∝ exp(norm_score / temperature)``) with a RNG seeded by ``seed``.
@@ -462,7 +467,7 @@ class Router:
         tied = [i for i in eligible if cands[i].score == best]
         if len(tied) == 1:
             return tied[0]
-        # ties: less KV held by unfinished requests, fewer of them, then the worker after the
+        # ties: fewer unfinished requests, less KV held by them, then the worker after the
         # last such tie's pick (rotation)
         n = len(cands)
         rot = self._rr
@@ -470,7 +475,7 @@ class Router:
 
         def rank(i: int) -> tuple[int, int, int]:
             c = cands[i]
-            return (loads.of(c.worker_id).tokens, c.active_requests, (i - rot) % n)
+            return (c.active_requests, loads.of(c.worker_id).tokens, (i - rot) % n)
 
         ranks = {i: rank(i) for i in tied}
         pick = min(tied, key=ranks.__getitem__)
