@@ -96,9 +96,6 @@ class SharedTiers:
         """(tier, key) pairs held."""
         return sum(len(k) for k in self._keys.values())
 
-    def __bool__(self) -> bool:
-        return bool(self._tier_of)
-
     def tier_of(self, worker_id: str) -> str | None:
         return self._tier_of.get(worker_id)
 
@@ -133,8 +130,13 @@ class SharedTiers:
         """The batch the index should apply: ``events`` with their level-3 blocks taken into
         the worker's tier (see the module docstring). Returns ``events`` itself when none of
         them names level 3 (the usual batch: one pass of type tests)."""
+        remote = REMOTE_CACHE_LEVEL
         for ev in events:
-            if _remote(ev):
+            t = type(ev)
+            if t is StoredKeys or t is RemovedKeys or t is StoredTokens:  # the decoders' records
+                if ev.cache_level == remote:
+                    break
+            elif t is KVCacheEvent and _remote(ev):
                 break
         else:
             return events
@@ -201,7 +203,8 @@ class SharedTiers:
             return
         held = self._keys[tier]
         for k in keys:
-            if held.pop(k, 0) is None:  # it was there (values are None)
+            if k in held:
+                del held[k]
                 self._unmask(k)
 
     def _unmask(self, key: int) -> None:
