@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool.config import CacheConfig, SequenceRequest
@@ -124,31 +125,112 @@ async def _start_router(
     return proc, line.split()[-1]
 
 
-async def _load(base: str, bodies: list[bytes], clients: int) -> tuple[list[float], int, float]:
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of a client: it sends a whole request and waits for
+    the whole response, parsed from its status line and ``Content-Length`` (the router sends
+    no chunked bodies; a response without a length is an error)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.head_end = -1
+        self.need = -1
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.need < 0:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = -1
+            for line in self.buf[:end].split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length" and value.strip().isdigit():
+                    length = int(value)
+            if length < 0:
+                self._fail(ConnectionError("response without Content-Length"))
+                return
+            self.head_end, self.need = end + 4, end + 4 + length
+        if len(self.buf) >= self.need:
+            head, body = self.buf[:self.head_end], self.buf[self.head_end:self.need]
+            self.buf, self.need = self.buf[self.need:], -1
+            if self.waiter is not None and not self.waiter.done():
+                status = int(head[9:12]) if head[:9] == b"HTTP/1.1 " and head[9:12].isdigit() else 0
+                self.waiter.set_result((status, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("connection closed"))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def request(self, raw: bytes, timeout_s: float) -> tuple[int, bytes]:
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        self.transport.write(raw)
+        timer = loop.call_later(timeout_s, self._fail, TimeoutError("no answer in time"))
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+
+
+async def _load(
+    base: str, bodies: list[bytes], clients: int, worker_ids: set[str]
+) -> tuple[list[float], int, float]:
+    """``clients`` clients, each on its own keep-alive connection, send the ``bodies`` as
+    ``POST /route`` requests (pre-encoded with their headers) as fast as answers come back.
+    An answer counts only as a 200 whose JSON names one of ``worker_ids``; a timeout, a
+    connection error or anything else is an error (the client then opens a new connection)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    head = (f"POST /route HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: application/json\r\nContent-Length: ")
+    requests = [f"{head}{len(b)}\r\n\r\n".encode() + b for b in bodies]
     latencies: list[float] = []
     errors = 0
-    next_body = iter(range(len(bodies)))
-    connector = aiohttp.TCPConnector(limit=clients)
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
-        async def client() -> None:
-            nonlocal errors
-            for i in next_body:
-                t0 = time.perf_counter()
-                try:
-                    async with s.post(f"{base}/route", data=bodies[i],
-                                      headers={"Content-Type": "application/json"}) as resp:
-                        answer = await resp.read()
-                        ok = resp.status == 200 and b'"worker_id"' in answer
-                except (aiohttp.ClientError, TimeoutError):
-                    ok = False
-                latencies.append(time.perf_counter() - t0)
-                errors += not ok
+    next_request = iter(range(len(requests)))
+    loop = asyncio.get_running_loop()
+    decode = msgspec.json.Decoder(_Answer).decode
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
-        wall = time.perf_counter() - t0
-    return latencies, errors, wall
+    async def connect() -> _Connection:
+        _, conn = await loop.create_connection(_Connection, host, int(port))
+        return conn
+
+    async def client() -> None:
+        nonlocal errors
+        conn = await connect()
+        for i in next_request:
+            t0 = time.perf_counter()
+            try:
+                status, answer = await conn.request(requests[i], 10.0)
+                ok = status == 200 and decode(answer).worker_id in worker_ids
+            except (OSError, msgspec.DecodeError):
+                ok = False
+            latencies.append(time.perf_counter() - t0)
+            if not ok:
+                errors += 1
+                assert conn.transport is not None
+                conn.transport.abort()
+                conn = await connect()
+        assert conn.transport is not None
+        conn.transport.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies, errors, time.perf_counter() - t0
+
+
+class _Answer(msgspec.Struct):
+    worker_id: str
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
@@ -179,11 +261,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 view = await resp.json()
             indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
             rss_before, cpu_before = _rss_kib(proc.pid), _cpu_s(proc.pid)
+            own_before = _cpu_s(os.getpid())
             publisher.start()
-            latencies, errors, wall = await _load(base, bodies, args.clients)
+            latencies, errors, wall = await _load(base, bodies, args.clients,
+                                                  {w["id"] for w in view["workers"]})
             stop.set()
             publisher.join()
             rss_after, cpu = _rss_kib(proc.pid), _cpu_s(proc.pid) - cpu_before
+            own_cpu = _cpu_s(os.getpid()) - own_before
         finally:
             stop.set()
             proc.terminate()
@@ -198,6 +283,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "clients": args.clients,
         "routes/s": rps,
         "per router cpu s": len(lat) / cpu,
+        "per bench cpu s": len(lat) / own_cpu,
         "p50 ms": _pct(lat, 0.50) * 1000,
         "p99 ms": p99,
         "max ms": lat[-1] * 1000,
