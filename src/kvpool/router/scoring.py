@@ -301,6 +301,9 @@ class Router:
         self._rr = 0
         self._auto_id = 0
         self._active: dict[str, _Active] = {}
+        # (started, request id, entry) in routing order, for request_timeout_s: popping the
+        # oldest of _active itself would scan the dict's deleted slots at its front each time
+        self._timeouts: deque[tuple[float, str, _Active]] = deque()
         self._load: dict[str, _Load] = {}
         # Predicted blocks: hash -> mask of slots (tier-0 bit positions), with references per
         # slot and hash (int keys: no tuple per block) and an expiry queue (a constant TTL
@@ -439,6 +442,8 @@ class Router:
         )
         entry = _Active(winner.worker_id, prefill, prompt, now)
         self._active[request_id] = entry
+        if self.request_timeout_s > 0:
+            self._timeouts.append((now, request_id, entry))
         load = self._load.setdefault(winner.worker_id, _Load())
         load.active += 1
         load.prefill_tokens += prefill
@@ -717,13 +722,16 @@ class Router:
             self._unpredict(slot, keys)
         if self.request_timeout_s > 0:
             deadline = now - self.request_timeout_s
-            while self._active:
-                rid, entry = next(iter(self._active.items()))
-                if entry.started > deadline:
-                    break
-                del self._active[rid]
-                self._unload(entry, now)
-                self.stats.expired_total += 1
+            timeouts = self._timeouts
+            active = self._active
+            while timeouts and timeouts[0][0] <= deadline:
+                _, rid, entry = timeouts.popleft()
+                if active.get(rid) is entry:  # not finished (nor routed again) since
+                    del active[rid]
+                    self._unload(entry, now)
+                    self.stats.expired_total += 1
+            if len(timeouts) > 2 * len(active) + 1024:  # mostly finished ones: keep the rest
+                self._timeouts = deque([(e.started, rid, e) for rid, e in active.items()])
         if self.approx.slot_bits:
             self.approx.expire(now)
 
