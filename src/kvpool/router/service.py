@@ -31,7 +31,13 @@ The service listens where its config says (loopback by default; port 0 picks a f
 Request bodies over ``listen.max_body_bytes`` get 413; every error status (400, 401, 404, 405,
 413, 500, 502, 503) comes with a JSON body ``{"error": "..."}``. With ``listen.auth_token_env``
 set, every endpoint but ``/health`` requires ``Authorization: Bearer <token>``, the token being
-the value of that environment variable (401 otherwise).
+the value of that environment variable (401 otherwise). A 405 names the allowed methods
+(``Allow``); ``HEAD`` works wherever ``GET`` does; a request with ``Expect: 100-continue`` gets
+its 100 before sending the body, or a 413 at once when its ``Content-Length`` is over the limit.
+
+The server is aiohttp's low-level one with the endpoints in one dict (the per-request work of an
+``Application``'s router and middleware chain is not needed here); ``kvpool router`` runs it on
+uvloop when installed (:mod:`kvpool.commands.router`).
 """
 
 from __future__ import annotations
