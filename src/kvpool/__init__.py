@@ -39,7 +39,8 @@ from kvpool.hashing import (
 from kvpool.manager import AdmitResult, KVCacheManager
 from kvpool.planner import KVCacheDesc, LayerSpec, ModelSpec, PoolPlan, plan_pools
 from kvpool.stats import CacheStats, RequestStats
-from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage, TorchStorage
+from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage
+from kvpool.torch_storage import TorchStorage
 
 __all__ = [
     "AdmitResult",

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvpool import admission, jit
+from kvpool import admission, jit, persist
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
 from kvpool.config import DEFAULT_PRIORITY, CacheConfig, SequenceRequest
 from kvpool.copies import CopyPlan
@@ -144,11 +144,13 @@ class KVCacheManager:
         _check_hooks("events", events, ("on_all_cleared", "on_created", "on_removed",
                                         "on_stored", "on_updated", "flush_iteration_events",
                                         "get_latest_events"))
+        owns_storage = storage is None  # persist hook: closed by a failed warm restart
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
 
             storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
-                                   device=config.device, disk_path=config.disk_path)
+                                   device=config.device, disk_path=config.disk_path,
+                                   persistent=config.disk_persistent)
         self.storage: Storage = storage or MetadataStorage(self.tpb)
         if events is None and config.event_buffer_max_size > 0:
             from kvpool.events.manager import EventManager
@@ -173,6 +175,8 @@ class KVCacheManager:
             for g in range(groups):
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(self._tiers)])
+        # persist hook: a persistent disk tier re-indexes the blocks its manifest records
+        self.persistent_disk = persist.attach(self, owns_storage=owns_storage)
 
     def gpu_available(self, g: int) -> int:
         """Free plus evictable GPU slots of group g (no checks: see ``num_free_blocks``)."""
@@ -655,7 +659,12 @@ class KVCacheManager:
         self._emit.flush_removed()
         copies = self._copies.take()
         if copies:
+            disk = self.persistent_disk  # persist hook: the manifest follows the disk writes
+            if disk is not None:
+                disk.before_copy(copies)
             self._copy(copies)
+            if disk is not None:
+                disk.after_copy(copies)
 
     def _check_storage(self) -> None:
         """Before changing anything in a call that may copy: raise StorageError if the copies
@@ -1335,6 +1344,8 @@ class KVCacheManager:
         """Release the storage (removes a disk tier's file). Calls that would copy blocks then
         raise :class:`StorageError`; calls that move no data keep working on the metadata."""
         with self._lock:  # not between a call's storage check and its copies
+            if self.persistent_disk is not None:  # persist hook: sync and close the manifest
+                self.persistent_disk.close()
             self.storage.close()
 
     def __enter__(self) -> KVCacheManager:
@@ -1354,6 +1365,8 @@ class KVCacheManager:
                         s, prio = q.pop()
                         self._evict(t, g, s, prio, offload=False)
                         self._free[t][g].append(s)
+            if self.persistent_disk is not None:  # persist hook: the manifest forgets them
+                self.persistent_disk.cleared()
             self._finish_call()
             return self._stats.dropped_blocks - dropped
 

@@ -33,14 +33,15 @@ verify a block's bytes before it trusts them.
 
 Durability: :meth:`Manifest.append_put` and :meth:`Manifest.append_drop` write the record
 (``write(2)``: it survives the process, SIGKILL included); :meth:`Manifest.sync` fsyncs it
-(survives the machine). The manager's warm-restart integration comes next.
+(survives the machine). :mod:`kvpool.persist` keeps a manager's disk tier and its manifest
+in step and re-indexes the blocks at a warm restart.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
@@ -284,6 +285,29 @@ class Manifest:
         self._append(_record(_DROP_KIND, _DROP.pack(_u("group", group, 16), _u("slot", slot, 32))))
         self.entries.pop((group, slot), None)
         self._log_records += 1
+
+    def append_many(self, drops: Iterable[tuple[int, int]] = (),
+                    puts: Iterable[ManifestEntry] = ()) -> None:
+        """Record ``drops`` ((group, slot) pairs), then ``puts``, in one ``write``: all are
+        validated first (a bad one raises :class:`InvalidArgumentError`, nothing written)."""
+        drops, puts = list(drops), list(puts)
+        algo = self.namespace.algo
+        records = [_record(_DROP_KIND, _DROP.pack(_u("group", g, 16), _u("slot", s, 32)))
+                   for g, s in drops]
+        records += [_record(_PUT_KIND, _encode_put(algo, e)) for e in puts]
+        if not records:
+            return
+        self._append(b"".join(records))
+        for key in drops:
+            self.entries.pop(key, None)
+        for e in puts:
+            self.entries[e.group, e.slot] = e
+        self._log_records += len(records)
+
+    def clear(self) -> None:
+        """Forget every entry: the log becomes an empty snapshot (temp file, fsync, rename)."""
+        self.entries.clear()
+        self.compact()
 
     def _append(self, record: bytes) -> None:
         """Write one record whole, or leave the log as it was and raise StorageError."""

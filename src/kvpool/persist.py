@@ -1,0 +1,383 @@
+"""Warm restart of a persistent disk tier: a manifest kept in step with the disk slots, and the
+blocks it names put back into a new manager's tree.
+
+A manager with ``CacheConfig(disk_persistent=True)`` opens its disk files under stable names
+(:func:`kvpool.diskfile.open_persistent_pools`) and a manifest beside them
+(``kvpool-persistent.manifest``, :mod:`kvpool.manifest`) whose header is the manager's
+namespace (:class:`~kvpool.remote.namespace.RemoteNamespace`: ``model_id``, geometry per layer
+group, tokens per block, hash algorithm).
+
+Keeping it in step, at the end of every call that copies blocks:
+
+1. before the copies run, a ``drop`` record for every recorded disk slot they will write;
+2. the copies (the storage hashes each block it writes to the disk tier: xxh3_64);
+3. after them, one ``put`` record per disk slot now holding a cached block of the tree: layer
+   group, slot, full chained key, tokens, parent key (or the reuse scope of a chain's first
+   block) and the hash of the bytes written.
+
+A disk slot the manager stops using without writing it (onboarded, dropped) keeps its ``put``:
+its bytes are still that block's, so reusing them after a restart is correct. ``clear_cache``
+empties the manifest.
+
+The rule that keeps stale bytes out: at a warm restart a recorded block is re-indexed only if
+the xxh3_64 of the bytes its slot holds *now* equals the hash recorded with it. Whatever
+happened between a record and the end of the process - bytes rewritten after their record, a
+record on disk whose bytes were not (a machine crash), a ``drop`` that was lost, a damaged
+file - leaves bytes that differ from the recorded hash, and the block is a miss (serving a
+wrong block would take a 64-bit hash collision). Each record carries its own checksum too
+(:mod:`kvpool.manifest`), so a damaged record is never applied; a damaged or foreign manifest
+is refused with :class:`~kvpool.errors.ManifestError` unless ``disk_manifest_damaged`` says to
+keep its intact prefix or discard it.
+
+What is re-indexed: chains from a scope's root, block by block, while each block is on disk (its
+parent re-indexed before it). A block whose parent was not on disk (it was on the GPU or host
+tier when the process ended) cannot be matched, and its slot is freed. In a full-attention group
+a block without its slot leaves its descendants' slots in that group useless, as in the running
+manager. Retention priorities are not kept: the blocks enter the disk tier's eviction queue with
+the default priority, in manifest order, and are announced as stored events on the disk tier.
+
+Durability: records are written with ``write(2)`` at the end of each call, so they survive the
+process (SIGKILL included); the disk files and then the manifest are fsynced every
+``disk_sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
+record that was not fsynced when the machine crashed is lost (a miss), or disowned by the rule.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from kvpool.config import DEFAULT_PRIORITY
+from kvpool.errors import InvalidArgumentError
+from kvpool.hashing import BlockKey
+from kvpool.manifest import Manifest, ManifestEntry, OnDamage
+from kvpool.radix import NO_SLOT, Run
+from kvpool.remote.namespace import RemoteNamespace
+from kvpool.storage import BlockCopy, Tier
+
+if TYPE_CHECKING:
+    from kvpool.manager import KVCacheManager
+    from kvpool.views import Scope
+
+__all__ = ["MANIFEST_NAME", "PersistentDisk", "PersistentStorage", "RestoreStats", "attach"]
+
+MANIFEST_NAME = "kvpool-persistent.manifest"
+_ON_DAMAGE: dict[str, OnDamage] = {
+    "refuse": "raise", "keep_prefix": "keep_prefix", "discard": "discard",
+}
+_DISK = int(Tier.DISK)
+
+
+@runtime_checkable
+class PersistentStorage(Protocol):
+    """What a persistent disk tier needs of the storage (``TorchStorage(persistent=True)``)."""
+
+    @property
+    def persistent(self) -> bool: ...
+
+    def disk_checksums(self, layer_group: int, slots: Sequence[int]) -> list[int]: ...
+
+    def read_disk_checksums(self, layer_group: int, slots: Sequence[int]) -> list[int]: ...
+
+    def sync_disk(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class RestoreStats:
+    """What a warm restart found: blocks re-indexed, and recorded slots it did not trust
+    (``stale``: bytes differ from their hash), could not place (``orphaned``: parent not on
+    disk, or a full-attention parent lacking the group) or found invalid (``invalid``: a slot
+    or group that no longer exists, a conflicting record)."""
+
+    blocks: int = 0
+    slots: int = 0
+    stale: int = 0
+    orphaned: int = 0
+    invalid: int = 0
+
+
+@dataclass(slots=True)
+class _Block:
+    """One recorded block: its entries' common fields and its trusted slot per group."""
+
+    tokens: tuple[int, ...]
+    parent: BlockKey | None
+    scope: Scope
+    order: int
+    slots: dict[int, int] = field(default_factory=dict)
+
+
+def attach(manager: KVCacheManager, *, owns_storage: bool) -> PersistentDisk | None:
+    """The persistent disk tier of a new manager (None when ``disk_persistent`` is off), its
+    recorded blocks already re-indexed. On an error the storage is closed if the manager built
+    it (``owns_storage``), so its files are unlocked."""
+    if not manager.config.disk_persistent:
+        return None
+    try:
+        disk = PersistentDisk(manager)
+        disk.restore()
+    except BaseException:
+        if owns_storage:
+            manager.storage.close()
+        raise
+    return disk
+
+
+class PersistentDisk:
+    """A manager's persistent disk tier: its manifest, kept in step (module docstring)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        config = manager.config
+        storage = manager.storage
+        if not isinstance(storage, PersistentStorage) or not storage.persistent:
+            raise InvalidArgumentError(
+                "disk_persistent needs a storage with a persistent disk tier "
+                f"(TorchStorage(..., persistent=True)), got {storage!r:.80}"
+            )
+        assert config.disk_path is not None  # CacheConfig checks it
+        self._m = manager
+        self._storage = storage
+        self.namespace = RemoteNamespace.from_config(config, model=config.model_id)
+        self.manifest = Manifest(os.path.join(os.fspath(config.disk_path), MANIFEST_NAME),
+                                 self.namespace,
+                                 on_damage=_ON_DAMAGE[config.disk_manifest_damaged])
+        self.restored = RestoreStats()
+        self._interval = config.disk_sync_interval_s
+        self._last_sync = time.monotonic()
+        self._scopes: dict[int, Scope] = {}  # id(root run) -> its scope
+        self._step = 4 * config.tokens_per_block
+        self._closed = False
+
+    # ---------------------------------------------------------------- keeping it in step
+
+    def before_copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Record that the disk slots ``copies`` write no longer hold their old blocks."""
+        if self._closed:
+            return
+        entries = self.manifest.entries
+        drops = [(c.layer_group, c.dst_slot) for c in copies
+                 if c.dst_tier == _DISK and (c.layer_group, c.dst_slot) in entries]
+        self.manifest.append_many(drops=drops)
+
+    def after_copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Record the cached blocks ``copies`` wrote to the disk tier (then fsync when the
+        sync interval has passed)."""
+        if self._closed:
+            return
+        written: dict[int, list[int]] = {}
+        for c in copies:
+            if c.dst_tier == _DISK:
+                written.setdefault(c.layer_group, []).append(c.dst_slot)
+        puts: list[ManifestEntry] = []
+        pools = self._m._pools[_DISK]
+        for g, slots in written.items():
+            sums = self._storage.disk_checksums(g, slots)
+            for slot, checksum in zip(slots, sums, strict=True):
+                owner = pools[g].owner(slot)
+                if owner is None:
+                    continue  # not a cached block (a held copy, or dropped in the same call)
+                run, i = owner
+                if run.tier[g][i] == _DISK and run.slot[g][i] == slot:
+                    puts.append(self._entry(g, slot, run, i, checksum))
+        self.manifest.append_many(puts=puts)
+        if self._interval is not None and time.monotonic() - self._last_sync >= self._interval:
+            self.sync()
+
+    def _entry(self, g: int, slot: int, run: Run, i: int, checksum: int) -> ManifestEntry:
+        tokens = array("I")
+        tokens.frombytes(run.block_tokens(i, self._step))
+        if i:
+            return ManifestEntry(g, slot, run.keys[i], tuple(tokens), run.keys[i - 1], checksum)
+        parent = run.parent
+        assert parent is not None
+        if parent.parent is not None:
+            return ManifestEntry(g, slot, run.keys[i], tuple(tokens), parent.keys[-1], checksum)
+        lora_id, cache_salt = self._scope_of(parent)
+        return ManifestEntry(g, slot, run.keys[i], tuple(tokens), None, checksum,
+                             lora_id, cache_salt)
+
+    def _scope_of(self, root: Run) -> Scope:
+        scope = self._scopes.get(id(root))
+        if scope is None:
+            self._scopes = {id(r): s for s, r in self._m.roots.items()}
+            scope = self._scopes[id(root)]
+        return scope
+
+    def cleared(self) -> None:
+        """The cache was cleared: the manifest forgets every block."""
+        if not self._closed:
+            self.manifest.clear()
+
+    def sync(self) -> None:
+        """fsync the disk files, then the manifest (compacted when mostly dead records): what
+        was recorded so far survives a machine crash. No-op once closed."""
+        if self._closed:
+            return
+        self._storage.sync_disk()
+        self.manifest.sync()
+        self.manifest.maybe_compact()
+        self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        """Sync and close the manifest (the manager then closes the storage). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not getattr(self._storage, "closed", False):
+            self._storage.sync_disk()
+        self.manifest.close()
+
+    # ---------------------------------------------------------------- warm restart
+
+    def restore(self) -> RestoreStats:
+        """Re-index the manifest's trusted blocks into the (empty) tree as disk-resident and
+        rewrite the manifest to exactly them (module docstring)."""
+        blocks = self._trusted_blocks()
+        kept = self._build(blocks)
+        self._enqueue(kept, blocks)
+        entries = self.manifest.entries
+        placed = {(g, s) for run, _ in kept for g, sl in enumerate(run.slot)
+                  for s in sl if s != NO_SLOT}
+        for key in [k for k in entries if k not in placed]:
+            del entries[key]
+        self.manifest.compact()
+        self.restored.blocks = sum(len(run.keys) for run, _ in kept)
+        self.restored.slots = len(placed)
+        self.restored.orphaned = sum(len(b.slots) for b in blocks.values()) - len(placed)
+        return self.restored
+
+    def _trusted_blocks(self) -> dict[BlockKey, _Block]:
+        """The recorded blocks whose slots exist and whose bytes match their hashes."""
+        m = self._m
+        config = m.config
+        disk_slots = config.slots[_DISK]
+        by_group: dict[int, list[ManifestEntry]] = {}
+        for e in self.manifest.entries.values():
+            usable = (e.group in m.self_groups and e.slot < disk_slots[e.group]
+                      and 0 < len(e.tokens) <= config.tokens_per_block)
+            if usable:
+                by_group.setdefault(e.group, []).append(e)
+            else:
+                self.restored.invalid += 1
+        blocks: dict[BlockKey, _Block] = {}
+        bad: set[BlockKey] = set()
+        order = 0
+        for g, group_entries in by_group.items():
+            sums = self._storage.read_disk_checksums(g, [e.slot for e in group_entries])
+            for e, checksum in zip(group_entries, sums, strict=True):
+                if checksum != e.data_checksum:
+                    self.restored.stale += 1
+                    continue
+                scope = (e.lora_id, e.cache_salt)
+                b = blocks.get(e.key)
+                if b is None:
+                    b = blocks[e.key] = _Block(e.tokens, e.parent, scope, order)
+                    order += 1
+                elif (b.tokens, b.parent, b.scope) != (e.tokens, e.parent, scope):
+                    bad.add(e.key)
+                if g in b.slots:
+                    self.restored.invalid += 1  # the same block twice in one group: keep one
+                    continue
+                b.slots[g] = e.slot
+        for key in bad:
+            self.restored.invalid += len(blocks.pop(key).slots)
+        return blocks
+
+    def _build(self, blocks: dict[BlockKey, _Block]) -> list[tuple[Run, Scope]]:
+        """Runs of the trusted blocks reachable from a root, hung into the manager's tree."""
+        m = self._m
+        tpb = m.config.tokens_per_block
+        windowed = frozenset(g for g in m.self_groups if m._kinds[g].windowed)
+        children: dict[BlockKey, list[BlockKey]] = {}
+        firsts: list[BlockKey] = []
+        for key, b in blocks.items():
+            if b.parent is None:
+                firsts.append(key)
+            elif b.parent in blocks and len(blocks[b.parent].tokens) == tpb:
+                children.setdefault(b.parent, []).append(key)
+
+        def slots_of(key: BlockKey, allowed: frozenset[int] | None) -> dict[int, int]:
+            got = blocks[key].slots
+            return got if allowed is None else {g: s for g, s in got.items() if g in allowed}
+
+        kept: list[tuple[Run, Scope]] = []
+        stack: list[tuple[Run, BlockKey, frozenset[int] | None, Scope]] = [
+            (m._root(blocks[k].scope), k, None, blocks[k].scope) for k in reversed(firsts)
+        ]
+        while stack:
+            parent_run, key, allowed, scope = stack.pop()
+            chain = [(key, slots_of(key, allowed))]
+            if not chain[0][1]:
+                continue
+            while len(blocks[chain[-1][0]].tokens) == tpb:
+                after = windowed | frozenset(chain[-1][1])
+                kids = children.get(chain[-1][0], [])
+                if len(kids) != 1 or len(blocks[kids[0]].tokens) != tpb:
+                    break
+                got = slots_of(kids[0], after)
+                if not got:
+                    break
+                chain.append((kids[0], got))
+            run = self._new_run(parent_run, chain, blocks)
+            if run is None:
+                continue
+            kept.append((run, scope))
+            last_key, last_slots = chain[-1]
+            if len(blocks[last_key].tokens) == tpb:
+                after = windowed | frozenset(last_slots)
+                stack += [(run, k, after, scope) for k in reversed(children.get(last_key, []))]
+        return kept
+
+    def _new_run(self, parent: Run, chain: list[tuple[BlockKey, dict[int, int]]],
+                 blocks: dict[BlockKey, _Block]) -> Run | None:
+        """A run of ``chain`` (keys with their slots per group) under ``parent``, or None when
+        ``parent`` already has a child with the same first block."""
+        groups = self._m.config.num_groups
+        raw = [array("I", blocks[k].tokens).tobytes() for k, _ in chain]
+        if raw[0] in parent.children:
+            return None
+        slot = [[s.get(g, NO_SLOT) for _, s in chain] for g in range(groups)]
+        tier = [[_DISK if s != NO_SLOT else 0 for s in row] for row in slot]
+        run = Run(parent, b"".join(raw), raw[0], [k for k, _ in chain], slot, tier)
+        parent.add_child(run)
+        return run
+
+    def _enqueue(self, kept: list[tuple[Run, Scope]], blocks: dict[BlockKey, _Block]) -> None:
+        """Point the disk pools at the runs, queue their slots (manifest order), take them off
+        the free lists and announce the blocks as stored on the disk tier."""
+        m = self._m
+        pools, queues = m._pools[_DISK], m._queue[_DISK]
+        queued: list[tuple[int, int, int, BlockKey]] = []
+        for run, scope in kept:
+            for g, row in enumerate(run.slot):
+                start = None
+                for j, s in enumerate([*row, NO_SLOT]):
+                    if s != NO_SLOT:
+                        pools[g].place(s, run, j)
+                        queued.append((blocks[run.keys[j]].order, g, s, run.keys[j]))
+                        start = j if start is None else start
+                    elif start is not None:
+                        m._emit.stored(g, [(run, start, j)], scope[0])
+                        start = None
+        queued.sort(key=lambda item: item[0])
+        used: dict[int, set[int]] = {}
+        for _, g, s, key in queued:
+            queues[g].push(s, DEFAULT_PRIORITY, key=key)
+            used.setdefault(g, set()).add(s)
+        for g, slots in used.items():
+            free = pools[g].free
+            free[:] = [s for s in free if s not in slots]
+
+    def stats(self) -> dict[str, Any]:
+        """The restart's findings and the manifest's size, for monitoring."""
+        r = self.restored
+        return {"restored_blocks": r.blocks, "restored_slots": r.slots, "stale": r.stale,
+                "orphaned": r.orphaned, "invalid": r.invalid,
+                "recorded_slots": len(self.manifest.entries),
+                "ignored_manifest_bytes": self.manifest.ignored_bytes}
