@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpool.config import DEFAULT_PRIORITY
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import InvalidArgumentError, ManifestError
 from kvpool.hashing import BlockKey
 from kvpool.manifest import Manifest, ManifestEntry, OnDamage
 from kvpool.radix import NO_SLOT, Run
@@ -144,9 +144,16 @@ class PersistentDisk:
         self._m = manager
         self._storage = storage
         self.namespace = RemoteNamespace.from_config(config, model=config.model_id)
-        self.manifest = Manifest(os.path.join(os.fspath(config.disk_path), MANIFEST_NAME),
-                                 self.namespace,
-                                 on_damage=_ON_DAMAGE[config.disk_manifest_damaged])
+        path = os.path.join(os.fspath(config.disk_path), MANIFEST_NAME)
+        try:
+            self.manifest = Manifest(path, self.namespace,
+                                     on_damage=_ON_DAMAGE[config.disk_manifest_damaged])
+        except ManifestError as exc:
+            raise ManifestError(
+                f"the persistent disk tier cannot start: {exc}. In CacheConfig, "
+                "disk_manifest_damaged='discard' starts with an empty disk tier instead, "
+                "'keep_prefix' keeps the blocks recorded before the damage"
+            ) from exc
         self.restored = RestoreStats()
         self._interval = config.disk_sync_interval_s
         self._last_sync = time.monotonic()
@@ -241,11 +248,13 @@ class PersistentDisk:
         blocks = self._trusted_blocks()
         kept = self._build(blocks)
         self._enqueue(kept, blocks)
+        # the rewritten manifest lists parents before children: a torn tail loses leaves
         entries = self.manifest.entries
-        placed = {(g, s) for run, _ in kept for g, sl in enumerate(run.slot)
-                  for s in sl if s != NO_SLOT}
-        for key in [k for k in entries if k not in placed]:
-            del entries[key]
+        placed = [(g, run.slot[g][j]) for run, _ in kept for j in range(len(run.keys))
+                  for g in range(len(run.slot)) if run.slot[g][j] != NO_SLOT]
+        ordered = {key: entries[key] for key in placed}
+        entries.clear()
+        entries.update(ordered)
         self.manifest.compact()
         self.restored.blocks = sum(len(run.keys) for run, _ in kept)
         self.restored.slots = len(placed)
