@@ -192,6 +192,22 @@ def test_killed_at_random_moments_never_serves_a_wrong_byte(tmp_path: Path) -> N
         m.close()
 
 
+def test_close_spills_the_hotter_tiers_to_disk(tmp_path: Path) -> None:
+    """A manager closed on purpose writes its GPU and host blocks to free disk slots: the next
+    one finds every block of the tree, each with its own bytes."""
+    m = KVCacheManager(config(tmp_path))
+    for k, tokens in enumerate(workload(11, 12)):
+        serve(m, f"s{k}", tokens)
+    tree = {tuple(t): tiers[0] for t, _, tiers in m.tree_blocks()}
+    assert set(tree.values()) == {0, 1, 2}
+    m.close()
+    m = KVCacheManager(config(tmp_path))
+    assert {tuple(t) for t, _, _ in m.tree_blocks()} == set(tree)
+    assert check_disk_blocks(m) == len(tree)
+    assert check_onboarded(m, workload(11, 12)) > 0
+    m.close()
+
+
 def test_two_live_managers_cannot_share_a_persistent_tier(tmp_path: Path) -> None:
     m = KVCacheManager(config(tmp_path))
     with pytest.raises(StorageError, match="in use by another live manager"):
@@ -263,10 +279,11 @@ def damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["truncated", "flipped", "header"])
 def test_a_damaged_manifest_is_refused_kept_to_its_intact_prefix_or_discarded(
         tmp_path: Path, how: str) -> None:
-    n = filled(tmp_path)
+    filled(tmp_path)
     manifest = tmp_path / MANIFEST_NAME
     m = KVCacheManager(config(tmp_path))
-    m.close()  # the restart compacted the manifest: one put per restored block
+    n = m.persistent_disk.restored.blocks  # type: ignore[union-attr]
+    m.close()  # the restart compacted the manifest: one put per restored block, parents first
     damage(manifest, how)
     with pytest.raises(ManifestError, match="damaged"):
         KVCacheManager(config(tmp_path))
@@ -326,8 +343,9 @@ def test_restart_at_random_points(tmp_path_factory: pytest.TempPathFactory, seed
     matches its plan."""
     path = tmp_path_factory.mktemp("persist")
     prompts = workload(seed, 15)
+    # a partial copy needs a GPU slot beside the 4 of a 16-token prompt: 6 always fit
     kw: dict[str, object] = dict(disk_manifest_damaged="keep_prefix",
-                                 enable_partial_reuse=partial)
+                                 enable_partial_reuse=partial, gpu_blocks=6)
     m = KVCacheManager(config(path, **kw))
     done = 0
     for stop in sorted(stops):

@@ -227,7 +227,7 @@ class CacheConfig:
     sinks: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        tpb = _check_int("tokens_per_block", self.tokens_per_block, 1)
+        _check_int("tokens_per_block", self.tokens_per_block, 1)
         windows = _as_tuple("window_sizes (one entry per layer group: None or a window)",
                             self.window_sizes)
         if not windows:
@@ -267,17 +267,7 @@ class CacheConfig:
         _check_int("max_seq_len", self.max_seq_len, 1)
         _check_priority("offload_min_priority", self.offload_min_priority)
         _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
-        tree_algo = hash_algo(self.hash_algo)
-        object.__setattr__(self, "hash_algo", tree_algo)
-        ev = hash_algo(self.event_hash_algo) if self.event_hash_algo is not None else tree_algo
-        sha_v2 = {HashAlgo.V2_SHA256, HashAlgo.V2_SHA256_64}
-        if ev is not tree_algo and not {ev, tree_algo} <= sha_v2:
-            raise InvalidArgumentError(
-                f"event_hash_algo {ev.value!r} is not a projection of hash_algo "
-                f"{tree_algo.value!r}; events carry the tree's keys (v2_sha256 and "
-                "v2_sha256_64 share them)"
-            )
-        object.__setattr__(self, "event_hash_algo", ev)
+        self._normalise_hash_algos()
         if self.layer_geometry is not None:
             from kvpool.storage import GroupGeometry
 
@@ -316,7 +306,19 @@ class CacheConfig:
             raise InvalidArgumentError(
                 f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
             )
-        del tpb
+
+    def _normalise_hash_algos(self) -> None:
+        tree_algo = hash_algo(self.hash_algo)
+        object.__setattr__(self, "hash_algo", tree_algo)
+        ev = hash_algo(self.event_hash_algo) if self.event_hash_algo is not None else tree_algo
+        sha_v2 = {HashAlgo.V2_SHA256, HashAlgo.V2_SHA256_64}
+        if ev is not tree_algo and not {ev, tree_algo} <= sha_v2:
+            raise InvalidArgumentError(
+                f"event_hash_algo {ev.value!r} is not a projection of hash_algo "
+                f"{tree_algo.value!r}; events carry the tree's keys (v2_sha256 and "
+                "v2_sha256_64 share them)"
+            )
+        object.__setattr__(self, "event_hash_algo", ev)
 
     def _check_persistence(self, has_disk: bool) -> None:
         if not isinstance(self.disk_persistent, bool):

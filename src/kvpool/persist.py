@@ -44,6 +44,7 @@ record that was not fsynced when the machine crashed is lost (a miss), or disown
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from array import array
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpool.config import DEFAULT_PRIORITY
-from kvpool.errors import InvalidArgumentError, ManifestError
+from kvpool.errors import InvalidArgumentError, ManifestError, StorageError
 from kvpool.hashing import BlockKey
 from kvpool.manifest import Manifest, ManifestEntry, OnDamage
 from kvpool.radix import NO_SLOT, Run
@@ -84,6 +85,8 @@ class PersistentStorage(Protocol):
     def read_disk_checksums(self, layer_group: int, slots: Sequence[int]) -> list[int]: ...
 
     def sync_disk(self) -> None: ...
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -232,13 +235,60 @@ class PersistentDisk:
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
-        """Sync and close the manifest (the manager then closes the storage). Idempotent."""
+        """Spill the hotter tiers' cached blocks to free disk slots (:meth:`spill`), sync and
+        close the manifest; the manager then closes the storage. Idempotent."""
         if self._closed:
             return
-        self._closed = True
         if not getattr(self._storage, "closed", False):
+            with contextlib.suppress(StorageError):  # what was not written is a miss
+                self.spill()
             self._storage.sync_disk()
+        self._closed = True
         self.manifest.close()
+
+    def spill(self) -> int:
+        """Write the cached blocks of the GPU and host tiers into free disk slots (slots no
+        record names first), parents before children, and record them: a manager closed on
+        purpose leaves the next one its whole cache, as far as the disk tier holds it. The
+        manager's own state does not change. Returns the slots written."""
+        m = self._m
+        entries = self.manifest.entries
+        # popped from the end: free slots no record names first, lowest numbers first
+        free = {g: sorted(m._free[_DISK][g], key=lambda s: (s in recorded, s), reverse=True)
+                for g in m.self_groups
+                for recorded in [{slot for group, slot in entries if group == g}]}
+        windowed = {g for g in m.self_groups if m._kinds[g].windowed}
+        on_disk: set[tuple[int, BlockKey]] = set()
+        copies: list[BlockCopy] = []
+        spilled: list[tuple[int, int, Run, int]] = []
+        for root in m.roots.values():
+            stack = list(root.children.values())
+            while stack:
+                run = stack.pop()
+                stack += run.children.values()
+                for j, key in enumerate(run.keys):
+                    parent = run.keys[j - 1] if j else (run.parent.keys[-1] if run.parent
+                                                        and run.parent.keys else None)
+                    for g in m.self_groups:
+                        t, slot = run.tier[g][j], run.slot[g][j]
+                        if slot == NO_SLOT or not (parent is None or g in windowed
+                                                   or (g, parent) in on_disk):
+                            continue
+                        if t != _DISK:
+                            if not free[g]:
+                                continue
+                            dst = free[g].pop()
+                            copies.append(BlockCopy(t, slot, _DISK, dst, g))
+                            spilled.append((g, dst, run, j))
+                        on_disk.add((g, key))
+        if not copies:
+            return 0
+        self.manifest.append_many(drops=[(g, d) for g, d, _, _ in spilled if (g, d) in entries])
+        self._storage.copy_blocks(copies)
+        puts = [self._entry(g, d, run, j, self._storage.disk_checksums(g, [d])[0])
+                for g, d, run, j in spilled]
+        self.manifest.append_many(puts=puts)
+        return len(spilled)
 
     # ---------------------------------------------------------------- warm restart
 
