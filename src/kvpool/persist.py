@@ -61,7 +61,7 @@ from kvpool.remote.namespace import RemoteNamespace
 from kvpool.storage import BlockCopy, Tier
 
 if TYPE_CHECKING:
-    from kvpool.manager import KVCacheManager
+    from kvpool.state import CacheState
     from kvpool.views import Scope
 
 __all__ = ["MANIFEST_NAME", "PersistentDisk", "PersistentStorage", "RestoreStats", "attach"]
@@ -116,18 +116,18 @@ class _Block:
     slots: dict[int, int] = field(default_factory=dict)
 
 
-def attach(manager: KVCacheManager, *, owns_storage: bool) -> PersistentDisk | None:
-    """The persistent disk tier of a new manager (None when ``disk_persistent`` is off), its
-    recorded blocks already re-indexed. On an error the storage is closed if the manager built
-    it (``owns_storage``), so its files are unlocked."""
-    if not manager.config.disk_persistent:
+def attach(st: CacheState, *, owns_storage: bool) -> PersistentDisk | None:
+    """The persistent disk tier of a new manager's state (None when ``disk_persistent`` is
+    off), its recorded blocks already re-indexed. On an error the storage is closed if the
+    manager built it (``owns_storage``), so its files are unlocked."""
+    if not st.config.disk_persistent:
         return None
     try:
-        disk = PersistentDisk(manager)
+        disk = PersistentDisk(st)
         disk.restore()
     except BaseException:
         if owns_storage:
-            manager.storage.close()
+            st.storage.close()
         raise
     return disk
 
@@ -135,16 +135,16 @@ def attach(manager: KVCacheManager, *, owns_storage: bool) -> PersistentDisk | N
 class PersistentDisk:
     """A manager's persistent disk tier: its manifest, kept in step (module docstring)."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
-        config = manager.config
-        storage = manager.storage
+    def __init__(self, st: CacheState) -> None:
+        config = st.config
+        storage = st.storage
         if not isinstance(storage, PersistentStorage) or not storage.persistent:
             raise InvalidArgumentError(
                 "disk_persistent needs a storage with a persistent disk tier "
                 f"(TorchStorage(..., persistent=True)), got {storage!r:.80}"
             )
         assert config.disk_path is not None  # CacheConfig checks it
-        self._m = manager
+        self._st = st
         self._storage = storage
         self.namespace = RemoteNamespace.from_config(config, model=config.model_id)
         path = os.path.join(os.fspath(config.disk_path), MANIFEST_NAME)
@@ -185,7 +185,7 @@ class PersistentDisk:
             if c.dst_tier == _DISK:
                 written.setdefault(c.layer_group, []).append(c.dst_slot)
         puts: list[ManifestEntry] = []
-        pools = self._m._pools[_DISK]
+        pools = self._st.pools[_DISK]
         for g, slots in written.items():
             sums = self._storage.disk_checksums(g, slots)
             for slot, checksum in zip(slots, sums, strict=True):
@@ -215,7 +215,7 @@ class PersistentDisk:
     def _scope_of(self, root: Run) -> Scope:
         scope = self._scopes.get(id(root))
         if scope is None:
-            self._scopes = {id(r): s for s, r in self._m.roots.items()}
+            self._scopes = {id(r): s for s, r in self._st.roots.items()}
             scope = self._scopes[id(root)]
         return scope
 
@@ -251,13 +251,13 @@ class PersistentDisk:
         record names first), parents before children, and record them: a manager closed on
         purpose leaves the next one its whole cache, as far as the disk tier holds it. The
         manager's own state does not change. Returns the slots written."""
-        m = self._m
+        m = self._st
         entries = self.manifest.entries
         # popped from the end: free slots no record names first, lowest numbers first
-        free = {g: sorted(m._free[_DISK][g], key=lambda s: (s in recorded, s), reverse=True)
+        free = {g: sorted(m.pools[_DISK][g].free, key=lambda s: (s in recorded, s), reverse=True)
                 for g in m.self_groups
                 for recorded in [{slot for group, slot in entries if group == g}]}
-        windowed = {g for g in m.self_groups if m._kinds[g].windowed}
+        windowed = {g for g in m.self_groups if m.kinds[g].windowed}
         on_disk: set[tuple[int, BlockKey]] = set()
         copies: list[BlockCopy] = []
         spilled: list[tuple[int, int, Run, int]] = []
@@ -313,7 +313,7 @@ class PersistentDisk:
 
     def _trusted_blocks(self) -> dict[BlockKey, _Block]:
         """The recorded blocks whose slots exist and whose bytes match their hashes."""
-        m = self._m
+        m = self._st
         config = m.config
         disk_slots = config.slots[_DISK]
         by_group: dict[int, list[ManifestEntry]] = {}
@@ -350,9 +350,9 @@ class PersistentDisk:
 
     def _build(self, blocks: dict[BlockKey, _Block]) -> list[tuple[Run, Scope]]:
         """Runs of the trusted blocks reachable from a root, hung into the manager's tree."""
-        m = self._m
+        m = self._st
         tpb = m.config.tokens_per_block
-        windowed = frozenset(g for g in m.self_groups if m._kinds[g].windowed)
+        windowed = frozenset(g for g in m.self_groups if m.kinds[g].windowed)
         children: dict[BlockKey, list[BlockKey]] = {}
         firsts: list[BlockKey] = []
         for key, b in blocks.items():
@@ -367,7 +367,7 @@ class PersistentDisk:
 
         kept: list[tuple[Run, Scope]] = []
         stack: list[tuple[Run, BlockKey, frozenset[int] | None, Scope]] = [
-            (m._root(blocks[k].scope), k, None, blocks[k].scope) for k in reversed(firsts)
+            (m.root(blocks[k].scope), k, None, blocks[k].scope) for k in reversed(firsts)
         ]
         while stack:
             parent_run, key, allowed, scope = stack.pop()
@@ -397,7 +397,7 @@ class PersistentDisk:
                  blocks: dict[BlockKey, _Block]) -> Run | None:
         """A run of ``chain`` (keys with their slots per group) under ``parent``, or None when
         ``parent`` already has a child with the same first block."""
-        groups = self._m.config.num_groups
+        groups = self._st.num_groups
         raw = [array("I", blocks[k].tokens).tobytes() for k, _ in chain]
         if raw[0] in parent.children:
             return None
@@ -410,8 +410,8 @@ class PersistentDisk:
     def _enqueue(self, kept: list[tuple[Run, Scope]], blocks: dict[BlockKey, _Block]) -> None:
         """Point the disk pools at the runs, queue their slots (manifest order), take them off
         the free lists and announce the blocks as stored on the disk tier."""
-        m = self._m
-        pools, queues = m._pools[_DISK], m._queue[_DISK]
+        m = self._st
+        pools = m.pools[_DISK]
         queued: list[tuple[int, int, int, BlockKey]] = []
         for run, scope in kept:
             for g, row in enumerate(run.slot):
@@ -422,12 +422,12 @@ class PersistentDisk:
                         queued.append((blocks[run.keys[j]].order, g, s, run.keys[j]))
                         start = j if start is None else start
                     elif start is not None:
-                        m._emit.stored(g, [(run, start, j)], scope[0])
+                        m.emit.stored(g, [(run, start, j)], scope[0])
                         start = None
         queued.sort(key=lambda item: item[0])
         used: dict[int, set[int]] = {}
         for _, g, s, key in queued:
-            queues[g].push(s, DEFAULT_PRIORITY, key=key)
+            pools[g].queue.push(s, DEFAULT_PRIORITY, key=key)
             used.setdefault(g, set()).add(s)
         for g, slots in used.items():
             free = pools[g].free
