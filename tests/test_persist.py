@@ -39,7 +39,7 @@ BLOCK_BYTES = GEOM.block_bytes(TPB)
 
 def config(path: Path | str, **kw: object) -> CacheConfig:
     base: dict[str, object] = dict(
-        tokens_per_block=TPB, gpu_blocks=4, host_blocks=2, disk_blocks=32, disk_path=str(path),
+        tokens_per_block=TPB, gpu_blocks=6, host_blocks=2, disk_blocks=32, disk_path=str(path),
         layer_geometry=[GEOM], device="cpu", disk_persistent=True, offload_min_priority=0,
         disk_sync_interval_s=None, model_id="test-model",
     )
@@ -47,34 +47,39 @@ def config(path: Path | str, **kw: object) -> CacheConfig:
     return CacheConfig(**base)  # type: ignore[arg-type]
 
 
-def kv_bytes(prefix: list[int] | tuple[int, ...]) -> bytes:
-    """The bytes of the block that ends the token prefix ``prefix`` (NaN payloads included)."""
-    return hashlib.shake_128(repr(tuple(prefix)).encode()).digest(BLOCK_BYTES)
+def kv_bytes(prefix: list[int] | tuple[int, ...], group: int = 0) -> bytes:
+    """The bytes of the block of ``group`` that ends the token prefix ``prefix`` (NaN
+    payloads included)."""
+    return hashlib.shake_128(repr((group, tuple(prefix))).encode()).digest(BLOCK_BYTES)
 
 
 def serve(m: KVCacheManager, sid: str, tokens: list[int]) -> int:
     """Admit, compute the blocks the admission did not reuse, store, release; reused tokens."""
     r = m.add_sequence(SequenceRequest(sid, tokens))
-    pool = m.tensors(0, 0)
-    table = r.block_ids[0][0]
-    for b in range(r.reused_tokens // TPB, len(table)):
-        data = kv_bytes(tokens[:min((b + 1) * TPB, len(tokens))])
-        pool[table[b]].view(torch.uint8).reshape(-1)[:] = torch.frombuffer(
-            bytearray(data), dtype=torch.uint8)
+    for g in range(m.config.num_groups):
+        pool = m.tensors(g, 0)
+        table = r.block_ids[g][0]
+        for b in range(r.reused_tokens // TPB, len(table)):
+            if table[b] >= 0:
+                data = kv_bytes(tokens[:min((b + 1) * TPB, len(tokens))], g)
+                pool[table[b]].view(torch.uint8).reshape(-1)[:] = torch.frombuffer(
+                    bytearray(data), dtype=torch.uint8)
     m.store_context_blocks(sid, len(tokens))
     m.remove_sequence(sid)
     return r.reused_tokens
 
 
 def check_disk_blocks(m: KVCacheManager) -> int:
-    """Every disk-resident block of the tree holds its prefix's bytes; how many there are."""
-    disk = m.tensors(0, Tier.DISK)
+    """Every disk-resident block of the tree holds its prefix's bytes in every group; how many
+    (block, group) pairs there are."""
+    disks = [m.tensors(g, Tier.DISK) for g in range(m.config.num_groups)]
     n = 0
     for tokens, slots, tiers in m.tree_blocks():
-        if tiers[0] == Tier.DISK:
-            got = disk[slots[0]].view(torch.uint8).reshape(-1).numpy().tobytes()
-            assert got == kv_bytes(list(tokens)), f"wrong bytes for {list(tokens)}"
-            n += 1
+        for g, disk in enumerate(disks):
+            if tiers[g] == Tier.DISK and slots[g] >= 0:
+                got = disk[slots[g]].view(torch.uint8).reshape(-1).numpy().tobytes()
+                assert got == kv_bytes(list(tokens), g), f"wrong bytes for {list(tokens)}"
+                n += 1
     return n
 
 
@@ -84,10 +89,13 @@ def check_onboarded(m: KVCacheManager, prompts: list[list[int]]) -> int:
     total = 0
     for k, tokens in enumerate(prompts):
         r = m.add_sequence(SequenceRequest(f"check{k}", tokens))
-        pool = m.tensors(0, 0)
-        for b in range(r.reused_tokens // TPB):
-            got = pool[r.block_ids[0][0][b]].view(torch.uint8).reshape(-1).numpy().tobytes()
-            assert got == kv_bytes(tokens[:(b + 1) * TPB])
+        for g in range(m.config.num_groups):
+            pool = m.tensors(g, 0)
+            for b in range(r.reused_tokens // TPB):
+                slot = r.block_ids[g][0][b]
+                if slot >= 0:
+                    got = pool[slot].view(torch.uint8).reshape(-1).numpy().tobytes()
+                    assert got == kv_bytes(tokens[:(b + 1) * TPB], g)
         total += r.reused_tokens
         m.remove_sequence(f"check{k}", store_for_reuse=False)
     m.check_invariants()
@@ -169,15 +177,25 @@ def test_warm_restart_after_the_process_is_killed(tmp_path: Path, sig: int) -> N
     disk = m.persistent_disk
     assert disk is not None
     restored = {tuple(t) for t, _, tiers in m.tree_blocks() if tiers[0] == Tier.DISK}
-    # every chain that was on disk from its root is found (a block onboarded or dropped whose
-    # slot was not written again may be found too: its bytes are still its own)
-    rooted = {t for t in on_disk if all(t[:j] in on_disk for j in range(TPB, len(t), TPB))}
-    assert rooted <= restored and len(rooted) >= 4
-    assert disk.restored.blocks == len(restored) and disk.restored.stale == 0
+    # every block that was on disk is found (a block onboarded or dropped whose slot was not
+    # written again may be found too: its bytes are still its own)
+    assert on_disk <= restored and len(on_disk) >= 8
+    assert disk.restored.blocks == len(restored)
+    assert (disk.restored.stale, disk.restored.orphaned, disk.restored.invalid) == (0, 0, 0)
     assert check_disk_blocks(m) == len(restored)
-    longest = max(restored, key=len)
+    # a chain on disk from its root is reused at once, bit for bit
+    rooted = {t for t in restored if all(t[:j] in restored for j in range(TPB, len(t), TPB))}
+    longest = max(rooted, key=len)
     assert m.count_reusable_tokens([*longest, 9999]) == len(longest)
     assert check_onboarded(m, [[*longest, 9999]]) == len(longest)
+    # a chain whose first blocks died with the process (they were on the GPU or host tier):
+    # once the engine computes them again, the rest is reused from disk
+    lost = max(restored - rooted, key=len)
+    cut = max(j for j in range(TPB, len(lost), TPB) if lost[:j] not in restored)
+    assert m.count_reusable_tokens([*lost, 9999]) < cut
+    serve(m, "again", list(lost[:cut]))
+    assert m.count_reusable_tokens([*lost, 9999]) == len(lost)
+    assert check_onboarded(m, [[*lost, 9999]]) == len(lost)
     m.close()
 
 
@@ -333,10 +351,11 @@ def test_bad_settings_are_refused() -> None:
                                                                  HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), stops=st.lists(st.integers(0, 14), min_size=1, max_size=3),
        flip=st.none() | st.integers(0, 32 * BLOCK_BYTES - 1),
-       cut=st.none() | st.integers(1, 400), partial=st.booleans())
+       cut=st.none() | st.integers(1, 400), partial=st.booleans(),
+       windows=st.sampled_from([[None], [None, None], [None, 8]]))
 def test_restart_at_random_points(tmp_path_factory: pytest.TempPathFactory, seed: int,
                                   stops: list[int], flip: int | None, cut: int | None,
-                                  partial: bool) -> None:
+                                  partial: bool, windows: list[int | None]) -> None:
     """Serve a workload, abandon the manager after a random number of requests (no cleanup),
     maybe flip a byte of the disk file and cut the manifest's tail, start again, go on; at
     every restart each re-indexed block holds its own bytes, invariants hold, and admission
@@ -345,7 +364,8 @@ def test_restart_at_random_points(tmp_path_factory: pytest.TempPathFactory, seed
     prompts = workload(seed, 15)
     # a partial copy needs a GPU slot beside the 4 of a 16-token prompt: 6 always fit
     kw: dict[str, object] = dict(disk_manifest_damaged="keep_prefix",
-                                 enable_partial_reuse=partial, gpu_blocks=6)
+                                 enable_partial_reuse=partial, gpu_blocks=6,
+                                 window_sizes=windows, layer_geometry=[GEOM] * len(windows))
     m = KVCacheManager(config(path, **kw))
     done = 0
     for stop in sorted(stops):

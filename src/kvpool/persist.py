@@ -93,12 +93,14 @@ class PersistentStorage(Protocol):
 
 @dataclass(slots=True)
 class RestoreStats:
-    """What a warm restart found: blocks re-indexed, and recorded slots it did not trust
-    (``stale``: bytes differ from their hash), could not place (``orphaned``: parent not on
-    disk, or a full-attention parent lacking the group) or found invalid (``invalid``: a slot
-    or group that no longer exists, a conflicting record)."""
+    """What a warm restart found: blocks re-indexed with their disk slots (``blocks``,
+    ``slots``) and the path blocks above them (no bytes: ``path_blocks``), and recorded slots
+    it did not trust (``stale``: bytes differ from their hash), could not place (``orphaned``:
+    no recorded chain from a root) or found invalid (``invalid``: a slot or group that no
+    longer exists, a conflicting record)."""
 
     blocks: int = 0
+    path_blocks: int = 0
     slots: int = 0
     stale: int = 0
     orphaned: int = 0
@@ -114,6 +116,12 @@ class _Block:
     scope: Scope
     order: int
     slots: dict[int, int] = field(default_factory=dict)
+
+
+def _path_entry(key: BlockKey, b: _Block) -> ManifestEntry:
+    """The path record of a recorded block."""
+    scope = b.scope if b.parent is None else (None, None)
+    return ManifestEntry(0, 0, key, b.tokens, b.parent, 0, *scope)
 
 
 def attach(st: CacheState, *, owns_storage: bool) -> PersistentDisk | None:
@@ -185,6 +193,7 @@ class PersistentDisk:
             if c.dst_tier == _DISK:
                 written.setdefault(c.layer_group, []).append(c.dst_slot)
         puts: list[ManifestEntry] = []
+        paths: dict[BlockKey, ManifestEntry] = {}
         pools = self._st.pools[_DISK]
         for g, slots in written.items():
             sums = self._storage.disk_checksums(g, slots)
@@ -195,9 +204,30 @@ class PersistentDisk:
                 run, i = owner
                 if run.tier[g][i] == _DISK and run.slot[g][i] == slot:
                     puts.append(self._entry(g, slot, run, i, checksum))
-        self.manifest.append_many(puts=puts)
+                    self._record_ancestors(run, i, paths)
+        self.manifest.append_many(puts=puts, paths=paths.values())
         if self._interval is not None and time.monotonic() - self._last_sync >= self._interval:
             self.sync()
+
+    def _record_ancestors(self, run: Run, i: int, paths: dict[BlockKey, ManifestEntry]) -> None:
+        """Add to ``paths`` the ancestors of block i of ``run`` that no path record names yet,
+        root first (the ancestors of a recorded path are recorded: the walk stops at one)."""
+        recorded = self.manifest.paths
+        found: list[ManifestEntry] = []
+        j = i - 1
+        while True:
+            if j < 0:
+                parent = run.parent
+                if parent is None or parent.parent is None:
+                    break
+                run, j = parent, len(parent.keys) - 1
+            key = run.keys[j]
+            if key in recorded or key in paths:
+                break
+            found.append(self._entry(0, 0, run, j, 0))
+            j -= 1
+        for e in reversed(found):
+            paths[e.key] = e
 
     def _entry(self, g: int, slot: int, run: Run, i: int, checksum: int) -> ManifestEntry:
         tokens = array("I")
@@ -231,8 +261,23 @@ class PersistentDisk:
             return
         self._storage.sync_disk()
         self.manifest.sync()
-        self.manifest.maybe_compact()
+        if self.manifest.needs_compaction():
+            self._prune_paths()
+            self.manifest.compact()
         self._last_sync = time.monotonic()
+
+    def _prune_paths(self) -> None:
+        """Forget the path records no recorded block descends from."""
+        paths = self.manifest.paths
+        needed: set[BlockKey] = set()
+        for e in self.manifest.entries.values():
+            key = e.parent
+            while key is not None and key not in needed:
+                needed.add(key)
+                path = paths.get(key)
+                key = path.parent if path is not None else None
+        for key in [k for k in paths if k not in needed]:
+            del paths[key]
 
     def close(self) -> None:
         """Spill the hotter tiers' cached blocks to free disk slots (:meth:`spill`), sync and
@@ -257,8 +302,6 @@ class PersistentDisk:
         free = {g: sorted(m.pools[_DISK][g].free, key=lambda s: (s in recorded, s), reverse=True)
                 for g in m.self_groups
                 for recorded in [{slot for group, slot in entries if group == g}]}
-        windowed = {g for g in m.self_groups if m.kinds[g].windowed}
-        on_disk: set[tuple[int, BlockKey]] = set()
         copies: list[BlockCopy] = []
         spilled: list[tuple[int, int, Run, int]] = []
         for root in m.roots.values():
@@ -266,53 +309,53 @@ class PersistentDisk:
             while stack:
                 run = stack.pop()
                 stack += run.children.values()
-                for j, key in enumerate(run.keys):
-                    parent = run.keys[j - 1] if j else (run.parent.keys[-1] if run.parent
-                                                        and run.parent.keys else None)
+                for j in range(len(run.keys)):
                     for g in m.self_groups:
                         t, slot = run.tier[g][j], run.slot[g][j]
-                        if slot == NO_SLOT or not (parent is None or g in windowed
-                                                   or (g, parent) in on_disk):
-                            continue
-                        if t != _DISK:
-                            if not free[g]:
-                                continue
+                        if slot != NO_SLOT and t != _DISK and free[g]:
                             dst = free[g].pop()
                             copies.append(BlockCopy(t, slot, _DISK, dst, g))
                             spilled.append((g, dst, run, j))
-                        on_disk.add((g, key))
         if not copies:
             return 0
         self.manifest.append_many(drops=[(g, d) for g, d, _, _ in spilled if (g, d) in entries])
         self._storage.copy_blocks(copies)
-        puts = [self._entry(g, d, run, j, self._storage.disk_checksums(g, [d])[0])
-                for g, d, run, j in spilled]
-        self.manifest.append_many(puts=puts)
+        paths: dict[BlockKey, ManifestEntry] = {}
+        puts = []
+        for g, dst, run, j in spilled:
+            puts.append(self._entry(g, dst, run, j, self._storage.disk_checksums(g, [dst])[0]))
+            self._record_ancestors(run, j, paths)
+        self.manifest.append_many(puts=puts, paths=paths.values())
         return len(spilled)
 
     # ---------------------------------------------------------------- warm restart
 
     def restore(self) -> RestoreStats:
         """Re-index the manifest's trusted blocks into the (empty) tree as disk-resident and
-        rewrite the manifest to exactly them (module docstring)."""
+        rewrite the manifest to exactly them, parents before children (module docstring)."""
         blocks = self._trusted_blocks()
         kept = self._build(blocks)
         self._enqueue(kept, blocks)
-        # the rewritten manifest lists parents before children: a torn tail loses leaves
-        entries = self.manifest.entries
+        entries, paths = self.manifest.entries, self.manifest.paths
         placed = [(g, run.slot[g][j]) for run, _ in kept for j in range(len(run.keys))
                   for g in range(len(run.slot)) if run.slot[g][j] != NO_SLOT]
         ordered = {key: entries[key] for key in placed}
         entries.clear()
         entries.update(ordered)
+        paths.clear()
+        for run, _ in kept:  # every block with a child in the tree is a path
+            last = len(run.keys) - (0 if run.children else 1)
+            paths.update((k, _path_entry(k, blocks[k])) for k in run.keys[:last])
         self.manifest.compact()
-        self.restored.blocks = sum(len(run.keys) for run, _ in kept)
+        self.restored.blocks = sum(run.has_slot(j) for run, _ in kept for j in range(len(run.keys)))
+        self.restored.path_blocks = sum(len(run.keys) for run, _ in kept) - self.restored.blocks
         self.restored.slots = len(placed)
         self.restored.orphaned = sum(len(b.slots) for b in blocks.values()) - len(placed)
         return self.restored
 
     def _trusted_blocks(self) -> dict[BlockKey, _Block]:
-        """The recorded blocks whose slots exist and whose bytes match their hashes."""
+        """The recorded blocks: their trusted slots (that exist, their bytes matching their
+        hashes) and the path blocks above them."""
         m = self._st
         config = m.config
         disk_slots = config.slots[_DISK]
@@ -326,33 +369,37 @@ class PersistentDisk:
                 self.restored.invalid += 1
         blocks: dict[BlockKey, _Block] = {}
         bad: set[BlockKey] = set()
-        order = 0
+
+        def block(e: ManifestEntry) -> _Block:
+            scope = (e.lora_id, e.cache_salt)
+            b = blocks.get(e.key)
+            if b is None:
+                b = blocks[e.key] = _Block(e.tokens, e.parent, scope, len(blocks))
+            elif (b.tokens, b.parent, b.scope) != (e.tokens, e.parent, scope):
+                bad.add(e.key)
+            return b
+
         for g, group_entries in by_group.items():
             sums = self._storage.read_disk_checksums(g, [e.slot for e in group_entries])
             for e, checksum in zip(group_entries, sums, strict=True):
                 if checksum != e.data_checksum:
                     self.restored.stale += 1
                     continue
-                scope = (e.lora_id, e.cache_salt)
-                b = blocks.get(e.key)
-                if b is None:
-                    b = blocks[e.key] = _Block(e.tokens, e.parent, scope, order)
-                    order += 1
-                elif (b.tokens, b.parent, b.scope) != (e.tokens, e.parent, scope):
-                    bad.add(e.key)
+                b = block(e)
                 if g in b.slots:
                     self.restored.invalid += 1  # the same block twice in one group: keep one
                     continue
                 b.slots[g] = e.slot
+        for e in self.manifest.paths.values():
+            block(e)
         for key in bad:
             self.restored.invalid += len(blocks.pop(key).slots)
         return blocks
 
     def _build(self, blocks: dict[BlockKey, _Block]) -> list[tuple[Run, Scope]]:
-        """Runs of the trusted blocks reachable from a root, hung into the manager's tree."""
-        m = self._st
-        tpb = m.config.tokens_per_block
-        windowed = frozenset(g for g in m.self_groups if m.kinds[g].windowed)
+        """Runs of the blocks reachable from a root that hold a slot or lead to one, hung into
+        the manager's tree (parents before children in the returned list)."""
+        tpb = self._st.tpb
         children: dict[BlockKey, list[BlockKey]] = {}
         firsts: list[BlockKey] = []
         for key, b in blocks.items():
@@ -360,50 +407,41 @@ class PersistentDisk:
                 firsts.append(key)
             elif b.parent in blocks and len(blocks[b.parent].tokens) == tpb:
                 children.setdefault(b.parent, []).append(key)
-
-        def slots_of(key: BlockKey, allowed: frozenset[int] | None) -> dict[int, int]:
-            got = blocks[key].slots
-            return got if allowed is None else {g: s for g, s in got.items() if g in allowed}
-
+        useful: set[BlockKey] = set()  # holds a slot, or a descendant does
+        for key, b in blocks.items():
+            up: BlockKey | None = key if b.slots else None
+            while up is not None and up in blocks and up not in useful:
+                useful.add(up)
+                up = blocks[up].parent
         kept: list[tuple[Run, Scope]] = []
-        stack: list[tuple[Run, BlockKey, frozenset[int] | None, Scope]] = [
-            (m.root(blocks[k].scope), k, None, blocks[k].scope) for k in reversed(firsts)
-        ]
+        stack = [(self._st.root(blocks[k].scope), k) for k in reversed(firsts) if k in useful]
         while stack:
-            parent_run, key, allowed, scope = stack.pop()
-            chain = [(key, slots_of(key, allowed))]
-            if not chain[0][1]:
-                continue
-            while len(blocks[chain[-1][0]].tokens) == tpb:
-                after = windowed | frozenset(chain[-1][1])
-                kids = children.get(chain[-1][0], [])
+            parent_run, key = stack.pop()
+            chain = [key]
+            kids: list[BlockKey] = []
+            while len(blocks[chain[-1]].tokens) == tpb:
+                kids = [k for k in children.get(chain[-1], []) if k in useful]
                 if len(kids) != 1 or len(blocks[kids[0]].tokens) != tpb:
                     break
-                got = slots_of(kids[0], after)
-                if not got:
-                    break
-                chain.append((kids[0], got))
+                chain.append(kids[0])
+                kids = []
             run = self._new_run(parent_run, chain, blocks)
-            if run is None:
-                continue
-            kept.append((run, scope))
-            last_key, last_slots = chain[-1]
-            if len(blocks[last_key].tokens) == tpb:
-                after = windowed | frozenset(last_slots)
-                stack += [(run, k, after, scope) for k in reversed(children.get(last_key, []))]
+            if run is not None:
+                kept.append((run, blocks[key].scope))
+                stack += [(run, k) for k in reversed(kids)]
         return kept
 
-    def _new_run(self, parent: Run, chain: list[tuple[BlockKey, dict[int, int]]],
+    def _new_run(self, parent: Run, chain: list[BlockKey],
                  blocks: dict[BlockKey, _Block]) -> Run | None:
-        """A run of ``chain`` (keys with their slots per group) under ``parent``, or None when
-        ``parent`` already has a child with the same first block."""
-        groups = self._st.num_groups
-        raw = [array("I", blocks[k].tokens).tobytes() for k, _ in chain]
+        """A run of the blocks ``chain`` under ``parent``, or None when ``parent`` already has
+        a child with the same first block."""
+        raw = [array("I", blocks[k].tokens).tobytes() for k in chain]
         if raw[0] in parent.children:
             return None
-        slot = [[s.get(g, NO_SLOT) for _, s in chain] for g in range(groups)]
+        slot = [[blocks[k].slots.get(g, NO_SLOT) for k in chain]
+                for g in range(self._st.num_groups)]
         tier = [[_DISK if s != NO_SLOT else 0 for s in row] for row in slot]
-        run = Run(parent, b"".join(raw), raw[0], [k for k, _ in chain], slot, tier)
+        run = Run(parent, b"".join(raw), raw[0], list(chain), slot, tier)
         parent.add_child(run)
         return run
 
@@ -436,7 +474,8 @@ class PersistentDisk:
     def stats(self) -> dict[str, Any]:
         """The restart's findings and the manifest's size, for monitoring."""
         r = self.restored
-        return {"restored_blocks": r.blocks, "restored_slots": r.slots, "stale": r.stale,
+        return {"restored_blocks": r.blocks, "restored_slots": r.slots,
+                "restored_path_blocks": r.path_blocks, "stale": r.stale,
                 "orphaned": r.orphaned, "invalid": r.invalid,
                 "recorded_slots": len(self.manifest.entries),
                 "ignored_manifest_bytes": self.manifest.ignored_bytes}
