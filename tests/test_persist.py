@@ -28,7 +28,9 @@ torch = pytest.importorskip("torch")
 from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
 from kvpool.diskfile import close_pools, persistent_name  # noqa: E402
 from kvpool.errors import InvalidArgumentError, ManifestError, StorageError  # noqa: E402
+from kvpool.events.model import Stored  # noqa: E402
 from kvpool.manager import KVCacheManager  # noqa: E402
+from kvpool.manifest import Manifest  # noqa: E402
 from kvpool.persist import MANIFEST_NAME  # noqa: E402
 from kvpool.storage import GroupGeometry, Tier  # noqa: E402
 
@@ -394,4 +396,47 @@ def test_restart_at_random_points(tmp_path_factory: pytest.TempPathFactory, seed
         assert r.reused_tokens == plan.requests[0].reused_tokens
         m.remove_sequence("p", store_for_reuse=False)
     check_onboarded(m, prompts)
+    m.close()
+
+
+def test_restored_blocks_are_announced_as_stored_on_the_disk_tier(tmp_path: Path) -> None:
+    """A router following the events learns what the restarted manager holds: one stored
+    event per restored chain stretch, at cache level 2, and the stretches' blocks are exactly
+    the cached blocks."""
+    filled(tmp_path)
+    m = KVCacheManager(config(tmp_path, event_buffer_max_size=1000))
+    m.flush_iteration_events()
+    stored = [b for e in m.get_latest_events() if isinstance(e.data, Stored)
+              for b in e.data.blocks]
+    assert stored and {b.cache_level for b in stored} == {Tier.DISK}
+    assert {(b.block_hash, 0, int(Tier.DISK)) for b in stored} == m.cached_blocks()
+    m.close()
+
+
+def test_sync_fsyncs_and_compaction_keeps_only_the_paths_in_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a sync interval the manifest is fsynced as calls go; a compaction (forced here:
+    the log is far below 1 MiB) forgets the path records no recorded block descends from, and
+    the next restart still finds every recorded block."""
+    m = KVCacheManager(config(tmp_path, disk_sync_interval_s=1e-9, disk_blocks=6))
+    for k, tokens in enumerate(workload(4, 40)):
+        serve(m, f"s{k}", tokens)
+    disk = m.persistent_disk
+    assert disk is not None
+    manifest = disk.manifest
+    paths_before = set(manifest.paths)
+    monkeypatch.setattr(Manifest, "needs_compaction", lambda self: True)
+    disk.sync()
+    live = set()
+    for e in manifest.entries.values():
+        key = e.parent
+        while key is not None:
+            live.add(key)
+            key = manifest.paths[key].parent
+    assert set(manifest.paths) == live and live < paths_before
+    recorded = len(manifest.entries)
+    crash(m)
+    m = KVCacheManager(config(tmp_path, disk_blocks=6))
+    assert m.persistent_disk.restored.slots == recorded  # type: ignore[union-attr]
+    assert check_disk_blocks(m) == recorded
     m.close()
