@@ -53,7 +53,7 @@ PREFIX = "kvpool-"
 SUFFIX = ".kv"
 PERSISTENT_PREFIX = "kvpool-persistent-g"
 PERSISTENT_SUFFIX = ".kvp"
-_READ_BATCH = 64 << 20  # bytes read at once when hashing slots
+_READ_BATCH = 4 << 20  # bytes read at once when hashing slots (one buffer, reused)
 _xxh3 = xxhash.xxh3_64_intdigest
 
 

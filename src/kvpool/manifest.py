@@ -117,9 +117,13 @@ def _encode_put(algo: HashAlgo, e: ManifestEntry) -> bytes:
         flags |= _HAS_SALT
         tail.append(_u("cache_salt length", len(salt), 16).to_bytes(2, "little") + salt)
     tokens = e.tokens
-    if not all(isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
-        raise InvalidArgumentError(f"tokens must be ints in [0, 2**31), got {tokens!r:.80}")
-    tail.append(struct.pack(f"<{len(tokens)}I", *tokens))
+    try:  # struct checks each is an int in [0, 2**32); the bound is checked at C speed too
+        tail.append(struct.pack(f"<{len(tokens)}I", *tokens))
+        if tokens and max(tokens) > MAX_TOKEN_ID:
+            raise struct.error("a token id is not below 2**31")
+    except (struct.error, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"tokens must be ints in [0, 2**31), got {tokens!r:.80}: {exc}") from None
     head = _PUT.pack(_u("group", e.group, 16), _u("slot", e.slot, 32),
                      _u("data_checksum", e.data_checksum, 64), flags,
                      _u("token count", len(tokens), 16))
