@@ -228,6 +228,20 @@ def test_close_spills_the_hotter_tiers_to_disk(tmp_path: Path) -> None:
     m.close()
 
 
+def test_no_spill_after_a_failed_copy(tmp_path: Path) -> None:
+    """After a copy failed (some blocks may lack their bytes) close() writes nothing more:
+    the next manager finds only what was on disk."""
+    m = KVCacheManager(config(tmp_path))
+    for k, tokens in enumerate(workload(11, 12)):
+        serve(m, f"s{k}", tokens)
+    on_disk = {tuple(t) for t, _, tiers in m.tree_blocks() if tiers[0] == Tier.DISK}
+    m._st.copy_failure = "OSError(5, 'Input/output error')"  # what a failed copy leaves
+    m.close()
+    m = KVCacheManager(config(tmp_path))
+    assert {tuple(t) for t, _, tiers in m.tree_blocks() if tiers[0] == Tier.DISK} == on_disk
+    m.close()
+
+
 def test_two_live_managers_cannot_share_a_persistent_tier(tmp_path: Path) -> None:
     m = KVCacheManager(config(tmp_path))
     with pytest.raises(StorageError, match="in use by another live manager"):

@@ -285,8 +285,9 @@ class PersistentDisk:
         if self._closed:
             return
         if not getattr(self._storage, "closed", False):
-            with contextlib.suppress(StorageError):  # what was not written is a miss
-                self.spill()
+            if self._st.copy_failure is None:  # else some blocks may lack their bytes
+                with contextlib.suppress(StorageError):  # what was not written is a miss
+                    self.spill()
             self._storage.sync_disk()
         self._closed = True
         self.manifest.close()
@@ -295,7 +296,8 @@ class PersistentDisk:
         """Write the cached blocks of the GPU and host tiers into free disk slots (slots no
         record names first), parents before children, and record them: a manager closed on
         purpose leaves the next one its whole cache, as far as the disk tier holds it. The
-        manager's own state does not change. Returns the slots written."""
+        manager's own state does not change. Returns the slots written. (:meth:`close` skips
+        it after a failed copy: blocks may then lack their bytes.)"""
         m = self._st
         entries = self.manifest.entries
         # popped from the end: free slots no record names first, lowest numbers first
