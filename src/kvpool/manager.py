@@ -154,9 +154,10 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            if self._batch_may_copy or any(p._partial is not None for p in plan.requests):
+            partials = [p for p in plan.requests if p._partial is not None]
+            if self._batch_may_copy or partials:
                 st.check_storage()  # the batch may copy: fail before changing anything
-            results = admit(st, plan)
+            results = admit(st, plan, partials)
             st.finish_call()
             return results
 
