@@ -33,6 +33,7 @@ from kvpool.manager import KVCacheManager  # noqa: E402
 from kvpool.manifest import Manifest  # noqa: E402
 from kvpool.persist import MANIFEST_NAME  # noqa: E402
 from kvpool.storage import GroupGeometry, Tier  # noqa: E402
+from kvpool.torch_storage import TorchStorage  # noqa: E402
 
 TPB = 4
 GEOM = GroupGeometry(num_layers=1, kv_heads=1, head_dim=4, dtype="float32")
@@ -350,6 +351,16 @@ def test_another_namespace_is_refused_or_discarded(tmp_path: Path,
     m.close()
     with pytest.raises(ManifestError, match="another namespace"):
         KVCacheManager(config(tmp_path))
+
+
+def test_a_storage_without_a_persistent_disk_tier_is_refused(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    storage = TorchStorage(TPB, [GEOM], cfg.slots, device="cpu", disk_path=tmp_path)
+    with pytest.raises(InvalidArgumentError, match="persistent disk tier"):
+        KVCacheManager(cfg, storage=storage)
+    assert not storage.closed  # the caller's storage is the caller's to close
+    storage.close()
+    assert not (tmp_path / MANIFEST_NAME).exists()
 
 
 def test_bad_settings_are_refused() -> None:
