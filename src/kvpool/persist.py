@@ -7,17 +7,20 @@ A manager with ``CacheConfig(disk_persistent=True)`` opens its disk files under 
 namespace (:class:`~kvpool.remote.namespace.RemoteNamespace`: ``model_id``, geometry per layer
 group, tokens per block, hash algorithm).
 
-Keeping it in step, at the end of every call that copies blocks:
+Keeping it in step, at the end of every call that copies blocks (``CacheState.finish_call``):
 
 1. before the copies run, a ``drop`` record for every recorded disk slot they will write;
 2. the copies (the storage hashes each block it writes to the disk tier: xxh3_64);
 3. after them, one ``put`` record per disk slot now holding a cached block of the tree: layer
    group, slot, full chained key, tokens, parent key (or the reuse scope of a chain's first
-   block) and the hash of the bytes written.
+   block) and the hash of the bytes written; and a ``path`` record (key, tokens, parent or
+   scope, no slot) for each of its ancestors that none names yet, root first.
 
 A disk slot the manager stops using without writing it (onboarded, dropped) keeps its ``put``:
 its bytes are still that block's, so reusing them after a restart is correct. ``clear_cache``
-empties the manifest.
+empties the manifest. ``close`` first spills the GPU and host tiers' cached blocks into free
+disk slots (:meth:`PersistentDisk.spill`), so a graceful restart keeps the whole cache as far
+as the disk tier holds it.
 
 The rule that keeps stale bytes out: at a warm restart a recorded block is re-indexed only if
 the xxh3_64 of the bytes its slot holds *now* equals the hash recorded with it. Whatever
@@ -29,12 +32,17 @@ wrong block would take a 64-bit hash collision). Each record carries its own che
 is refused with :class:`~kvpool.errors.ManifestError` unless ``disk_manifest_damaged`` says to
 keep its intact prefix or discard it.
 
-What is re-indexed: chains from a scope's root, block by block, while each block is on disk (its
-parent re-indexed before it). A block whose parent was not on disk (it was on the GPU or host
-tier when the process ended) cannot be matched, and its slot is freed. In a full-attention group
-a block without its slot leaves its descendants' slots in that group useless, as in the running
-manager. Retention priorities are not kept: the blocks enter the disk tier's eviction queue with
-the default priority, in manifest order, and are announced as stored events on the disk tier.
+What is re-indexed: every chain from a scope's root that leads to a trusted slot. Its blocks
+whose bytes are on disk get their disk slots; the others (they were on the GPU or host tier
+when the process ended, or their slot was reused since) become path blocks without slots.
+Admission stops a match at a path block in a full-attention group, so they serve nothing by
+themselves, but once the engine computes that prefix again its commit fills them (as for any
+path block) and the disk-resident rest of the chain is reused. A trusted slot no recorded chain
+reaches (its path records were lost with a damaged tail) is freed (``orphaned``). Retention
+priorities are not kept: the blocks enter the disk tier's eviction queue with the default
+priority, in manifest order, and are announced as stored events on the disk tier. The manifest
+is then rewritten to exactly what was re-indexed, parents before children (a torn tail later
+loses leaves first).
 
 Durability: records are written with ``write(2)`` at the end of each call, so they survive the
 process (SIGKILL included); the disk files and then the manifest are fsynced every
@@ -130,10 +138,13 @@ def attach(st: CacheState, *, owns_storage: bool) -> PersistentDisk | None:
     manager built it (``owns_storage``), so its files are unlocked."""
     if not st.config.disk_persistent:
         return None
+    disk: PersistentDisk | None = None
     try:
         disk = PersistentDisk(st)
         disk.restore()
     except BaseException:
+        if disk is not None:
+            disk.manifest.close()
         if owns_storage:
             st.storage.close()
         raise
