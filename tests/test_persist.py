@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
 
 torch = pytest.importorskip("torch")
 
@@ -34,6 +37,8 @@ from kvpool.manifest import Manifest  # noqa: E402
 from kvpool.persist import MANIFEST_NAME  # noqa: E402
 from kvpool.storage import GroupGeometry, Tier  # noqa: E402
 from kvpool.torch_storage import TorchStorage  # noqa: E402
+from test_manager_tiers import GEOM as TIERS_GEOM  # noqa: E402
+from test_manager_tiers import DataPlaneMachine  # noqa: E402
 
 TPB = 4
 GEOM = GroupGeometry(num_layers=1, kv_heads=1, head_dim=4, dtype="float32")
@@ -465,3 +470,50 @@ def test_sync_fsyncs_and_compaction_keeps_only_the_paths_in_use(
     assert m.persistent_disk.restored.slots == recorded  # type: ignore[union-attr]
     assert check_disk_blocks(m) == recorded
     m.close()
+
+
+class PersistentDataPlane(DataPlaneMachine):
+    """The tiered data-plane machine of test_manager_tiers (admit, grow, suspend, resume,
+    remove; every block on every tier holds its prefix's bytes) on a persistent disk tier,
+    with one more rule: the manager ends (killed, or closed on purpose) and a new one starts
+    on the same disk_path. Every block the new one re-indexes must hold its bytes."""
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        groups = data.draw(st.integers(1, 2))
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvpool-persist-"))
+        self.cfg = CacheConfig(
+            tokens_per_block=data.draw(st.integers(1, 3)),
+            gpu_blocks=data.draw(st.integers(3, 8)),
+            window_sizes=data.draw(st.sampled_from([[None] * groups, [None, 4][:groups]])),
+            host_blocks=data.draw(st.integers(1, 5)),
+            disk_blocks=data.draw(st.integers(1, 6)),
+            disk_path=str(self.tmp),
+            offload_min_priority=0,
+            enable_partial_reuse=data.draw(st.booleans()),
+            layer_geometry=[TIERS_GEOM] * groups,
+            device="cpu",
+            disk_persistent=True,
+            disk_sync_interval_s=None,
+        )
+        self.m = KVCacheManager(self.cfg)
+
+    @precondition(lambda self: self.m is not None and not self.live and not self.suspended
+                  and bool(self.m.tree_blocks()))
+    @rule(graceful=st.booleans())
+    def restart(self, graceful: bool) -> None:
+        if graceful:
+            self.mgr.close()
+        else:
+            crash(self.mgr)
+        self.m = KVCacheManager(self.cfg)
+
+    def teardown(self) -> None:
+        if self.m is not None:
+            self.m.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+TestPersistentDataPlane = PersistentDataPlane.TestCase
+TestPersistentDataPlane.settings = settings(max_examples=30, stateful_step_count=30,
+                                            deadline=None)
