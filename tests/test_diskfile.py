@@ -133,7 +133,7 @@ def test_persistent_pools_keep_their_name_and_bytes_and_are_never_removed(
     assert {os.path.basename(p.path) for p in pools.values()} == {
         persistent_name(0), persistent_name(1)}
     pools[0].write([1], [memoryview(b"q" * 16)])
-    assert pools[0].checksums == [0, xxhash.xxh3_64_intdigest(b"q" * 16), 0]
+    assert list(pools[0].checksums or ()) == [0, xxhash.xxh3_64_intdigest(b"q" * 16), 0]
     assert pools[0].hash_slots([1, 0]) == [xxhash.xxh3_64_intdigest(b"q" * 16),
                                            xxhash.xxh3_64_intdigest(bytes(16))]
     with pytest.raises(StorageError, match="in use by another live manager"):
@@ -146,7 +146,7 @@ def test_persistent_pools_keep_their_name_and_bytes_and_are_never_removed(
     assert os.path.getsize(pools[0].path) == 5 * 16
     out = memoryview(bytearray(16))
     pools[0].read([1], [out])
-    assert bytes(out) == b"q" * 16 and pools[0].checksums == [0] * 5
+    assert bytes(out) == b"q" * 16 and list(pools[0].checksums or ()) == [0] * 5
     close_pools(list(pools.values()))
     pools = open_persistent_pools(tmp_path, {0: (1, 16)})  # fewer: cut
     assert os.path.getsize(pools[0].path) == 16

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -469,6 +470,38 @@ def test_sync_fsyncs_and_compaction_keeps_only_the_paths_in_use(
     m = KVCacheManager(config(tmp_path, disk_blocks=6))
     assert m.persistent_disk.restored.slots == recorded  # type: ignore[union-attr]
     assert check_disk_blocks(m) == recorded
+    m.close()
+
+
+def test_sync_from_another_thread_while_calls_run(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """sync() (compacting every time here) from a background thread while the scheduler's
+    thread serves: it takes the manager's lock, so the manifest stays whole."""
+    monkeypatch.setattr(Manifest, "needs_compaction", lambda self: True)
+    m = KVCacheManager(config(tmp_path, disk_blocks=8))
+    disk = m.persistent_disk
+    assert disk is not None
+    stop = threading.Event()
+    syncs = []
+
+    def syncing() -> None:
+        while not stop.is_set():
+            disk.sync()
+            syncs.append(1)
+
+    thread = threading.Thread(target=syncing)
+    thread.start()
+    try:
+        for k, tokens in enumerate(workload(6, 30)):
+            serve(m, f"s{k}", tokens)
+    finally:
+        stop.set()
+        thread.join()
+    recorded = dict(disk.manifest.entries)
+    crash(m)
+    m = KVCacheManager(config(tmp_path, disk_blocks=8))
+    assert len(syncs) > 1 and m.persistent_disk.restored.slots == len(recorded)  # type: ignore[union-attr]
+    assert check_disk_blocks(m) == len(recorded)
     m.close()
 
 

@@ -40,6 +40,7 @@ import secrets
 import shutil
 import signal
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
@@ -75,7 +76,7 @@ class DiskPool:
         self._removed = False  # the path was removed on purpose (close, SIGTERM)
         self.persistent = persistent  # never removed: the next process reopens it
         # xxh3_64 of the bytes last written to each slot (persistent pools; 0 = none written)
-        self.checksums: list[int] | None = [0] * slots if persistent else None
+        self.checksums: array[int] | None = array("Q", bytes(8 * slots)) if persistent else None
 
     @property
     def closed(self) -> bool:

@@ -112,7 +112,8 @@ class KVCacheManager:
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(config.num_tiers)])
         # persist hook: a persistent disk tier re-indexes the blocks its manifest records
-        self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage)
+        self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
+                                                           lock=self._lock)
 
     @property
     def storage(self) -> Storage:

@@ -57,6 +57,7 @@ import os
 import time
 from array import array
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -132,15 +133,17 @@ def _path_entry(key: BlockKey, b: _Block) -> ManifestEntry:
     return ManifestEntry(0, 0, key, b.tokens, b.parent, 0, *scope)
 
 
-def attach(st: CacheState, *, owns_storage: bool) -> PersistentDisk | None:
+def attach(st: CacheState, *, owns_storage: bool,
+           lock: AbstractContextManager[Any]) -> PersistentDisk | None:
     """The persistent disk tier of a new manager's state (None when ``disk_persistent`` is
-    off), its recorded blocks already re-indexed. On an error the storage is closed if the
-    manager built it (``owns_storage``), so its files are unlocked."""
+    off), its recorded blocks already re-indexed; ``lock`` is the manager's (re-entrant) lock,
+    which :meth:`PersistentDisk.sync` takes. On an error the storage is closed if the manager
+    built it (``owns_storage``), so its files are unlocked."""
     if not st.config.disk_persistent:
         return None
     disk: PersistentDisk | None = None
     try:
-        disk = PersistentDisk(st)
+        disk = PersistentDisk(st, lock)
         disk.restore()
     except BaseException:
         if disk is not None:
@@ -154,7 +157,7 @@ def attach(st: CacheState, *, owns_storage: bool) -> PersistentDisk | None:
 class PersistentDisk:
     """A manager's persistent disk tier: its manifest, kept in step (module docstring)."""
 
-    def __init__(self, st: CacheState) -> None:
+    def __init__(self, st: CacheState, lock: AbstractContextManager[Any]) -> None:
         config = st.config
         storage = st.storage
         if not isinstance(storage, PersistentStorage) or not storage.persistent:
@@ -164,6 +167,7 @@ class PersistentDisk:
             )
         assert config.disk_path is not None  # CacheConfig checks it
         self._st = st
+        self._lock = lock
         self._storage = storage
         self.namespace = RemoteNamespace.from_config(config, model=config.model_id)
         path = os.path.join(os.fspath(config.disk_path), MANIFEST_NAME)
@@ -267,15 +271,17 @@ class PersistentDisk:
 
     def sync(self) -> None:
         """fsync the disk files, then the manifest (compacted when mostly dead records): what
-        was recorded so far survives a machine crash. No-op once closed."""
-        if self._closed:
-            return
-        self._storage.sync_disk()
-        self.manifest.sync()
-        if self.manifest.needs_compaction():
-            self._prune_paths()
-            self.manifest.compact()
-        self._last_sync = time.monotonic()
+        was recorded so far survives a machine crash. Takes the manager's lock (it waits for a
+        call in progress, and calls wait for it). No-op once closed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._storage.sync_disk()
+            self.manifest.sync()
+            if self.manifest.needs_compaction():
+                self._prune_paths()
+                self.manifest.compact()
+            self._last_sync = time.monotonic()
 
     def _prune_paths(self) -> None:
         """Forget the path records no recorded block descends from."""
