@@ -473,6 +473,29 @@ def test_sync_fsyncs_and_compaction_keeps_only_the_paths_in_use(
     m.close()
 
 
+def test_the_log_is_compacted_without_a_sync_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With disk_sync_interval_s=None the manifest is still compacted as calls go (here from
+    its first byte on): it never grows past twice its live records plus one call's."""
+    monkeypatch.setattr("kvpool.manifest._COMPACT_MIN_BYTES", 0)
+    compactions = []
+    compact = Manifest.compact
+    monkeypatch.setattr(Manifest, "compact", lambda self: compactions.append(1) or compact(self))
+    m = KVCacheManager(config(tmp_path, disk_blocks=6))
+    disk = m.persistent_disk
+    assert disk is not None
+    for k, tokens in enumerate(workload(8, 40)):
+        serve(m, f"s{k}", tokens)
+        live = len(disk.manifest.entries) + len(disk.manifest.paths)
+        assert disk.manifest._log_records <= 2 * live + 3 * 6  # one call's drops, puts, paths
+    assert len(compactions) > 5
+    recorded = len(disk.manifest.entries)
+    crash(m)
+    m = KVCacheManager(config(tmp_path, disk_blocks=6))
+    assert check_disk_blocks(m) == recorded == m.persistent_disk.restored.slots  # type: ignore[union-attr]
+    m.close()
+
+
 def test_sync_from_another_thread_while_calls_run(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """sync() (compacting every time here) from a background thread while the scheduler's

@@ -223,6 +223,8 @@ class PersistentDisk:
         self.manifest.append_many(puts=puts, paths=paths.values())
         if self._interval is not None and time.monotonic() - self._last_sync >= self._interval:
             self.sync()
+        elif self.manifest.needs_compaction():  # the log stays within twice its live records
+            self._compact()
 
     def _record_ancestors(self, run: Run, i: int, paths: dict[BlockKey, ManifestEntry]) -> None:
         """Add to ``paths`` the ancestors of block i of ``run`` that no path record names yet,
@@ -279,9 +281,13 @@ class PersistentDisk:
             self._storage.sync_disk()
             self.manifest.sync()
             if self.manifest.needs_compaction():
-                self._prune_paths()
-                self.manifest.compact()
+                self._compact()
             self._last_sync = time.monotonic()
+
+    def _compact(self) -> None:
+        """Rewrite the manifest as its live records (path records still needed only)."""
+        self._prune_paths()
+        self.manifest.compact()
 
     def _prune_paths(self) -> None:
         """Forget the path records no recorded block descends from."""
