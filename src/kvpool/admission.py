@@ -389,8 +389,8 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     _check_requests(view, requests)
     out = [_plan_request(view, r) for r in requests]
     partials = [p for p in out if p._partial is not None]
-    tracker = PartialClaimTracker()
-    if partials:
+    tracker = PartialClaimTracker() if partials else None
+    if tracker is not None:
         # partial sources are decided once every full match of the batch is known
         for p in out:
             blocks = p.blocks()
@@ -402,6 +402,7 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     claims = _BatchClaims(len(groups), len(out) == 1 and not partials)
     for p in out:
         if p._partial is not None:
+            assert tracker is not None
             shared = p.last_shared or p.num_matched < p.num_blocks - 1
             p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
         new_blocks = p.new_blocks

@@ -7,7 +7,7 @@ KVCacheManager (this module: the API, the lock, argument checks)
  ├─ lifecycle   add_tokens, rewind_tokens, suspend, resume, remove_sequence
  ├─ commit      insert a sequence's blocks into the prefix tree (store_context_blocks)
  ├─ allocator   take slots, evict (offload or drop), onboard, release references
- └─ introspect  stats-free views for tests: debug_state, check_invariants, tree_blocks
+ └─ introspect  read-only views for tests: debug_state, check_invariants, tree_blocks
      all on one CacheState (kvpool.state): SlotPools per (tier, group), trees, sequences
 ```
 
