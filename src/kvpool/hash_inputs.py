@@ -35,7 +35,8 @@ MAX_TOKEN_ID: Final = (1 << 31) - 1
 DIGEST_SIZE: Final = 32
 _TOP_BYTE: Final = 3 if sys.byteorder == "little" else 0  # of a native u32
 _NUMPY_SCAN_MIN: Final = 4096  # tokens
-_BOOL_SCAN_MIN: Final = 64  # tokens: from here numpy finds the 0 and 1 ids to look at
+_LOW_BYTE: Final = 0 if sys.byteorder == "little" else 3  # of a native u32
+_BOOL_SCAN_MIN: Final = 64  # tokens: from here the 0 and 1 ids are found by their low byte
 
 
 def _bad_token_error(tokens: object) -> InvalidTokenError:
@@ -69,17 +70,21 @@ def _u32_array(seq: list[int]) -> array[int]:
     except (TypeError, OverflowError, ValueError):
         raise _bad_token_error(seq) from None
     # fromlist takes a bool for 0 or 1: a short list is looked at item by item; in a long one
-    # only the items that became 0 or 1 can be bools (numpy finds them: ~15x cheaper)
+    # only the items that became 0 or 1 can be bools, and memchr finds the ids whose low byte
+    # is 0 or 1 (~1 in 128). A numpy reduction did this before, ~13 us of an engine's request
+    # in place (its code is cold on every call) against ~3 here.
     if len(seq) < _BOOL_SCAN_MIN:
         for t in seq:
             if t.__class__ is bool:
                 raise _bad_token_error(seq)
     else:
-        ids = np.frombuffer(out, dtype=np.uint32)
-        if ids.min() <= 1:
-            for i in np.flatnonzero(ids <= 1).tolist():
-                if seq[i].__class__ is bool:
+        low = out.tobytes()[_LOW_BYTE::4]
+        for b in (0, 1):
+            i = low.find(b)
+            while i >= 0:
+                if out[i] == b and seq[i].__class__ is bool:
                     raise _bad_token_error(seq)
+                i = low.find(b, i + 1)
     return out
 
 

@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvpool import admission, introspect, jit, lifecycle
+from kvpool import admission, introspect, jit, lifecycle, persist
 from kvpool.admission import BatchPlan
 from kvpool.admit import AdmitResult, admit
 from kvpool.allocator import clear_queues
@@ -83,11 +83,13 @@ class KVCacheManager:
         self.config = config
         self.tpb = config.tokens_per_block
         self._lock = threading.RLock()
+        owns_storage = storage is None  # persist hook: closed by a failed warm restart
         if storage is None and config.layer_geometry is not None:
             from kvpool.storage import TorchStorage
 
             storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
-                                   device=config.device, disk_path=config.disk_path)
+                                   device=config.device, disk_path=config.disk_path,
+                                   persistent=config.disk_persistent)
         if events is None and config.event_buffer_max_size > 0:
             from kvpool.events.manager import EventManager
 
@@ -109,6 +111,9 @@ class KVCacheManager:
             for g in range(config.num_groups):
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(config.num_tiers)])
+        # persist hook: a persistent disk tier re-indexes the blocks its manifest records
+        self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
+                                                           lock=self._lock)
 
     @property
     def storage(self) -> Storage:
@@ -252,6 +257,8 @@ class KVCacheManager:
             st = self._st
             dropped = st.stats.dropped_blocks
             clear_queues(st)
+            if self.persistent_disk is not None:  # persist hook: the manifest forgets them
+                self.persistent_disk.cleared()
             st.finish_call()
             return st.stats.dropped_blocks - dropped
 
@@ -268,6 +275,8 @@ class KVCacheManager:
         """Release the storage (removes a disk tier's file). Calls that would copy blocks then
         raise :class:`StorageError`; calls that move no data keep working on the metadata."""
         with self._lock:  # not between a call's storage check and its copies
+            if self.persistent_disk is not None:  # persist hook: spill, sync, close the manifest
+                self.persistent_disk.close()
             self.storage.close()
 
     def __enter__(self) -> KVCacheManager:

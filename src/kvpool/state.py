@@ -21,7 +21,8 @@ colder slots onboarded during the call and runs the call's copies, batched.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvpool.config import CacheConfig
 from kvpool.copies import CopyPlan
@@ -44,12 +45,22 @@ Pool = SlotPool[Run, EvictionPolicy]
 """A pool whose cached slots point back to prefix-tree runs."""
 
 
+class CopyObserver(Protocol):
+    """Told about each call's copies around running them (a persistent disk tier's manifest,
+    :mod:`kvpool.persist`)."""
+
+    def before_copy(self, copies: Sequence[BlockCopy]) -> None: ...
+
+    def after_copy(self, copies: Sequence[BlockCopy]) -> None: ...
+
+
 class CacheState:
     """The state one manager's calls share (see the module docstring)."""
 
     __slots__ = (
         "_hashers", "clock", "config", "copies", "copy_failure", "emit", "full_attention_only",
-        "gpu", "kinds", "new_count", "num_groups", "pending_free", "pools", "retention_seen",
+        "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools",
+        "retention_seen",
         "roots", "self_groups", "sequences", "stats", "step", "storage", "tiers", "tpb", "view",
     )
 
@@ -92,6 +103,7 @@ class CacheState:
         self.retention_seen = False  # has any block had a retention priority set?
         self.copy_failure: str | None = None  # what made a copy fail after the checks
         self.stats = CacheStats()
+        self.persist: CopyObserver | None = None  # persist hook: set by the manager
 
     # ---------------------------------------------------------------- lookups
 
@@ -155,7 +167,12 @@ class CacheState:
         self.emit.flush_removed()
         copies = self.copies.take()
         if copies:
+            disk = self.persist  # persist hook: the manifest follows the disk tier's writes
+            if disk is not None:
+                disk.before_copy(copies)
             self.copy(copies)
+            if disk is not None:
+                disk.after_copy(copies)
 
     def copy(self, copies: list[BlockCopy]) -> None:
         """Run a call's copies. The call checked the storage before changing anything, so a
