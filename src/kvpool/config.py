@@ -17,6 +17,7 @@ from kvpool.hashing import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:
     from kvpool.planner import PoolPlan
+    from kvpool.remote.store import BlockStore
     from kvpool.storage import GroupGeometry
 
 DEFAULT_PRIORITY = 35
@@ -163,6 +164,37 @@ def _per_group(name: str, value: int | Mapping[int, int] | Sequence[int], groups
     return (v,) * groups
 
 
+_STORE_METHODS = ("get_many", "put_many", "exists_many", "delete_many", "close")
+
+
+def _check_remote(config: CacheConfig) -> None:
+    """The remote-tier fields (``remote_url`` or ``remote_store``, and their settings)."""
+    from kvpool.remote.store import split_url
+    from kvpool.remote.writer import REMOTE_WRITE_MODES
+
+    if config.remote_url is not None and config.remote_store is not None:
+        raise InvalidArgumentError("give remote_url or remote_store, not both")
+    if config.remote_url is not None:
+        split_url(config.remote_url)
+    store = config.remote_store
+    if store is not None:
+        missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
+        if missing:
+            raise InvalidArgumentError(
+                f"remote_store {store!r:.60} is not a block store (lacks {', '.join(missing)})"
+            )
+    if not isinstance(config.remote_write, str) or config.remote_write not in REMOTE_WRITE_MODES:
+        raise InvalidArgumentError(
+            f"remote_write must be one of {list(REMOTE_WRITE_MODES)}, got {config.remote_write!r}"
+        )
+    if not isinstance(config.remote_model, str):
+        raise InvalidArgumentError(f"remote_model must be a str, got {config.remote_model!r}")
+    t = config.remote_timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+        raise InvalidArgumentError(f"remote_timeout_s must be a positive number, got {t!r}")
+    _check_int("remote_max_pending_bytes", config.remote_max_pending_bytes, 1)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Geometry and policies of one manager.
@@ -174,6 +206,10 @@ class CacheConfig:
     ``host_blocks``, ``disk_blocks``) are an int (same for every group), a sequence or a
     mapping layer group -> slots. ``layer_geometry`` (one ``GroupGeometry`` per layer group)
     makes the manager hold real KV in torch tensors (``disk_path`` for a disk tier).
+    ``remote_url`` (``redis://host:port/db``, ``rediss://``, ``unix://``, ``valkey://``, or
+    ``redis+cluster://`` for a cluster) or ``remote_store`` (an in-process
+    :class:`~kvpool.remote.MemoryStore` shared by managers) adds the shared remote tier below
+    the local ones (:mod:`kvpool.remote`, ``KVCacheManager.prefetch``).
     """
 
     tokens_per_block: int
@@ -202,6 +238,16 @@ class CacheConfig:
     layer_geometry: Sequence[GroupGeometry] | None = None
     device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
+    # the shared remote tier (kvpool.remote; README "Remote tier"): a server's URL, or an
+    # in-process store object shared by several managers (a MemoryStore), not both
+    remote_url: str | None = None
+    remote_store: BlockStore | None = field(default=None, compare=False)
+    # "evict": blocks leaving the last local tier are written; "store": every stored block
+    remote_write: str = "evict"
+    # names the model in the remote namespace: engines share blocks only under equal names
+    remote_model: str = ""
+    remote_timeout_s: float = 2.0
+    remote_max_pending_bytes: int = 1 << 30
 
     # normalised views, filled in __post_init__
     num_groups: int = field(init=False)
@@ -297,6 +343,7 @@ class CacheConfig:
             raise InvalidArgumentError(
                 f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
             )
+        _check_remote(self)
         del tpb
 
     @property

@@ -24,7 +24,7 @@ import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvpool import admission, jit
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
@@ -53,6 +53,9 @@ from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats, RequestStats
 from kvpool.storage import BlockCopy, MetadataStorage, Storage
 from kvpool.views import PlanView, Scope
+
+if TYPE_CHECKING:
+    from kvpool.remote.hooks import ManagerRemote, RemoteStats
 
 
 @dataclass(slots=True)
@@ -173,6 +176,11 @@ class KVCacheManager:
             for g in range(groups):
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(self._tiers)])
+        self._remote: ManagerRemote | None = None  # the shared remote tier (kvpool.remote)
+        if config.remote_url is not None or config.remote_store is not None:
+            from kvpool.remote.hooks import ManagerRemote
+
+            self._remote = ManagerRemote(self)
 
     def gpu_available(self, g: int) -> int:
         """Free plus evictable GPU slots of group g (no checks: see ``num_free_blocks``)."""
@@ -552,6 +560,8 @@ class KVCacheManager:
                 self._stats.offload_bytes += self.storage.block_bytes(g)
                 self._emit.updated(g, run.keys[i], t, t + 1)
                 return
+        if offload and self._remote is not None:  # remote tier: the block leaves local tiers
+            self._remote.dropped(t, g, slot, run, i)
         if self._copies:
             self._copies.cancel_into(t, g, slot)
         run.slot[g][i] = NO_SLOT
@@ -577,6 +587,8 @@ class KVCacheManager:
                 if ds not in q:
                     continue
                 q.remove(ds)
+                if offload and self._remote is not None:  # remote tier, as above
+                    self._remote.dropped(dt, g, ds, r, j)
                 self._copies.cancel_into(dt, g, ds)
                 self._pools[dt][g].clear(ds)
                 self._free[dt][g].append(ds)
@@ -653,6 +665,8 @@ class KVCacheManager:
             self._free[t][g].append(s)
         self._pending_free.clear()
         self._emit.flush_removed()
+        if self._remote is not None:  # remote tier: snapshot what leaves, before copies
+            self._remote.before_copies()
         copies = self._copies.take()
         if copies:
             self._copy(copies)
@@ -1141,6 +1155,8 @@ class KVCacheManager:
             n = base + k
         for g, chain in chains.items():
             self._emit.stored(g, chain, seq.lora_id)
+        if self._remote is not None:  # remote tier: write-through of committed blocks
+            self._remote.stored(seq, seq.committed_blocks, upto)
         seq.committed_blocks = upto
         seq.at_run, seq.at_len = run, n
         if n == len(run.keys) and not run.children and not run.has_slot(n - 1):
@@ -1333,9 +1349,34 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Release the storage (removes a disk tier's file). Calls that would copy blocks then
-        raise :class:`StorageError`; calls that move no data keep working on the metadata."""
+        raise :class:`StorageError`; calls that move no data keep working on the metadata.
+        A remote tier's queued writes are written first."""
+        if self._remote is not None:
+            self._remote.close()
         with self._lock:  # not between a call's storage check and its copies
             self.storage.close()
+
+    # ------------------------------------------------------------------ remote tier
+
+    def prefetch(self, requests: Iterable[SequenceRequest]) -> list[int]:
+        """Pull each request's longest remote-resident continuation of its local match into
+        local slots (host tier, else GPU), before admission; tokens made local per request
+        (all 0 without a remote tier). See :mod:`kvpool.remote.prefetch`."""
+        if self._remote is None:
+            return [0 for _ in _request_list(requests)]
+        from kvpool.remote.prefetch import prefetch
+
+        return prefetch(self, self._remote, requests)
+
+    def flush_remote(self, timeout_s: float | None = None) -> bool:
+        """Wait until every block handed to the remote tier so far is written (or failed, or
+        dropped by a full queue); False if ``timeout_s`` passed first. True without one."""
+        return True if self._remote is None else self._remote.flush(timeout_s)
+
+    def remote_stats(self) -> RemoteStats | None:
+        """The remote tier's counters (None without one)."""
+        with self._lock:
+            return None if self._remote is None else self._remote.snapshot()
 
     def __enter__(self) -> KVCacheManager:
         return self

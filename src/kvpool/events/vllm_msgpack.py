@@ -11,7 +11,8 @@ as a map tagged by ``"type"``, as current vLLM does:
 
 Mapping from kvpool events:
 
-* tier <-> medium: 0 ``"GPU"``, 1 ``"CPU"``, 2 ``"STORAGE"`` (older names ``"CPU_PINNED"`` and
+* tier <-> medium: 0 ``"GPU"``, 1 ``"CPU"``, 2 ``"STORAGE"``, 3 ``"REMOTE"`` (the shared
+  remote tier, :data:`~kvpool.events.model.REMOTE_MEDIUM`; older names ``"CPU_PINNED"`` and
   ``"DISK"`` decode to 1 and 2);
 * layer group <-> ``group_idx``: group 0 is written as nil (vLLM's default, so single-group
   output is byte-identical to vLLM's) and nil decodes to group 0;
@@ -62,6 +63,8 @@ from kvpool.events.keyed import (
 )
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
+    REMOTE_CACHE_LEVEL,
+    REMOTE_MEDIUM,
     AllCleared,
     BlockHash,
     KVCacheEvent,
@@ -82,11 +85,12 @@ __all__ = [
     "encode_vllm_batch",
 ]
 
-MEDIUM_OF_TIER: Final[tuple[str, ...]] = ("GPU", "CPU", "STORAGE")
+MEDIUM_OF_TIER: Final[tuple[str, ...]] = ("GPU", "CPU", "STORAGE", REMOTE_MEDIUM)
 TIER_OF_MEDIUM: Final[dict[str, int]] = {
     "GPU": 0,
     "CPU": 1,
     "STORAGE": 2,
+    REMOTE_MEDIUM: REMOTE_CACHE_LEVEL,
     "CPU_PINNED": 1,
     "DISK": 2,
 }
@@ -230,7 +234,7 @@ def whole_blocks(data: Stored, block_size: int | None) -> Stored:
 def _medium(tier: int) -> str:
     if 0 <= tier < len(MEDIUM_OF_TIER):
         return MEDIUM_OF_TIER[tier]
-    raise InvalidArgumentError(f"tier {tier} has no vLLM medium (expected 0, 1 or 2)")
+    raise InvalidArgumentError(f"tier {tier} has no vLLM medium (expected 0 to 3)")
 
 
 def _wire_hash(h: BlockHash) -> WireHash:
