@@ -281,7 +281,7 @@ def test_faults_with_a_real_server_are_misses_or_counted_errors(
     probe = KVCacheManager(_cfg(remote_url=redis_server.url))
     assert probe.prefetch([SequenceRequest("p", PREFIX)]) == [8 * TPB]
     order = [k for k in keys if raw.get(k) is not None]
-    tier = b._remote.tier  # type: ignore[union-attr]
+    tier = b._st.remote.tier  # type: ignore[union-attr]
     hasher_keys = _chain_keys(b, PREFIX)
     scope = tier.scope()
     k3, k5 = scope.remote_key(hasher_keys[3], 0), scope.remote_key(hasher_keys[5], 0)

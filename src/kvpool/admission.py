@@ -267,10 +267,9 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
 
 
-def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
-    """Plan a batch without changing anything (see the module docstring)."""
+def _check_requests(view: PlanView, requests: list[SequenceRequest]) -> None:
+    """Refuse a batch with a bad request (nothing is planned)."""
     cfg = view.config
-    tpb = view.tpb
     seen: set[int | str] = set()
     for r in requests:
         if not isinstance(r, SequenceRequest):
@@ -289,25 +288,96 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
                 f"request {r.seq_id!r} has no encoder_tokens but layer groups "
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
-    groups = range(cfg.num_groups)
+
+
+def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
+    """One request's reuse (its walk) and the blocks each group claims of it."""
+    tpb = view.tpb
     kinds = view.kinds
-    out: list[RequestPlan] = []
-    for r in requests:
-        root_key, matched, pblock, pk, matched_slots = walk(view, r)
-        n = len(r.tokens)
-        d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
-            b - a for _, a, b in matched)
-        reused = d * tpb + pk
-        claimed: dict[int, Sequence[int]] = {}
-        for g in view.self_groups:
-            claimed[g] = kinds[g].claimed(d, reused)
-        num_blocks = -(-n // tpb)
-        out.append(RequestPlan(
-            seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
-            request=r, root_key=root_key, num_blocks=num_blocks,
-            last_shared=r.beam_width == 1 or n % tpb == 0, _matched=matched, num_matched=d,
-            claimed=claimed, _partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
-        ))
+    root_key, matched, pblock, pk, matched_slots = walk(view, r)
+    n = len(r.tokens)
+    d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
+        b - a for _, a, b in matched)
+    reused = d * tpb + pk
+    claimed: dict[int, Sequence[int]] = {}
+    for g in view.self_groups:
+        claimed[g] = kinds[g].claimed(d, reused)
+    return RequestPlan(
+        seq_id=r.seq_id, reused_tokens=reused,
+        new_blocks=dict.fromkeys(range(view.config.num_groups), 0),
+        request=r, root_key=root_key, num_blocks=-(-n // tpb),
+        last_shared=r.beam_width == 1 or n % tpb == 0, _matched=matched, num_matched=d,
+        claimed=claimed, _partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
+    )
+
+
+class _BatchClaims:
+    """What the requests of a batch planned so far claim of the GPU pools: queued slots they
+    take out of the queues (a set, or a count for a batch of one request without a partial
+    source, whose claims are distinct) and colder blocks already onboarded."""
+
+    __slots__ = ("count", "evictable", "onboarded", "single")
+
+    def __init__(self, groups: int, single: bool) -> None:
+        self.single = single
+        self.count = [0] * groups
+        self.evictable: list[set[int]] = [set() for _ in range(groups)]
+        self.onboarded: set[tuple[int, int, int]] = set()
+
+
+def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -> int:
+    """GPU slots request ``p`` takes in self-attention group g (fresh + copies + onboards);
+    records its claims in ``claims`` and its claimed slots and tiers in ``p``."""
+    beams = p.request.beam_width
+    d = p.num_matched
+    first_fresh = d + (1 if p._partial is not None else 0)
+    fresh = p.num_blocks - first_fresh
+    if fresh > 0 and not p.last_shared:
+        fresh += beams - 1
+    copies = 0
+    ce = claims.evictable[g]
+    if p._partial is not None:
+        copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
+        copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
+        prun, pi = p._partial
+        if view.evictable(prun, pi, g):
+            ce.add(prun.slot[g][pi])
+    onboard = 0
+    ref = view.refs(g)
+    idxs = p.claimed[g]
+    slots = p.claim_slots[g]  # every matched block's, from the walk
+    one_tier = view.config.num_tiers == 1
+    tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
+    if len(idxs) != d:
+        tiers = [tiers[i] for i in idxs]
+        slots = [slots[i] for i in idxs]
+    p.claim_tiers[g] = tiers
+    p.claim_slots[g] = slots
+    if one_tier or not any(tiers):
+        queued = [s for s in slots if not ref[s]]
+        p.queued[g] = queued
+        if claims.single:
+            claims.count[g] += len(queued)  # slots are distinct within a request
+        else:
+            ce.update(queued)
+    else:
+        blocks = p.blocks()
+        for i, t, s in zip(idxs, tiers, slots, strict=True):
+            if t:
+                run, j = blocks[i]
+                if (id(run), j, g) not in claims.onboarded:
+                    claims.onboarded.add((id(run), j, g))
+                    onboard += 1
+            elif not ref[s]:
+                ce.add(s)
+    p.onboard[g] = onboard
+    return fresh + copies + onboard
+
+
+def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
+    """Plan a batch without changing anything (see the module docstring)."""
+    _check_requests(view, requests)
+    out = [_plan_request(view, r) for r in requests]
     tracker = PartialClaimTracker()
     if any(p._partial is not None for p in out):
         # partial sources are decided once every full match of the batch is known
@@ -316,65 +386,20 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             for idxs in p.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
-    one_tier = view.config.num_tiers == 1
-    onboarded: set[tuple[int, int, int]] = set()
-    claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
-    # a batch of one request without a partial source claims distinct slots: a count will do
-    single = len(out) == 1 and out[0]._partial is None
-    n_claimed = [0] * cfg.num_groups
+    groups = range(view.config.num_groups)
+    kinds = view.kinds
+    claims = _BatchClaims(len(groups), len(out) == 1 and out[0]._partial is None)
     for p in out:
-        beams = p.request.beam_width
-        d = p.num_matched
         if p._partial is not None:
-            shared = p.last_shared or d < p.num_blocks - 1
+            shared = p.last_shared or p.num_matched < p.num_blocks - 1
             p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
         for g in groups:
             kind = kinds[g]
             if isinstance(kind, CrossAttention):
                 p.new_blocks[g] = kind.blocks(len(p.request.encoder_tokens or ()))
-                continue
-            first_fresh = d + (1 if p._partial is not None else 0)
-            fresh = p.num_blocks - first_fresh
-            if fresh > 0 and not p.last_shared:
-                fresh += beams - 1
-            copies = 0
-            if p._partial is not None:
-                copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
-                copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-                prun, pi = p._partial
-                if view.evictable(prun, pi, g):
-                    claimed_evictable[g].add(prun.slot[g][pi])
-            onboard = 0
-            ref = view.refs(g)
-            ce = claimed_evictable[g]
-            idxs = p.claimed[g]
-            slots = p.claim_slots[g]  # every matched block's, from the walk
-            tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
-            if len(idxs) != d:
-                tiers = [tiers[i] for i in idxs]
-                slots = [slots[i] for i in idxs]
-            p.claim_tiers[g] = tiers
-            p.claim_slots[g] = slots
-            if one_tier or not any(tiers):
-                queued = [s for s in slots if not ref[s]]
-                p.queued[g] = queued
-                if single:
-                    n_claimed[g] += len(queued)  # slots are distinct within a request
-                else:
-                    ce.update(queued)
             else:
-                blocks = p.blocks()
-                for i, t, s in zip(idxs, tiers, slots, strict=True):
-                    if t:
-                        run, j = blocks[i]
-                        if (id(run), j, g) not in onboarded:
-                            onboarded.add((id(run), j, g))
-                            onboard += 1
-                    elif not ref[s]:
-                        ce.add(s)
-            p.onboard[g] = onboard
-            p.new_blocks[g] = fresh + copies + onboard
+                p.new_blocks[g] = _group_needs(view, p, g, claims)
     totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
-    available = {g: view.available(g) - len(claimed_evictable[g]) - n_claimed[g]
+    available = {g: view.available(g) - len(claims.evictable[g]) - claims.count[g]
                  for g in groups}
     return BatchPlan(requests=out, new_blocks=totals, available=available)

@@ -1,7 +1,9 @@
 """The remote tier inside a manager: what ``CacheConfig(remote_url=...)`` adds to its calls.
 
-A :class:`ManagerRemote` belongs to one :class:`~kvpool.manager.KVCacheManager` and runs under
-its lock. The manager calls it at three points of its own calls:
+A :class:`ManagerRemote` belongs to one manager's :class:`~kvpool.state.CacheState`
+(``st.remote``) and runs under the manager's lock. The manager's modules call it at three
+points of its calls (each a marked line: :mod:`kvpool.allocator`, :mod:`kvpool.commit`,
+:mod:`kvpool.state`):
 
 - :meth:`ManagerRemote.dropped`: a block leaves its last local slot (an eviction that found no
   colder local slot, or that tier is the last one). With ``remote_write="evict"`` it is noted
@@ -44,8 +46,9 @@ from kvpool.remote.tier import RemoteTier
 from kvpool.remote.writer import RemoteWriter
 
 if TYPE_CHECKING:
-    from kvpool.manager import KVCacheManager
+    from kvpool.emit import EventSink
     from kvpool.sequence import Sequence as Seq
+    from kvpool.state import CacheState
     from kvpool.views import Scope
 
 __all__ = ["ManagerRemote", "RemoteStats", "read_block", "write_block"]
@@ -126,11 +129,12 @@ class _Noted:
 class ManagerRemote:
     """One manager's remote tier (module docstring)."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, st: CacheState, events: EventSink | None) -> None:
         from kvpool.remote.store import RemoteStore
 
-        config = manager.config
-        self.manager = manager
+        config = st.config
+        self.st = st
+        self.events = events
         self.owns_store = config.remote_store is None
         store: BlockStore
         if config.remote_store is not None:
@@ -157,32 +161,32 @@ class ManagerRemote:
             root = root.parent
         scope = self._scopes.get(id(root))
         if scope is None:
-            self._scopes = {id(r): s for s, r in self.manager.roots.items()}
+            self._scopes = {id(r): s for s, r in self.st.roots.items()}
             scope = self._scopes[id(root)]
         return scope
 
     def dropped(self, t: int, g: int, slot: int, run: Run, i: int) -> None:
         """Block i of ``run`` leaves slot ``slot`` of tier t, its last local copy in group g.
         Blocks below ``offload_min_priority`` stay out of the remote tier too."""
-        m = self.manager
+        st = self.st
         write = self.mode == "evict"
-        if run.priority(i) < m.config.offload_min_priority or (
-                not write and m._events is None):
+        if run.priority(i) < st.config.offload_min_priority or (
+                not write and self.events is None):
             return
-        pending = m._copies._dst.get((t, g, slot))
+        pending = st.copies._dst.get((t, g, slot))
         if pending is not None:  # a copy of this call was bringing it: read its source
-            copy = m._copies._copies[pending]
+            copy = st.copies._copies[pending]
             assert copy is not None
             t, slot = copy.src_tier, copy.src_slot
         lora, salt = self.scope_of(run)
         key = run.keys[i]
         event = None
-        if m._events is not None:
-            emit = m._emit
+        if self.events is not None:
+            emit = st.emit
             parent = emit._parent_key(run, i)
             hashes = emit.hashes([key] if parent is None else [parent, key])
             event = (None if parent is None else hashes[0], hashes[-1],
-                     run.block_tokens(i, m.step), run.priority(i), lora)
+                     run.block_tokens(i, st.step), run.priority(i), lora)
         self._noted.append(_Noted(self.tier.scope(lora, salt), key, t, g, slot, write, event))
 
     def stored(self, seq: Seq, start: int, upto: int) -> None:
@@ -190,7 +194,7 @@ class ManagerRemote:
         if self.mode != "store" or upto <= start:
             return
         scope = self.tier.scope(seq.lora_id, seq.cache_salt)
-        for g in self.manager.self_groups:
+        for g in self.st.self_groups:
             table = seq.tables[g][0]
             for b in range(start, min(upto, len(table))):
                 s = table[b]
@@ -202,26 +206,26 @@ class ManagerRemote:
         if not self._noted:
             return
         noted, self._noted = self._noted, []
-        m = self.manager
+        st = self.st
         stats = self.stats
+        sink = self.events
         for n in noted:
             if n.write:
-                payload = read_block(m.storage, n.tier, n.group, n.slot)
+                payload = read_block(st.storage, n.tier, n.group, n.slot)
                 self.tier.offload(n.scope, n.key, n.group, payload)
                 stats.offloaded_blocks += 1
                 stats.offloaded_bytes += len(payload)
-            sink = m._events
             if n.event is not None and sink is not None:
                 parent, h, tokens, prio, lora = n.event
                 block = StoredBlock(h, TokenIds("I", tokens), REMOTE_CACHE_LEVEL, prio, lora)
-                sink.on_stored(n.group, m.config.window_size(n.group), parent, [block])
-        m._stats.remote_offload_blocks = stats.offloaded_blocks
+                sink.on_stored(n.group, st.config.window_size(n.group), parent, [block])
+        st.stats.remote_offload_blocks = stats.offloaded_blocks
 
     def failed(self, error: RemoteTierError) -> None:
         """A remote call failed: counted; the manager carries on with its local tiers."""
         self.stats.errors += 1
         self.stats.last_error = str(error)
-        self.manager._stats.remote_errors += 1
+        self.st.stats.remote_errors += 1
 
     def snapshot(self) -> RemoteStats:
         """The counters, the writer's included."""

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvpool.allocator import lower_slot
+from kvpool.commit import reindex
 from kvpool.config import SequenceRequest
 from kvpool.errors import InvalidArgumentError, RemoteTierError
 from kvpool.hashing import BlockHasher, BlockKey
@@ -35,8 +38,8 @@ from kvpool.radix import NO_SLOT, Run, Segment, match_full
 from kvpool.remote.hooks import write_block
 
 if TYPE_CHECKING:
-    from kvpool.manager import KVCacheManager
     from kvpool.remote.hooks import ManagerRemote
+    from kvpool.state import CacheState
 
 __all__ = ["local_blocks", "prefetch"]
 
@@ -67,15 +70,15 @@ def _requests(requests: Iterable[SequenceRequest]) -> list[SequenceRequest]:
     return out
 
 
-def local_blocks(m: KVCacheManager, r: SequenceRequest, nblocks: int) -> tuple[list[Segment], int]:
+def local_blocks(st: CacheState, r: SequenceRequest, nblocks: int) -> tuple[list[Segment], int]:
     """(path, n): the tree path of the request's first ``nblocks`` blocks and how many of its
     leading blocks hold a slot in every self-attention group (manager locked)."""
-    root = m.roots.get((r.lora_id, r.cache_salt))
+    root = st.roots.get((r.lora_id, r.cache_salt))
     if root is None or not nblocks:
         return [], 0
-    path = match_full(root, _raw(r), nblocks, m.step)
+    path = match_full(root, _raw(r), nblocks, st.step)
     n = 0
-    groups = m.self_groups
+    groups = st.self_groups
     for run, a, b in path:
         for j in range(a, b):
             if any(run.slot[g][j] == NO_SLOT for g in groups):
@@ -84,27 +87,31 @@ def local_blocks(m: KVCacheManager, r: SequenceRequest, nblocks: int) -> tuple[l
     return path, n
 
 
-def _plan(m: KVCacheManager, r: SequenceRequest) -> _Plan | None:
-    nblocks = (len(r.tokens) - 1) // m.tpb
-    _, local = local_blocks(m, r, nblocks)
+def _plan(st: CacheState, r: SequenceRequest) -> _Plan | None:
+    nblocks = (len(r.tokens) - 1) // st.tpb
+    _, local = local_blocks(st, r, nblocks)
     if local >= nblocks:
         return None
-    hasher = BlockHasher(m.config.hash_algo, m.tpb, lora_id=r.lora_id,
-                         cache_salt=r.cache_salt, root=m._view.root_key(r.lora_id, r.cache_salt))
-    keys = hasher.extend(r.tokens[:nblocks * m.tpb])
+    hasher = BlockHasher(st.config.hash_algo, st.tpb, lora_id=r.lora_id,
+                         cache_salt=r.cache_salt, root=st.view.root_key(r.lora_id, r.cache_salt))
+    keys = hasher.extend(r.tokens[:nblocks * st.tpb])
     return _Plan(_raw(r), keys, local)
 
 
-def prefetch(m: KVCacheManager, remote: ManagerRemote,
+def prefetch(st: CacheState, lock: AbstractContextManager[Any],
              requests: Iterable[SequenceRequest]) -> list[int]:
-    """Tokens made local per request (module docstring)."""
+    """Tokens made local per request (module docstring); ``lock`` is the manager's. All 0
+    without a remote tier."""
     reqs = _requests(requests)
+    remote = st.remote
+    if remote is None:
+        return [0] * len(reqs)
     out: list[int] = []
-    groups = list(m.self_groups)
+    groups = list(st.self_groups)
     remote.stats.prefetch_calls += 1
     for r in reqs:
-        with m._lock:
-            plan = _plan(m, r) if m.config.enable_block_reuse else None
+        with lock:
+            plan = _plan(st, r) if st.config.enable_block_reuse else None
         if plan is None:
             out.append(0)
             continue
@@ -115,56 +122,56 @@ def prefetch(m: KVCacheManager, remote: ManagerRemote,
             remote.failed(e)
             out.append(0)
             continue
-        blocks = _valid(m, blocks, groups)
+        blocks = _valid(st, blocks, groups)
         if not blocks:
             out.append(0)
             continue
-        with m._lock:
-            made = _install(m, remote, r, plan, blocks)
-        out.append(made * m.tpb)
-        remote.stats.prefetched_tokens += made * m.tpb
+        with lock:
+            made = _install(st, remote, r, plan, blocks)
+        out.append(made * st.tpb)
+        remote.stats.prefetched_tokens += made * st.tpb
     return out
 
 
-def _valid(m: KVCacheManager, blocks: list[list[memoryview]],
+def _valid(st: CacheState, blocks: list[list[memoryview]],
            groups: list[int]) -> list[list[memoryview]]:
     """The leading blocks whose payloads have this manager's block size in every group (a
     value of another geometry cannot come from this namespace; refused all the same)."""
-    if getattr(m.storage, "tensors", None) is None:
+    if getattr(st.storage, "tensors", None) is None:
         return blocks
-    sizes = [m.storage.block_bytes(g) for g in groups]
+    sizes = [st.storage.block_bytes(g) for g in groups]
     for b, payloads in enumerate(blocks):
         if any(len(p) != n for p, n in zip(payloads, sizes, strict=True)):
             return blocks[:b]
     return blocks
 
 
-def _claim(m: KVCacheManager, t: int, groups: list[int], n: int) -> dict[int, list[int]]:
+def _claim(st: CacheState, t: int, groups: list[int], n: int) -> dict[int, list[int]]:
     """Up to ``n`` slots of tier t per group (free first, else evicted victims); the
     evictions' copies run before this returns."""
     claimed: dict[int, list[int]] = {}
     for g in groups:
         got = claimed[g] = []
         for _ in range(n):
-            s = m._lower_slot(t, g)
+            s = lower_slot(st, t, g)
             if s is None:
                 break
             got.append(s)
-    m._finish_call()
+    st.finish_call()
     return claimed
 
 
-def _install(m: KVCacheManager, remote: ManagerRemote, r: SequenceRequest, plan: _Plan,
+def _install(st: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _Plan,
              blocks: list[list[memoryview]]) -> int:
     """Install the fetched blocks; return how many leading blocks became local."""
-    m._check_storage()
-    t = 1 if m._tiers > 1 else 0
-    groups = list(m.self_groups)
+    st.check_storage()
+    t = 1 if st.tiers > 1 else 0
+    groups = list(st.self_groups)
     n = len(blocks)
-    claimed = _claim(m, t, groups, n)
+    claimed = _claim(st, t, groups, n)
     n = min(n, *(len(c) for c in claimed.values()))
     end = plan.local + n
-    path, local = local_blocks(m, r, end)
+    path, local = local_blocks(st, r, end)
     placed: dict[int, list[tuple[Run, int]]] = {g: [] for g in groups}
     if n and local >= plan.local:
         pos = 0  # index in the request of the path's next block
@@ -176,53 +183,54 @@ def _install(m: KVCacheManager, remote: ManagerRemote, r: SequenceRequest, plan:
                     continue
                 for gi, g in enumerate(groups):
                     if run.slot[g][j] == NO_SLOT:
-                        _put(m, t, g, claimed[g].pop(), run, j, blocks[k][gi])
+                        _put(st, t, g, claimed[g].pop(), run, j, blocks[k][gi])
                         placed[g].append((run, j))
         if pos < end:
-            parent = m._root((r.lora_id, r.cache_salt))
+            parent = st.root((r.lora_id, r.cache_salt))
             if path:
                 parent, _, at = path[-1]
                 if at < len(parent.keys):
-                    m._reindex(parent.split(at, m.step))
-            _new_run(m, t, groups, claimed, parent, plan, pos, end, blocks, placed)
+                    reindex(st, parent.split(at, st.step))
+            _new_run(st, t, groups, claimed, parent, plan, pos, end, blocks, placed)
     for g in groups:
-        m._free[t][g].extend(claimed[g])
+        st.pools[t][g].free.extend(claimed[g])
     for g in groups:
         chain = _segments(placed[g])
         for seg in chain:
-            m._emit.stored(g, [seg], r.lora_id)
+            st.emit.stored(g, [seg], r.lora_id)
         stats = remote.stats
         stats.prefetched_blocks += len(placed[g])
-        stats.prefetched_bytes += len(placed[g]) * m.storage.block_bytes(g)
-        m._stats.remote_prefetch_blocks += len(placed[g])
-    m._emit.flush_removed()
-    _, after = local_blocks(m, r, end)
+        stats.prefetched_bytes += len(placed[g]) * st.storage.block_bytes(g)
+        st.stats.remote_prefetch_blocks += len(placed[g])
+    st.emit.flush_removed()
+    _, after = local_blocks(st, r, end)
     return max(0, after - plan.local)
 
 
-def _put(m: KVCacheManager, t: int, g: int, s: int, run: Run, j: int,
+def _put(st: CacheState, t: int, g: int, s: int, run: Run, j: int,
          payload: memoryview) -> None:
-    write_block(m.storage, t, g, s, payload)
+    write_block(st.storage, t, g, s, payload)
     run.slot[g][j] = s
     run.tier[g][j] = t
-    m._pools[t][g].place(s, run, j)
-    m._queue[t][g].push(s, run.priority(j), key=run.keys[j])
+    pool = st.pools[t][g]
+    pool.place(s, run, j)
+    pool.queue.push(s, run.priority(j), key=run.keys[j])
 
 
-def _new_run(m: KVCacheManager, t: int, groups: list[int], claimed: dict[int, list[int]],
+def _new_run(st: CacheState, t: int, groups: list[int], claimed: dict[int, list[int]],
              parent: Run, plan: _Plan, d: int, end: int,
              blocks: list[list[memoryview]], placed: dict[int, list[tuple[Run, int]]]) -> None:
     """Blocks [d, end) of the request as a new run under the last block of ``parent``."""
-    step = m.step
+    step = st.step
     k = end - d
     tk = plan.raw[d * step:end * step]
-    slots = [[NO_SLOT] * k for _ in range(m.config.num_groups)]
-    tiers = [[0] * k for _ in range(m.config.num_groups)]
+    slots = [[NO_SLOT] * k for _ in range(st.config.num_groups)]
+    tiers = [[0] * k for _ in range(st.config.num_groups)]
     run = Run(parent, tk, tk[:step], plan.keys[d:end], slots, tiers)
     parent.add_child(run)
     for gi, g in enumerate(groups):
         for j in range(k):
-            _put(m, t, g, claimed[g].pop(), run, j, blocks[d + j - plan.local][gi])
+            _put(st, t, g, claimed[g].pop(), run, j, blocks[d + j - plan.local][gi])
             placed[g].append((run, j))
 
 
