@@ -47,6 +47,7 @@ m = 1.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 from collections import deque
@@ -191,6 +192,8 @@ class RequestRecord:
     blocks when readmitted; that is recompute saving, not cache hits): ``reused_tokens`` =
     ``reused_full_tokens`` (whole blocks) + ``reused_partial_tokens`` (a partially matched
     block); ``tier_tokens[t]`` splits them by the tier the blocks were found on.
+    ``remote_tokens``: tokens the shared remote tier gave it (``prefetch`` before its first
+    admission; a cluster with ``remote_bytes``).
     ``computed_tokens`` counts every prefill token computed, recomputation included.
     Rejected requests (peak need larger than the pool) have no times.
     """
@@ -208,6 +211,7 @@ class RequestRecord:
     reused_full_tokens: int = 0
     reused_partial_tokens: int = 0
     tier_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
+    remote_tokens: int = 0
     computed_tokens: int = 0
     preemptions: int = 0
     rejected: bool = False
@@ -288,7 +292,7 @@ class _Run:
 
     __slots__ = (
         "computed", "due", "epoch", "gen_base", "generated", "logged", "m", "mgr_len", "n",
-        "order", "out", "rec", "req", "seq_req", "state", "step_base", "target",
+        "order", "out", "prefetched", "rec", "req", "seq_req", "state", "step_base", "target",
     )
 
     def __init__(self, req: Request, rec: RequestRecord, out: array[int]) -> None:
@@ -309,6 +313,7 @@ class _Run:
         self.order = 0  # admission order
         self.logged = 0  # blocks of this admission known to be in the tree (access log)
         self.seq_req: SequenceRequest | None = None
+        self.prefetched = False  # asked the shared remote tier (before its first admission)
 
     def sequence_request(self) -> SequenceRequest:
         if self.seq_req is None:
@@ -376,6 +381,7 @@ class SimWorker:
         self.time_model = time_model
         self.events = events
         self.manager = KVCacheManager(cache, events=events)
+        self._remote = cache.remote_store is not None or cache.remote_url is not None
         self.tpb = cache.tokens_per_block
         self._ref_group = reference_group(cache)
         self._windows = tuple(
@@ -449,7 +455,11 @@ class SimWorker:
             and budget > 0
             and len(self._running) < sched.max_batch_size
         ):
+            if self._remote:
+                self._prefetch()
             self._admit(now, budget, chunks)
+        if self._remote:  # writes settle before any other worker's next call: deterministic
+            self.manager.flush_remote()
         batch = self._decoding
         if not chunks and not batch:
             return None
@@ -552,11 +562,26 @@ class SimWorker:
         for run in grow:
             if run.state == _DECODE:  # not preempted by an older run's growth
                 self._grow(run)
+        if self._remote:
+            mgr.flush_remote()
         if self.events is not None:
             self.events.flush_iteration_events()
         return finished
 
     # ----------------------------------------------------------------------------- internal
+
+    def _prefetch(self) -> None:
+        """Before admission, the shared tier gives the waiting requests that may be admitted
+        now (first admissions only) their remote continuations."""
+        room = self.scheduler.max_batch_size - len(self._running)
+        runs = [r for r in itertools.islice(self._waiting, max(0, room))
+                if not r.prefetched and r.rec.admitted_s is None]
+        if not runs:
+            return
+        got = self.manager.prefetch([r.sequence_request() for r in runs])
+        for run, n in zip(runs, got, strict=True):
+            run.prefetched = True
+            run.rec.remote_tokens += n
 
     def _admit(self, now: float, budget: int, chunks: list[tuple[_Run, int]]) -> None:
         """Admit waiting requests while the batch, the token budget and the batch size allow
@@ -637,6 +662,8 @@ class SimWorker:
                 partial = res.reused_tokens % tpb
                 rec.admitted_s = now
                 rec.reused_tokens = res.reused_tokens
+                # what the shared tier gave and admission still found (evictions between)
+                rec.remote_tokens = min(rec.remote_tokens, res.reused_tokens)
                 rec.reused_partial_tokens = partial
                 rec.reused_full_tokens = res.reused_tokens - partial
                 if where is None:  # the shortcut: one GPU tier
