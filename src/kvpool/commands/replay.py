@@ -275,10 +275,11 @@ def _check_options(args: argparse.Namespace) -> None:
             )
         if args.remote_mem:
             raise InvalidArgumentError("with --gpu-blocks the shared tier is --remote-blocks")
-    elif args.host_blocks or args.disk_blocks or args.remote_blocks:
+    elif args.host_blocks or args.disk_blocks:
+        raise InvalidArgumentError("--host-blocks/--disk-blocks need --gpu-blocks")
+    elif args.remote_blocks:
         raise InvalidArgumentError(
-            "--host-blocks/--disk-blocks/--remote-blocks need --gpu-blocks (with a model, "
-            "the shared tier is --remote-mem)"
+            "--remote-blocks needs --gpu-blocks (with a model, the shared tier is --remote-mem)"
         )
     for flag in ("json", "markdown", "plot"):
         check_writable(getattr(args, flag), f"--{flag}")
