@@ -209,9 +209,12 @@ class ManagerRemote:
         st = self.st
         stats = self.stats
         sink = self.events
-        for n in noted:
+        # every snapshot first, then the queue: the writer thread wakes once they are taken
+        # (it would contend for the interpreter with the copies still to make)
+        payloads = [read_block(st.storage, n.tier, n.group, n.slot) if n.write else b""
+                    for n in noted]
+        for n, payload in zip(noted, payloads, strict=True):
             if n.write:
-                payload = read_block(st.storage, n.tier, n.group, n.slot)
                 self.tier.offload(n.scope, n.key, n.group, payload)
                 stats.offloaded_blocks += 1
                 stats.offloaded_bytes += len(payload)
