@@ -328,3 +328,37 @@ def _chain_keys(m: KVCacheManager, tokens: list[int]) -> list[Any]:
     from kvpool.hashing import BlockHasher
 
     return BlockHasher(m.config.hash_algo, TPB).extend(tokens)
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def test_engine_logits_after_a_prefetch_equal_a_cold_run() -> None:
+    """kvpool.engine over a tiny random Llama: a second engine prefetches the prompt's blocks
+    the first wrote through a shared store, reuses them, and its logits equal a cold run's."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from kvpool.engine import Engine, SamplingParams
+
+    torch.manual_seed(1234)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa")).float().eval()
+    store = MemoryStore(1 << 26)
+    base = {"tokens_per_block": TPB, "gpu_blocks": 64, "host_blocks": 32}
+    shared = {**base, "remote_store": store, "remote_write": "store", "remote_model": "llama"}
+    prompt = torch.randint(1, 256, (41,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
+    first = Engine(copy.deepcopy(model), cache=shared)
+    first.generate([prompt], params)
+    assert first.manager.flush_remote(10)
+    second = Engine(copy.deepcopy(model), cache=shared)
+    assert second.manager.prefetch([SequenceRequest("p", prompt)]) == [10 * TPB]
+    out = second.generate([prompt], params)[0]
+    assert second.manager.stats().reused_tokens >= 10 * TPB
+    cold = Engine(copy.deepcopy(model), cache=base).generate([prompt], params)[0]
+    assert cold.logits is not None and out.logits is not None
+    assert out.token_ids == cold.token_ids
+    assert float((torch.stack(out.logits) - torch.stack(cold.logits)).abs().max()) <= 1e-4
