@@ -38,19 +38,20 @@ class AdmitResult:
     stats: RequestStats
 
 
-def admit(st: CacheState, plan: BatchPlan) -> list[AdmitResult]:
-    """Execute a plan that fits (phase 1, then phase 2 per request); the partial sources no
-    request took over are queued again. The caller ends the call (``finish_call``)."""
+def admit(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> list[AdmitResult]:
+    """Execute a plan that fits (phase 1, then phase 2 per request); ``partials`` are its
+    requests with a partial source. The sources no request took over are queued again. The
+    caller ends the call (``finish_call``)."""
     st.begin_call()
-    takeovers = claim(st, plan)
+    takeovers = claim(st, plan, partials)
     results = [allocate(st, p, takeovers) for p in plan.requests]
-    if takeovers or any(p._partial is not None for p in plan.requests):
-        release_partials(st, [p._partial for p in plan.requests if p._partial is not None
+    if partials:
+        release_partials(st, [p._partial for p in partials if p._partial is not None
                               and (id(p._partial[0]), p._partial[1]) not in takeovers])
     return results
 
 
-def claim(st: CacheState, plan: BatchPlan) -> set[tuple[int, int]]:
+def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[tuple[int, int]]:
     """Phase 1: reference every full match; take partial sources out of the queues. Returns
     the partial sources taken over, as (id(run), index)."""
     takeovers: set[tuple[int, int]] = set()
@@ -77,9 +78,8 @@ def claim(st: CacheState, plan: BatchPlan) -> set[tuple[int, int]]:
                     st.pools[t][g].queue.remove(s)  # claimed for onboarding
         first = False
     # partial sources after every full match: a full match of the same block holds it
-    for p in plan.requests:
-        if p._partial is None:
-            continue
+    for p in partials:
+        assert p._partial is not None
         run, i = p._partial
         for g in st.self_groups:
             t, s = run.tier[g][i], run.slot[g][i]

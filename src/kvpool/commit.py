@@ -68,13 +68,16 @@ def _walk_path(st: CacheState, seq: Seq, blocks: int, rebuild: bool) -> tuple[Ru
 
 
 def new_run(st: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
-            slots: list[list[int]], keys: list[BlockKey] | None = None) -> Run:
+            slots: list[list[int]], keys: list[BlockKey] | None = None,
+            raw: bytes | None = None) -> Run:
     """Blocks [first, upto) of ``seq`` (keys known, or given) as a new run after block n - 1
-    of ``run`` (split there if needed), holding ``slots`` per group (GPU)."""
+    of ``run`` (split there if needed), holding ``slots`` per group (GPU). ``raw``: the
+    sequence's tokens as bytes, when the caller has them."""
     step = st.step
     if n < len(run.keys):
         reindex(st, run.split(n, step))
-    tk = seq.tokens[first * st.tpb:upto * st.tpb].tobytes()
+    tk = (seq.tokens[first * st.tpb:upto * st.tpb].tobytes() if raw is None
+          else raw[first * step:upto * step])
     new = Run(run, tk, tk[:step], seq.keys[first:upto] if keys is None else keys, slots,
               [[0] * (upto - first) for _ in slots])
     run.add_child(new)
@@ -116,9 +119,10 @@ def commit(st: CacheState, seq: Seq, upto: int) -> None:
     pos = position(st, seq, start)
     assert pos is not None
     chains: dict[int, list[Segment]] = {}  # per group: the stored chain still open
-    run, n, i = _follow_existing(st, seq, *pos, start, upto, chains)
+    raw = seq.tokens.tobytes()
+    run, n, i = _follow_existing(st, seq, raw, *pos, start, upto, chains)
     if i < upto:
-        run, n = _add_new(st, seq, run, n, i, upto, chains)
+        run, n = _add_new(st, seq, raw, run, n, i, upto, chains)
     for g, chain in chains.items():
         st.emit.stored(g, chain, seq.lora_id)
     if st.remote is not None:  # remote tier: write-through of the committed blocks
@@ -129,16 +133,15 @@ def commit(st: CacheState, seq: Seq, upto: int) -> None:
         prune(run)
 
 
-def _follow_existing(st: CacheState, seq: Seq, run: Run, n: int, i: int, upto: int,
-                     chains: dict[int, list[Segment]]) -> tuple[Run, int, int]:
+def _follow_existing(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: int,
+                     upto: int, chains: dict[int, list[Segment]]) -> tuple[Run, int, int]:
     """Follow blocks [i, upto) of the sequence while the tree has them (another sequence
     committed them); a block without a slot in a group takes this sequence's. Returns where
     the path ends (run, n) and the first block not in the tree."""
     step = st.step
     events = st.emit.sink is not None
-    raw = seq.tokens.tobytes()
     keys = seq.keys
-    group_tables = [(g, seq.tables[g][0], st.gpu[g]) for g in st.self_groups]
+    group_tables = None
     while i < upto:
         blk = raw[i * step:(i + 1) * step]
         if n < len(run.keys):
@@ -150,6 +153,8 @@ def _follow_existing(st: CacheState, seq: Seq, run: Run, n: int, i: int, upto: i
                 break
             run, n = child, 0
         keys.append(run.keys[n])
+        if group_tables is None:
+            group_tables = [(g, seq.tables[g][0], st.gpu[g]) for g in st.self_groups]
         for g, tb, pool in group_tables:
             s = tb[i] if i < len(tb) else NO_SLOT
             if s != NO_SLOT and run.slot[g][n] == NO_SLOT and pool.run_at[s] is None:
@@ -169,7 +174,7 @@ def _follow_existing(st: CacheState, seq: Seq, run: Run, n: int, i: int, upto: i
     return run, n, i
 
 
-def _add_new(st: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
+def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int, upto: int,
              chains: dict[int, list[Segment]]) -> tuple[Run, int]:
     """Blocks [first, upto), none in the tree, as a chain after block n - 1 of ``run``:
     appended to the sequence's own run, or a new run. Returns where the path ends."""
@@ -190,14 +195,13 @@ def _add_new(st: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
     if (run is seq.own_run and run.alive and n == len(run.keys) and not run.children
             and len(run.ckey) == step):
         base = n
-        run.extend(seq.tokens[first * st.tpb:upto * st.tpb].tobytes(), new_keys, slots,
-                   [[0] * k for _ in slots], step)
+        run.extend(raw[first * step:upto * step], new_keys, slots, [[0] * k for _ in slots], step)
         if seq.retention is not None:
             for j in range(k):
                 set_priority(st, seq, run, base + j, (first + j) * st.tpb)
     else:
         base = 0
-        run = new_run(st, seq, run, n, first, upto, slots, new_keys)
+        run = new_run(st, seq, run, n, first, upto, slots, new_keys, raw)
     seq.own_run = run
     events = st.emit.sink is not None
     for g in st.self_groups:

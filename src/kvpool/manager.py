@@ -7,7 +7,7 @@ KVCacheManager (this module: the API, the lock, argument checks)
  ├─ lifecycle   add_tokens, rewind_tokens, suspend, resume, remove_sequence
  ├─ commit      insert a sequence's blocks into the prefix tree (store_context_blocks)
  ├─ allocator   take slots, evict (offload or drop), onboard, release references
- └─ introspect  stats-free views for tests: debug_state, check_invariants, tree_blocks
+ └─ introspect  read-only views for tests: debug_state, check_invariants, tree_blocks
      all on one CacheState (kvpool.state): SlotPools per (tier, group), trees, sequences
 ```
 
@@ -157,9 +157,10 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            if self._batch_may_copy or any(p._partial is not None for p in plan.requests):
+            partials = [p for p in plan.requests if p._partial is not None]
+            if self._batch_may_copy or partials:
                 st.check_storage()  # the batch may copy: fail before changing anything
-            results = admit(st, plan)
+            results = admit(st, plan, partials)
             st.finish_call()
             return results
 
