@@ -362,3 +362,37 @@ def test_engine_logits_after_a_prefetch_equal_a_cold_run() -> None:
     assert cold.logits is not None and out.logits is not None
     assert out.token_ids == cold.token_ids
     assert float((torch.stack(out.logits) - torch.stack(cold.logits)).abs().max()) <= 1e-4
+
+
+def test_server_killed_during_a_write_through_then_restarted_gives_misses(
+        tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "r").start()
+    now = [0.0]
+    try:
+        store = RemoteStore(server.url, backoff_s=5.0, clock=lambda: now[0])
+        big = list(range(7000, 7000 + 40 * TPB + 1))  # 40 blocks written through at once
+        a = KVCacheManager(_cfg(remote_store=store, remote_write="store", gpu_blocks=48))
+        _serve(a, "a", big)  # the commit queues 40 writes ...
+        server.kill()  # ... and the server dies while the writer sends them (or just after)
+        assert a.flush_remote(10)
+        st = a.remote_stats()
+        assert st is not None and st.written + st.write_failed == 40
+        server.start()  # back, empty but for what reached it before the kill (nothing kept)
+        b = KVCacheManager(_cfg(remote_url=server.url, host_blocks=48, gpu_blocks=48))
+        got = b.prefetch([SequenceRequest("b", big)])[0]
+        assert got == 0  # no persistence: a restarted server lost everything; a miss
+        _check_bytes(b)
+        # the first manager carries on locally, and writes again once the backoff is over
+        now[0] = 10.0
+        assert _serve(a, "a2", big) == (40 * TPB, 0)
+        fresh = list(range(9000, 9000 + 12 * TPB + 1))
+        _serve(a, "a3", fresh)
+        assert a.flush_remote(10)
+        assert b.prefetch([SequenceRequest("c", fresh)]) == [12 * TPB]
+        _check_bytes(b)
+        a.check_invariants()
+        b.check_invariants()
+        a.close()
+        b.close()
+    finally:
+        server.stop()
