@@ -46,7 +46,7 @@ def alloc_n(st: CacheState, g: int, n: int) -> list[int]:
     out = pool.take(n)
     if len(out) == n:
         return out
-    if st.tiers > 1 or st.copies:
+    if st.tiers > 1 or st.copies or st.remote is not None:  # remote: evict() sees each block
         free = pool.free
         pop = pool.queue.pop
         while len(out) < n:
@@ -220,6 +220,8 @@ def evict(st: CacheState, t: int, g: int, slot: int, priority: int, *,
             st.stats.offload_bytes += st.storage.block_bytes(g)
             st.emit.updated(g, run.keys[i], t, t + 1)
             return
+    if offload and st.remote is not None:  # remote tier: the block leaves the local tiers
+        st.remote.dropped(t, g, slot, run, i)
     if st.copies:
         st.copies.cancel_into(t, g, slot)
     run.slot[g][i] = NO_SLOT
@@ -232,12 +234,12 @@ def evict(st: CacheState, t: int, g: int, slot: int, priority: int, *,
         return
     removed = [run.keys[i]]
     if not st.kinds[g].windowed:
-        removed += _drop_below(st, g, run, i)
+        removed += _drop_below(st, g, run, i, offload)
     st.emit.removed(g, removed)
     _prune_subtree(run)
 
 
-def _drop_below(st: CacheState, g: int, run: Run, i: int) -> list[BlockKey]:
+def _drop_below(st: CacheState, g: int, run: Run, i: int, offload: bool) -> list[BlockKey]:
     """A full-attention block without its prefix cannot be matched: drop the queued blocks
     below block i of ``run``; returns their keys. Held or claimed ones stay (a sequence that
     computed a duplicate of an ancestor holds its own copy) and are queued, unreachable, once
@@ -252,6 +254,8 @@ def _drop_below(st: CacheState, g: int, run: Run, i: int) -> list[BlockKey]:
         if ds not in pool.queue:
             continue
         pool.queue.remove(ds)
+        if offload and st.remote is not None:  # remote tier, as in evict()
+            st.remote.dropped(dt, g, ds, r, j)
         st.copies.cancel_into(dt, g, ds)
         pool.clear(ds)
         pool.free.append(ds)

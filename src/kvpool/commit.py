@@ -125,6 +125,8 @@ def commit(st: CacheState, seq: Seq, upto: int) -> None:
         run, n = _add_new(st, seq, raw, run, n, i, upto, chains)
     for g, chain in chains.items():
         st.emit.stored(g, chain, seq.lora_id)
+    if st.remote is not None:  # remote tier: write-through of the committed blocks
+        st.remote.stored(seq, start, upto)
     seq.committed_blocks = upto
     seq.at_run, seq.at_len = run, n
     if n == len(run.keys) and not run.children and not run.has_slot(n - 1):

@@ -17,6 +17,7 @@ from kvpool.hashing import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:
     from kvpool.planner import PoolPlan
+    from kvpool.remote.store import BlockStore
     from kvpool.storage import GroupGeometry
 
 DEFAULT_PRIORITY = 35
@@ -166,6 +167,35 @@ def _per_group(name: str, value: int | Mapping[int, int] | Sequence[int], groups
     return (v,) * groups
 
 
+_STORE_METHODS = ("get_many", "put_many", "exists_many", "delete_many", "close")
+
+
+def _check_remote(config: CacheConfig) -> None:
+    """The remote-tier fields (``remote_url`` or ``remote_store``, and their settings)."""
+    from kvpool.remote.store import split_url
+    from kvpool.remote.writer import REMOTE_WRITE_MODES
+
+    if config.remote_url is not None and config.remote_store is not None:
+        raise InvalidArgumentError("give remote_url or remote_store, not both")
+    if config.remote_url is not None:
+        split_url(config.remote_url)
+    store = config.remote_store
+    if store is not None:
+        missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
+        if missing:
+            raise InvalidArgumentError(
+                f"remote_store {store!r:.60} is not a block store (lacks {', '.join(missing)})"
+            )
+    if not isinstance(config.remote_write, str) or config.remote_write not in REMOTE_WRITE_MODES:
+        raise InvalidArgumentError(
+            f"remote_write must be one of {list(REMOTE_WRITE_MODES)}, got {config.remote_write!r}"
+        )
+    t = config.remote_timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+        raise InvalidArgumentError(f"remote_timeout_s must be a positive number, got {t!r}")
+    _check_int("remote_max_pending_bytes", config.remote_max_pending_bytes, 1)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Geometry and policies of one manager.
@@ -187,6 +217,11 @@ class CacheConfig:
     (``"discard"``: an empty disk tier). The manifest and the disk files are fsynced every
     ``disk_sync_interval_s`` seconds of calls (None: only on ``close`` and
     ``persistent_disk.sync()``); what was written survives SIGKILL either way.
+
+    ``remote_url`` (``redis://host:port/db``, ``rediss://``, ``unix://``, ``valkey://``, or
+    ``redis+cluster://`` for a cluster) or ``remote_store`` (an in-process
+    :class:`~kvpool.remote.MemoryStore` shared by managers) adds the shared remote tier below
+    the local ones (:mod:`kvpool.remote`, ``KVCacheManager.prefetch``).
     """
 
     tokens_per_block: int
@@ -205,7 +240,8 @@ class CacheConfig:
     disk_persistent: bool = False
     disk_manifest_damaged: str = "refuse"
     disk_sync_interval_s: float | None = 10.0
-    # names the model whose KV the pools hold: stored bytes are reused only under the same name
+    # names the model whose KV the pools hold: bytes kept on a persistent disk tier or in the
+    # shared remote tier are reused only under the same name (and the same geometry)
     model_id: str = ""
     offload_min_priority: int = DEFAULT_PRIORITY
     # "2q" (default), "lru", "s3fifo" or "arc" (kvpool.eviction; README: which to pick)
@@ -220,6 +256,14 @@ class CacheConfig:
     layer_geometry: Sequence[GroupGeometry] | None = None
     device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
+    # the shared remote tier (kvpool.remote; README "Remote tier"): a server's URL, or an
+    # in-process store object shared by several managers (a MemoryStore), not both
+    remote_url: str | None = None
+    remote_store: BlockStore | None = field(default=None, compare=False)
+    # "evict": blocks leaving the last local tier are written; "store": every stored block
+    remote_write: str = "evict"
+    remote_timeout_s: float = 2.0
+    remote_max_pending_bytes: int = 1 << 30
 
     # normalised views, filled in __post_init__
     num_groups: int = field(init=False)
@@ -306,6 +350,7 @@ class CacheConfig:
             raise InvalidArgumentError(
                 f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
             )
+        _check_remote(self)
 
     def _normalise_hash_algos(self) -> None:
         tree_algo = hash_algo(self.hash_algo)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool import admission, introspect, jit, lifecycle, persist
 from kvpool.admission import BatchPlan
@@ -37,6 +37,9 @@ from kvpool.events.model import KVCacheEvent
 from kvpool.state import CacheState, SeqId
 from kvpool.stats import CacheStats
 from kvpool.storage import MetadataStorage, Storage
+
+if TYPE_CHECKING:
+    from kvpool.remote.hooks import RemoteStats
 
 __all__ = ["AdmitResult", "KVCacheManager"]
 
@@ -114,6 +117,10 @@ class KVCacheManager:
         # persist hook: a persistent disk tier re-indexes the blocks its manifest records
         self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
                                                            lock=self._lock)
+        if config.remote_url is not None or config.remote_store is not None:
+            from kvpool.remote.hooks import ManagerRemote  # the shared remote tier
+
+            st.remote = ManagerRemote(st, events)
 
     @property
     def storage(self) -> Storage:
@@ -273,11 +280,34 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Release the storage (removes a disk tier's file). Calls that would copy blocks then
-        raise :class:`StorageError`; calls that move no data keep working on the metadata."""
+        raise :class:`StorageError`; calls that move no data keep working on the metadata.
+        A remote tier's queued writes are written first."""
+        if self._st.remote is not None:
+            self._st.remote.close()
         with self._lock:  # not between a call's storage check and its copies
             if self.persistent_disk is not None:  # persist hook: spill, sync, close the manifest
                 self.persistent_disk.close()
             self.storage.close()
+
+    # ------------------------------------------------------------------ remote tier
+
+    def prefetch(self, requests: Iterable[SequenceRequest]) -> list[int]:
+        """Pull each request's longest remote-resident continuation of its local match into
+        local slots (host tier, else GPU) before admission; tokens made local per request
+        (0 each without a remote tier). See :mod:`kvpool.remote.prefetch`."""
+        from kvpool.remote.prefetch import prefetch
+
+        return prefetch(self._st, self._lock, requests)
+
+    def flush_remote(self, timeout_s: float | None = None) -> bool:
+        """Wait until every block handed to the remote tier so far is written (or failed, or
+        dropped by a full queue); False if ``timeout_s`` passed first."""
+        return True if self._st.remote is None else self._st.remote.flush(timeout_s)
+
+    def remote_stats(self) -> RemoteStats | None:
+        """The remote tier's counters (None without one)."""
+        with self._lock:
+            return None if self._st.remote is None else self._st.remote.snapshot()
 
     def __enter__(self) -> KVCacheManager:
         return self

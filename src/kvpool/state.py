@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpool.config import CacheConfig
 from kvpool.copies import CopyPlan
@@ -37,6 +37,9 @@ from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats
 from kvpool.storage import BlockCopy, Storage
 from kvpool.views import PlanView, Scope
+
+if TYPE_CHECKING:
+    from kvpool.remote.hooks import ManagerRemote
 
 SeqId = int | str
 """A sequence id, as the engine chose it."""
@@ -59,9 +62,9 @@ class CacheState:
 
     __slots__ = (
         "_hashers", "clock", "config", "copies", "copy_failure", "emit", "full_attention_only",
-        "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools",
-        "retention_seen",
-        "roots", "self_groups", "sequences", "stats", "step", "storage", "tiers", "tpb", "view",
+        "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools", "remote",
+        "retention_seen", "roots", "self_groups", "sequences", "stats", "step", "storage",
+        "tiers", "tpb", "view",
     )
 
     def __init__(self, config: CacheConfig, storage: Storage, events: EventSink | None) -> None:
@@ -104,6 +107,7 @@ class CacheState:
         self.copy_failure: str | None = None  # what made a copy fail after the checks
         self.stats = CacheStats()
         self.persist: CopyObserver | None = None  # persist hook: set by the manager
+        self.remote: ManagerRemote | None = None  # the shared remote tier (kvpool.remote)
 
     # ---------------------------------------------------------------- lookups
 
@@ -165,6 +169,8 @@ class CacheState:
                 pools[t][g].free.append(s)
             self.pending_free.clear()
         self.emit.flush_removed()
+        if self.remote is not None:  # remote tier: snapshot what leaves, before the copies
+            self.remote.before_copies()
         copies = self.copies.take()
         if copies:
             disk = self.persist  # persist hook: the manifest follows the disk tier's writes

@@ -126,7 +126,7 @@ def whole_blocks(data: Stored, block_size: int | None) -> Stored:
 def _medium(tier: int) -> str:
     if 0 <= tier < len(MEDIUM_OF_TIER):
         return MEDIUM_OF_TIER[tier]
-    raise InvalidArgumentError(f"tier {tier} has no vLLM medium (expected 0, 1 or 2)")
+    raise InvalidArgumentError(f"tier {tier} has no vLLM medium (expected 0 to 3)")
 
 
 def _wire_hash(h: BlockHash) -> WireHash:

@@ -11,7 +11,8 @@ as a map tagged by ``"type"``, as current vLLM does:
 
 Mapping from kvpool events:
 
-* tier <-> medium: 0 ``"GPU"``, 1 ``"CPU"``, 2 ``"STORAGE"`` (older names ``"CPU_PINNED"`` and
+* tier <-> medium: 0 ``"GPU"``, 1 ``"CPU"``, 2 ``"STORAGE"``, 3 ``"REMOTE"`` (the shared
+  remote tier, :data:`~kvpool.events.model.REMOTE_MEDIUM`; older names ``"CPU_PINNED"`` and
   ``"DISK"`` decode to 1 and 2);
 * layer group <-> ``group_idx``: group 0 is written as nil (vLLM's default, so single-group
   output is byte-identical to vLLM's) and nil decodes to group 0;

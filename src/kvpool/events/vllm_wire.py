@@ -13,6 +13,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from kvpool.events.model import REMOTE_CACHE_LEVEL, REMOTE_MEDIUM
 from kvpool.hashing import HashAlgo
 
 __all__ = [
@@ -36,11 +37,12 @@ __all__ = [
     "WireHash",
 ]
 
-MEDIUM_OF_TIER: Final[tuple[str, ...]] = ("GPU", "CPU", "STORAGE")
+MEDIUM_OF_TIER: Final[tuple[str, ...]] = ("GPU", "CPU", "STORAGE", REMOTE_MEDIUM)
 TIER_OF_MEDIUM: Final[dict[str, int]] = {
     "GPU": 0,
     "CPU": 1,
     "STORAGE": 2,
+    REMOTE_MEDIUM: REMOTE_CACHE_LEVEL,
     "CPU_PINNED": 1,
     "DISK": 2,
 }
