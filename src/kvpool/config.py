@@ -196,6 +196,19 @@ def _check_remote(config: CacheConfig) -> None:
     _check_int("remote_max_pending_bytes", config.remote_max_pending_bytes, 1)
 
 
+
+def _windows(window_sizes: Sequence[int | None]) -> tuple[int | None, ...]:
+    """``window_sizes`` checked: one entry per layer group, None or a window of >= 1 token."""
+    windows = _as_tuple("window_sizes (one entry per layer group: None or a window)",
+                        window_sizes)
+    if not windows:
+        raise InvalidArgumentError("window_sizes needs at least one layer group")
+    for g, w in enumerate(windows):
+        if w is not None:
+            _check_int(f"window_sizes[{g}]", w, 1)
+    return windows
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Geometry and policies of one manager.
@@ -272,13 +285,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("tokens_per_block", self.tokens_per_block, 1)
-        windows = _as_tuple("window_sizes (one entry per layer group: None or a window)",
-                            self.window_sizes)
-        if not windows:
-            raise InvalidArgumentError("window_sizes needs at least one layer group")
-        for g, w in enumerate(windows):
-            if w is not None:
-                _check_int(f"window_sizes[{g}]", w, 1)
+        windows = _windows(self.window_sizes)
         object.__setattr__(self, "window_sizes", windows)
         groups = len(windows)
         object.__setattr__(self, "num_groups", groups)

@@ -39,7 +39,7 @@ from kvpool.stats import CacheStats
 from kvpool.storage import MetadataStorage, Storage
 
 if TYPE_CHECKING:
-    from kvpool.remote.hooks import RemoteStats
+    from kvpool.remote.hooks import ManagerRemote, RemoteStats
 
 __all__ = ["AdmitResult", "KVCacheManager"]
 
@@ -88,7 +88,7 @@ class KVCacheManager:
         self._lock = threading.RLock()
         owns_storage = storage is None  # persist hook: closed by a failed warm restart
         if storage is None and config.layer_geometry is not None:
-            from kvpool.storage import TorchStorage
+            from kvpool.torch_storage import TorchStorage
 
             storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
                                    device=config.device, disk_path=config.disk_path,
@@ -117,10 +117,11 @@ class KVCacheManager:
         # persist hook: a persistent disk tier re-indexes the blocks its manifest records
         self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
                                                            lock=self._lock)
+        self._remote: ManagerRemote | None = None
         if config.remote_url is not None or config.remote_store is not None:
             from kvpool.remote.hooks import ManagerRemote  # the shared remote tier
 
-            st.remote = ManagerRemote(st, events)
+            self._remote = st.remote = ManagerRemote(st, events)
 
     @property
     def storage(self) -> Storage:
@@ -282,8 +283,8 @@ class KVCacheManager:
         """Release the storage (removes a disk tier's file). Calls that would copy blocks then
         raise :class:`StorageError`; calls that move no data keep working on the metadata.
         A remote tier's queued writes are written first."""
-        if self._st.remote is not None:
-            self._st.remote.close()
+        if self._remote is not None:
+            self._remote.close()
         with self._lock:  # not between a call's storage check and its copies
             if self.persistent_disk is not None:  # persist hook: spill, sync, close the manifest
                 self.persistent_disk.close()
@@ -297,17 +298,17 @@ class KVCacheManager:
         (0 each without a remote tier). See :mod:`kvpool.remote.prefetch`."""
         from kvpool.remote.prefetch import prefetch
 
-        return prefetch(self._st, self._lock, requests)
+        return prefetch(self._st, self._remote, self._lock, requests)
 
     def flush_remote(self, timeout_s: float | None = None) -> bool:
         """Wait until every block handed to the remote tier so far is written (or failed, or
         dropped by a full queue); False if ``timeout_s`` passed first."""
-        return True if self._st.remote is None else self._st.remote.flush(timeout_s)
+        return True if self._remote is None else self._remote.flush(timeout_s)
 
     def remote_stats(self) -> RemoteStats | None:
         """The remote tier's counters (None without one)."""
         with self._lock:
-            return None if self._st.remote is None else self._st.remote.snapshot()
+            return None if self._remote is None else self._remote.snapshot()
 
     def __enter__(self) -> KVCacheManager:
         return self

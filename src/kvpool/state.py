@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvpool.config import CacheConfig
 from kvpool.copies import CopyPlan
@@ -38,9 +38,6 @@ from kvpool.stats import CacheStats
 from kvpool.storage import BlockCopy, Storage
 from kvpool.views import PlanView, Scope
 
-if TYPE_CHECKING:
-    from kvpool.remote.hooks import ManagerRemote
-
 SeqId = int | str
 """A sequence id, as the engine chose it."""
 
@@ -55,6 +52,17 @@ class CopyObserver(Protocol):
     def before_copy(self, copies: Sequence[BlockCopy]) -> None: ...
 
     def after_copy(self, copies: Sequence[BlockCopy]) -> None: ...
+
+
+class RemoteObserver(Protocol):
+    """Told which blocks leave the local tiers or are committed, and when the call's copies
+    are about to run (the shared remote tier's write-behind, :mod:`kvpool.remote.hooks`)."""
+
+    def dropped(self, t: int, g: int, slot: int, run: Run, i: int) -> None: ...
+
+    def stored(self, seq: Seq, start: int, upto: int) -> None: ...
+
+    def before_copies(self) -> None: ...
 
 
 class CacheState:
@@ -107,7 +115,7 @@ class CacheState:
         self.copy_failure: str | None = None  # what made a copy fail after the checks
         self.stats = CacheStats()
         self.persist: CopyObserver | None = None  # persist hook: set by the manager
-        self.remote: ManagerRemote | None = None  # the shared remote tier (kvpool.remote)
+        self.remote: RemoteObserver | None = None  # the shared remote tier (kvpool.remote)
 
     # ---------------------------------------------------------------- lookups
 

@@ -36,12 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Self, runtime_checkable
 
 from kvpool.errors import BlockCopyError, GeometryError, StorageError
-
-if TYPE_CHECKING:
-    from kvpool.torch_storage import TorchStorage as TorchStorage
 
 
 class Tier(IntEnum):

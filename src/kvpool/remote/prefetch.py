@@ -98,12 +98,11 @@ def _plan(st: CacheState, r: SequenceRequest) -> _Plan | None:
     return _Plan(_raw(r), keys, local)
 
 
-def prefetch(st: CacheState, lock: AbstractContextManager[Any],
+def prefetch(st: CacheState, remote: ManagerRemote | None, lock: AbstractContextManager[Any],
              requests: Iterable[SequenceRequest]) -> list[int]:
-    """Tokens made local per request (module docstring); ``lock`` is the manager's. All 0
-    without a remote tier."""
+    """Tokens made local per request (module docstring); ``remote`` is the manager's remote
+    tier (``st.remote``), ``lock`` the manager's. All 0 without a remote tier."""
     reqs = _requests(requests)
-    remote = st.remote
     if remote is None:
         return [0] * len(reqs)
     out: list[int] = []
