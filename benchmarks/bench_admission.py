@@ -16,7 +16,8 @@ W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesi
 around every BlockHasher.extend/key call it made during the run (the manager hashes only the
 blocks that enter its tree; matched blocks are found by their tokens and never rehashed).
 
-The garbage collector is off in the timed loops unless --with-gc.
+The garbage collector stays on in the timed loops, as in an engine (--no-gc turns it off there,
+to see what the collector costs).
 
 ``--compare-policies lru,2q,arc,s3fifo [--rounds 8]`` runs W1 only, once per policy per round,
 the policies interleaved within each round, and reports each policy's median CPU time per block
@@ -31,7 +32,7 @@ process, interleaved for ``--rounds`` rounds; each row keeps its minimum CPU tim
 noise only ever adds) and its ratio to the baseline's rows. Written to
 ``results/bench_admission_baseline.json``.
 
-Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--with-gc]
+Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--no-gc]
        [--trace PATH] [--entry add_sequence_batch|add_sequence]
        [--compare-policies NAMES [--rounds N]] [--baseline SRC [--rounds N]]
 """
@@ -63,7 +64,7 @@ from kvpool.replay.workloads import builtin_trace
 TPB = 32
 DEFAULT_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
 VOCAB = 128_256  # Llama 3's vocabulary size: W1's token ids are in [0, VOCAB)
-WITH_GC = False  # --with-gc: leave the garbage collector on in the timed loops
+WITH_GC = True  # --no-gc: turn the garbage collector off in the timed loops
 TRACE = builtin_trace("conversation")  # shipped in kvpool/data
 ENTRIES = ("add_sequence_batch", "add_sequence")
 ENTRY = ENTRIES[0]  # --entry: how requests enter the manager
@@ -271,8 +272,8 @@ def main() -> None:
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--policy", default=DEFAULT_POLICY,
                     help=f"CacheConfig.eviction_policy (default: the library's, {DEFAULT_POLICY})")
-    ap.add_argument("--with-gc", action="store_true",
-                    help="leave Python's garbage collector on in the timed loops (default: off)")
+    ap.add_argument("--no-gc", action="store_true",
+                    help="turn Python's garbage collector off in the timed loops (default: on)")
     ap.add_argument("--compare-policies", metavar="NAMES",
                     help="W1 only: comma-separated policies, interleaved (see the docstring)")
     ap.add_argument("--rounds", type=int, default=8,
@@ -284,12 +285,12 @@ def main() -> None:
     ap.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global WITH_GC, ENTRY
-    WITH_GC = args.with_gc
+    WITH_GC = not args.no_gc
     ENTRY = args.entry
     if args.baseline is not None:
         child = ["--algo", args.algo, "--policy", args.policy, "--trace", str(args.trace)]
         child += ["--quick"] * args.quick + ["--skip-w2"] * args.skip_w2
-        child += ["--with-gc"] * args.with_gc
+        child += ["--no-gc"] * args.no_gc
         compare_with(args.baseline, args.rounds, child)
         return
     if args.compare_policies:

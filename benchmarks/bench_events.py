@@ -32,22 +32,35 @@ are kept: keeping a million events alive (as an earlier version of this benchmar
 encode them all afterwards) made the cyclic garbage collector's full passes and cold memory
 part of the figures, neither of which an engine pays. The collector stays on, as in an engine.
 
+``--baseline SRC [--rounds N]`` measures another checkout's code (SRC is its ``src`` folder, e.g.
+a git worktree of the previous release) in the same run: this code and the baseline each run
+the benchmark in their own process (the baseline's ``kvpool`` first on the path), interleaved
+for ``--rounds`` rounds (default 3); each (code, source, stage) row keeps its best round (the
+machine's noise only ever slows a round) and its ratio to the baseline's. Written to
+``results/bench_events_baseline.json``.
+
     .venv/bin/python benchmarks/bench_events.py            # ~1M block events per source
     .venv/bin/python benchmarks/bench_events.py --quick    # a few seconds
+    .venv/bin/python benchmarks/bench_events.py --sources manager --baseline ../base/src
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing as mp
+import os
 import queue
 import struct
+import subprocess
+import sys
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -326,6 +339,37 @@ def run_full_path(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def compare_with(baseline: str, rounds: int, child_args: list[str]) -> None:
+    """This code and ``baseline``'s, each run in its own process, interleaved (docstring)."""
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in range(rounds):
+        for code, src in (("this", None), ("baseline", baseline)):
+            env = dict(os.environ)
+            if src is not None:
+                env["PYTHONPATH"] = src
+            out = subprocess.run([sys.executable, __file__, "--rows-json", *child_args],
+                                 env=env, check=True, capture_output=True, text=True).stdout
+            for row in json.loads(out.splitlines()[-1]):
+                key = (code, str(row["source"]), str(row["stage"]))
+                if key not in best or row["block_events_per_s"] > best[key]["block_events_per_s"]:
+                    best[key] = row
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    rows = []
+    for (code, source, stage), row in best.items():
+        base = best.get(("baseline", source, stage))
+        rows.append({
+            "code": code, "source": source, "stage": stage,
+            "block_events_per_s": row["block_events_per_s"],
+            "ns_per_block_event": row["ns_per_block_event"],
+            "vs_baseline": (f"{row['block_events_per_s'] / base['block_events_per_s']:.2f}x"
+                            if base else "-"),
+        })
+    rows.sort(key=lambda r: (r["source"], r["stage"], r["code"] != "this"))
+    report("bench_events_baseline", rows,
+           title=f"KV events: this code vs {baseline} (best of {rounds} interleaved rounds)",
+           extra={"baseline": baseline, "rows": list(best.values())})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small run (seconds)")
@@ -339,17 +383,31 @@ def main() -> None:
                         help="comma-separated hook sources: manager, synthetic")
     parser.add_argument("--source", choices=sorted(SOURCES),
                         help="one hook source only (same as --sources NAME)")
+    parser.add_argument("--baseline", metavar="SRC",
+                        help="another checkout's src folder, measured in the same run")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --baseline")
+    parser.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sources = [args.source] if args.source else [s for s in args.sources.split(",") if s]
     unknown = set(sources) - set(SOURCES)
     if unknown:
         parser.error(f"unknown sources {sorted(unknown)}; choose from {sorted(SOURCES)}")
+    if args.baseline is not None:
+        child = ["--sources", ",".join(sources), "--steps", str(100 if args.quick else args.steps),
+                 "--tpb", str(args.tpb), "--blocks-per-chain", str(args.blocks_per_chain),
+                 "--chains-per-step", str(args.chains_per_step),
+                 "--live-chains", str(args.live_chains), "--timeout", str(args.timeout)]
+        compare_with(str(Path(args.baseline).resolve()), args.rounds, child)
+        return
     if args.quick:
         args.steps = 100
     rows: list[dict[str, Any]] = []
     for name in sources:
         rows += run_stages(name, args)
     full = [run_full_path(name, args) for name in sources]
+    if args.rows_json:  # a --baseline child: the rows for the parent, nothing written
+        print(json.dumps(rows + full))
+        return
     report(
         "bench_events",
         rows + full,

@@ -7,9 +7,17 @@ pipelined GETs of the same keys in round trips of the same byte budget, without 
 anything. Both run in alternating rounds in the same process against the same server, so a busy
 machine loads both alike; the figure of merit is the ratio of their throughputs (target ≥ 0.8).
 
+Prefetch: the path engines use, ``KVCacheManager.prefetch`` of one request whose 1,000 blocks
+(2 MiB, then 64 KiB each) another engine wrote: lookup, reads, verification and the copy into
+host slots, the blocks then in the tree. Timed against redis-py's plain pipelined GETs of the
+same values in alternating rounds (target >= 0.8x); each round starts from an empty cache
+(``clear_cache``, not timed).
+
 Writes: the scheduler thread's cost per offloaded block with write-behind, i.e. the time of
 ``RemoteWriter.put`` per block while the writer thread sends earlier blocks to the server, and
-the throughput the writer reaches (put of the first block to the end of ``flush``).
+the throughput the writer reaches (put of the first block to the end of ``flush``); and through
+the manager, the extra time an admission that evicts N blocks takes with ``remote_url`` (the
+blocks' bytes snapshotted and queued) over the same admission without a remote tier, per block.
 
 Run: ``python benchmarks/bench_remote.py`` (``--quick``: 200 blocks a size, fewer rounds;
 ``--url redis://...`` uses a running server instead of starting one; it needs about twice the
@@ -33,9 +41,12 @@ from typing import Any
 import redis
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
+from kvpool import CacheConfig, KVCacheManager, SequenceRequest
+from kvpool.hashing import BlockHasher
 from kvpool.remote.codec import ValueCodec
 from kvpool.remote.store import DEFAULT_BATCH_BYTES, RemoteStore
 from kvpool.remote.writer import RemoteWriter
+from kvpool.storage import GroupGeometry
 
 NS = bytes(range(16))
 MiB = 1 << 20
@@ -154,6 +165,105 @@ def write_rows(url: str, blocks: int, sizes: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+TPB = 16
+
+
+def _geometry(size: int) -> GroupGeometry:
+    """One layer group whose blocks are ``size`` bytes (fp16, 8 KV heads of 128, 16 tokens:
+    64 KiB a layer)."""
+    return GroupGeometry(num_layers=size // (64 * 1024), kv_heads=8, head_dim=128,
+                         dtype="float16")
+
+
+def _manager(url: str | None, size: int, blocks: int, **kw: Any) -> KVCacheManager:
+    return KVCacheManager(CacheConfig(
+        tokens_per_block=TPB, gpu_blocks=kw.pop("gpu_blocks", 4),
+        host_blocks=kw.pop("host_blocks", blocks + 1),
+        layer_geometry=[_geometry(size)], remote_url=url, model_id="bench", **kw))
+
+
+def prefetch_rows(url: str, blocks: int, sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+    client = redis.Redis.from_url(url)
+    rows = [row for size in sizes for row in _prefetch_size(url, client, blocks, size, rounds)]
+    client.close()
+    return rows
+
+
+def _prefetch_size(url: str, client: redis.Redis, blocks: int, size: int,
+                   rounds: int) -> list[dict[str, Any]]:
+    codec = ValueCodec()
+    m = _manager(url, size, blocks)
+    tokens = list(range(blocks * TPB + 1))
+    req = [SequenceRequest("r", tokens)]
+    scope = m._st.remote.tier.scope()  # type: ignore[union-attr]
+    keys = [scope.remote_key(k, 0) for k in BlockHasher(m.config.hash_algo, TPB).extend(tokens)]
+    payload = os.urandom(size)
+    with RemoteStore(url) as store:
+        store.put_many([(k, codec.encode(scope.digest, k, payload)) for k in keys])
+    per_round = max(1, DEFAULT_BATCH_BYTES // size)
+
+    def via_prefetch() -> int:
+        got = m.prefetch(req)[0]
+        assert got == blocks * TPB, got
+        return blocks * size
+
+    runs: dict[str, Callable[[], int]] = {
+        "redis-py pipelined GET": lambda: plain_gets(client, keys, per_round),
+        "KVCacheManager.prefetch": via_prefetch,
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    nbytes = {}
+    for r in range(rounds + 1):  # the first round warms up
+        for name, fn in runs.items():
+            m.clear_cache()
+            start = time.perf_counter()
+            nbytes[name] = fn()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    m.close()
+    client.delete(*keys)
+    base = statistics.median(times["redis-py pipelined GET"])
+    rows = []
+    for name in runs:
+        t = statistics.median(times[name])
+        rows.append({
+            "block": f"{size // 1024} KiB", "blocks": blocks, "reader": name,
+            "GB/s": round(nbytes[name] / t / 1e9, 3), "ms": round(t * 1e3, 1),
+            "vs redis-py": round(base / t, 2),
+        })
+    return rows
+
+
+def offload_rows(url: str, blocks: int, sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+    """Scheduler-thread time per block an admission evicts, with and without a remote tier."""
+    rows = []
+    for size in sizes:
+        cost: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(rounds):
+            for remote in (False, True):
+                m = _manager(url if remote else None, size, 0, gpu_blocks=blocks + 1,
+                             host_blocks=0)
+                first = list(range(1_000_000 * r, 1_000_000 * r + blocks * TPB + 1))
+                m.add_sequence(SequenceRequest("a", first))
+                m.remove_sequence("a")  # its blocks are cached, queued for eviction
+                second = [t + 500_000 for t in first]
+                start = time.perf_counter()
+                m.add_sequence(SequenceRequest("b", second))  # evicts every block of "a"
+                cost[remote].append(time.perf_counter() - start)
+                assert m.flush_remote(600)
+                stats = m.remote_stats()
+                assert stats is None or stats.offloaded_blocks >= blocks, stats
+                m.close()
+        base, with_remote = (statistics.median(cost[k]) for k in (False, True))
+        rows.append({
+            "block": f"{size // 1024} KiB", "blocks": blocks,
+            "admission ms, no remote": round(base * 1e3, 1),
+            "admission ms, remote_url": round(with_remote * 1e3, 1),
+            "scheduler µs/offloaded block": round((with_remote - base) / blocks * 1e6, 1),
+        })
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true")
@@ -163,7 +273,8 @@ def main() -> None:
     sizes = [2 * MiB, 64 * 1024]
 
     def run(url: str) -> None:
-        rows = read_rows(url, blocks, sizes, rounds) + write_rows(url, blocks, sizes)
+        rows = (read_rows(url, blocks, sizes, rounds) + prefetch_rows(url, blocks, sizes, rounds)
+                + write_rows(url, blocks, sizes) + offload_rows(url, blocks, sizes, rounds))
         report("bench_remote", rows, title="remote tier on a loopback server",
                extra={"rounds": rounds})
 

@@ -3,16 +3,24 @@
 ``--workers`` kvpool workers (default 4: a real :class:`~kvpool.manager.KVCacheManager` each,
 publishing its events over ZeroMQ with snapshots) keep serving prompts while the router runs as
 its own process (``kvpool router --config``, as an operator starts it). ``--clients`` concurrent
-HTTP clients (default 32, one aiohttp session) send ``--routes`` ``POST /route`` requests
-(default 20,000) of ``--tokens``-token prompts (default 1,024: 64 blocks of 16), drawn from 64
-prompt families whose first half each worker may hold. Every answer must be a 200 with a worker;
-anything else (status, timeout, connection error) counts as an error.
+HTTP clients (default 32) send ``--routes`` ``POST /route`` requests (default 20,000) of
+``--tokens``-token prompts (default 1,024: 64 blocks of 16), drawn from 64 prompt families whose
+first half each worker may hold. Every answer must be a 200 whose JSON names one of the workers;
+anything else (status, timeout, connection error, another body) counts as an error.
 
-The table: throughput (routes/s over the whole run; and per CPU second of the router process,
-the rate a core of its own would give), latency per request as the client sees it (p50, p99,
-max), errors, and the router process's resident memory before the load (after the workers'
-blocks were indexed) and after it. Targets: >= 3,000 routes/s, p99 <= 20 ms, 0 errors. The
-machine may be shared: the load average (``os.getloadavg``) at start and end is reported.
+The load generator is kept lean so that the router, not the bench, is what is measured on a
+2-core machine: each client holds one keep-alive HTTP/1.1 connection (an asyncio protocol that
+writes a request pre-encoded with its headers and reads the response by its ``Content-Length``),
+and the workers serve one prompt (and publish its events) every ``--publish-every-s`` (default
+20 ms, from a thread: a bounded rate, about 3 % of a core, so they never starve the clients).
+Both processes use uvloop when it is installed (``--event-loop``).
+
+The table: throughput (routes/s over the whole run; per CPU second of the router process, the
+rate a core of its own would give; per CPU second of this process: clients and workers), latency
+per request as the client sees it (p50, p99, max), errors, and the router process's resident
+memory before the load (after the workers' blocks were indexed) and after it. Targets: >= 3,000
+routes/s, p99 <= 20 ms, 0 errors. The machine may be shared: the load average
+(``os.getloadavg``) at start and end is reported.
 
     .venv/bin/python benchmarks/bench_router_service.py [--routes 20000] [--clients 32]
 """
@@ -29,11 +37,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
+import msgspec
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
+from kvpool.commands.router import EVENT_LOOPS, loop_factory
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.snapshot import PublishedState
@@ -100,7 +110,7 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _start_router(
-    workers: list[Worker], cfg_dir: Path, pythonpath: str | None
+    workers: list[Worker], cfg_dir: Path, pythonpath: str | None, event_loop: str
 ) -> tuple[Any, str]:
     lines = ["listen: {host: 127.0.0.1, port: 0}",
              "router: {request_timeout_s: 5}",
@@ -117,38 +127,119 @@ async def _start_router(
         env["PYTHONPATH"] = pythonpath
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvpool.cli", "router", "--config", str(cfg), "--log-level",
-        "WARNING", stdout=asyncio.subprocess.PIPE, env=env,
+        "WARNING", *(["--event-loop", event_loop] if event_loop != "auto" else []),
+        stdout=asyncio.subprocess.PIPE, env=env,
     )
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
     return proc, line.split()[-1]
 
 
-async def _load(base: str, bodies: list[bytes], clients: int) -> tuple[list[float], int, float]:
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of a client: it sends a whole request and waits for
+    the whole response, parsed from its status line and ``Content-Length`` (the router sends
+    no chunked bodies; a response without a length is an error)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.head_end = -1
+        self.need = -1
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.need < 0:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = -1
+            for line in self.buf[:end].split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length" and value.strip().isdigit():
+                    length = int(value)
+            if length < 0:
+                self._fail(ConnectionError("response without Content-Length"))
+                return
+            self.head_end, self.need = end + 4, end + 4 + length
+        if len(self.buf) >= self.need:
+            head, body = self.buf[:self.head_end], self.buf[self.head_end:self.need]
+            self.buf, self.need = self.buf[self.need:], -1
+            if self.waiter is not None and not self.waiter.done():
+                status = int(head[9:12]) if head[:9] == b"HTTP/1.1 " and head[9:12].isdigit() else 0
+                self.waiter.set_result((status, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("connection closed"))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def request(self, raw: bytes, timeout_s: float) -> tuple[int, bytes]:
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        self.transport.write(raw)
+        timer = loop.call_later(timeout_s, self._fail, TimeoutError("no answer in time"))
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+
+
+async def _load(
+    base: str, bodies: list[bytes], clients: int, worker_ids: set[str]
+) -> tuple[list[float], int, float]:
+    """``clients`` clients, each on its own keep-alive connection, send the ``bodies`` as
+    ``POST /route`` requests (pre-encoded with their headers) as fast as answers come back.
+    An answer counts only as a 200 whose JSON names one of ``worker_ids``; a timeout, a
+    connection error or anything else is an error (the client then opens a new connection)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    head = (f"POST /route HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: application/json\r\nContent-Length: ")
+    requests = [f"{head}{len(b)}\r\n\r\n".encode() + b for b in bodies]
     latencies: list[float] = []
     errors = 0
-    next_body = iter(range(len(bodies)))
-    connector = aiohttp.TCPConnector(limit=clients)
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
-        async def client() -> None:
-            nonlocal errors
-            for i in next_body:
-                t0 = time.perf_counter()
-                try:
-                    async with s.post(f"{base}/route", data=bodies[i],
-                                      headers={"Content-Type": "application/json"}) as resp:
-                        answer = await resp.read()
-                        ok = resp.status == 200 and b'"worker_id"' in answer
-                except (aiohttp.ClientError, TimeoutError):
-                    ok = False
-                latencies.append(time.perf_counter() - t0)
-                errors += not ok
+    next_request = iter(range(len(requests)))
+    loop = asyncio.get_running_loop()
+    decode = msgspec.json.Decoder(_Answer).decode
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
-        wall = time.perf_counter() - t0
-    return latencies, errors, wall
+    async def connect() -> _Connection:
+        _, conn = await loop.create_connection(_Connection, host, int(port))
+        return conn
+
+    async def client() -> None:
+        nonlocal errors
+        conn = await connect()
+        for i in next_request:
+            t0 = time.perf_counter()
+            try:
+                status, answer = await conn.request(requests[i], 10.0)
+                ok = status == 200 and decode(answer).worker_id in worker_ids
+            except (OSError, msgspec.DecodeError):
+                ok = False
+            latencies.append(time.perf_counter() - t0)
+            if not ok:
+                errors += 1
+                assert conn.transport is not None
+                conn.transport.abort()
+                conn = await connect()
+        assert conn.transport is not None
+        conn.transport.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies, errors, time.perf_counter() - t0
+
+
+class _Answer(msgspec.Struct):
+    worker_id: str
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
@@ -172,18 +263,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
               .encode() for _ in range(args.routes)]
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath)
+        proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath,
+                                         args.event_loop)
         publisher = threading.Thread(target=keep_serving, daemon=True)
         try:
             async with aiohttp.ClientSession() as s, s.get(f"{base}/workers") as resp:
                 view = await resp.json()
             indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
             rss_before, cpu_before = _rss_kib(proc.pid), _cpu_s(proc.pid)
+            own_before = _cpu_s(os.getpid())
             publisher.start()
-            latencies, errors, wall = await _load(base, bodies, args.clients)
+            latencies, errors, wall = await _load(base, bodies, args.clients,
+                                                  {w["id"] for w in view["workers"]})
             stop.set()
             publisher.join()
             rss_after, cpu = _rss_kib(proc.pid), _cpu_s(proc.pid) - cpu_before
+            own_cpu = _cpu_s(os.getpid()) - own_before
         finally:
             stop.set()
             proc.terminate()
@@ -198,6 +293,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "clients": args.clients,
         "routes/s": rps,
         "per router cpu s": len(lat) / cpu,
+        "per bench cpu s": len(lat) / own_cpu,
         "p50 ms": _pct(lat, 0.50) * 1000,
         "p99 ms": p99,
         "max ms": lat[-1] * 1000,
@@ -205,6 +301,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "blocks": indexed,
         "RSS MiB": f"{rss_before / 1024:.0f} -> {rss_after / 1024:.0f}",
         "load avg": f"{load_start:.1f} -> {os.getloadavg()[0]:.1f}",
+        "event loop": "asyncio" if loop_factory(args.event_loop) is None else "uvloop",
         "ok": "yes" if rps >= TARGET_RPS and p99 <= TARGET_P99_MS and not errors else "NO",
     }
 
@@ -218,12 +315,17 @@ def main() -> None:
     parser.add_argument("--gpu-blocks", type=int, default=4096)
     parser.add_argument("--publish-every-s", type=float, default=0.02,
                         help="a worker serves (and publishes) one prompt this often")
+    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
+                        help="of both processes: uvloop when installed (auto: the router "
+                        "decides for itself, as its --event-loop is not passed), asyncio, uvloop")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--router-pythonpath", default=None,
                         help="PYTHONPATH of the router process (to compare another checkout)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    row = asyncio.run(run(args))
+    factory = loop_factory(args.event_loop)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        row = runner.run(run(args))
     report("bench_router_service", [row],
            title=(f"router service over HTTP, {args.workers} workers, {args.tokens}-token prompts"
                   f" (target >= {TARGET_RPS} routes/s, p99 <= {TARGET_P99_MS:.0f} ms, 0 errors)"),

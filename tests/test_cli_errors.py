@@ -5,6 +5,7 @@ logs progress lines."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from kvpool.cli import main
 from kvpool.commands import replay as replay_command
+from kvpool.commands.router import loop_factory
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "router-vllm.yaml")
 # A synthetic workload and cluster that replay in well under a second.
@@ -223,3 +225,19 @@ def test_replay_fits_80_columns_with_every_policy_and_tier() -> None:
     for policy in ("cost", "trtllm", "round-", "least-", "random"):
         assert policy in res.stdout
     assert_fits_80(res.stdout)
+
+
+def test_router_event_loop_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    assert loop_factory("asyncio") is None
+    if importlib.util.find_spec("uvloop") is None:
+        assert loop_factory("auto") is None  # falls back to asyncio's
+        code, _, err = run_main(["router", "--config", EXAMPLE, "--event-loop", "uvloop"], capsys)
+        assert code == 2 and "needs uvloop" in err and len(err.strip().splitlines()) == 1
+    else:
+        factory = loop_factory("auto")
+        assert factory is not None
+        loop = factory()
+        try:
+            assert type(loop).__module__.startswith("uvloop")
+        finally:
+            loop.close()

@@ -10,8 +10,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import xxhash
 
-from kvpool.diskfile import close_pools, create_pools, reclaim
+from kvpool.diskfile import (
+    close_pools,
+    create_pools,
+    open_persistent_pools,
+    persistent_name,
+    reclaim,
+)
 from kvpool.errors import StorageError
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -116,3 +123,52 @@ def test_sigterm_chains_to_a_graceful_handler_and_the_files_stay_usable(
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ok"]
 
+
+
+def test_persistent_pools_keep_their_name_and_bytes_and_are_never_removed(
+        tmp_path: Path) -> None:
+    """Stable names, the bytes of the last process kept, resized to the layout, locked while
+    open, not removed at close or by reclaim, and a hash of every block written."""
+    pools = open_persistent_pools(tmp_path, {0: (3, 16), 1: (2, 8)})
+    assert {os.path.basename(p.path) for p in pools.values()} == {
+        persistent_name(0), persistent_name(1)}
+    pools[0].write([1], [memoryview(b"q" * 16)])
+    assert list(pools[0].checksums or ()) == [0, xxhash.xxh3_64_intdigest(b"q" * 16), 0]
+    assert pools[0].hash_slots([1, 0]) == [xxhash.xxh3_64_intdigest(b"q" * 16),
+                                           xxhash.xxh3_64_intdigest(bytes(16))]
+    with pytest.raises(StorageError, match="in use by another live manager"):
+        open_persistent_pools(tmp_path, {0: (3, 16)})
+    assert os.path.exists(pools[1].path)  # the refused open removed nothing
+    close_pools(list(pools.values()))
+    assert reclaim(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == sorted([persistent_name(0), persistent_name(1)])
+    pools = open_persistent_pools(tmp_path, {0: (5, 16)})  # more slots: grown, bytes kept
+    assert os.path.getsize(pools[0].path) == 5 * 16
+    out = memoryview(bytearray(16))
+    pools[0].read([1], [out])
+    assert bytes(out) == b"q" * 16 and list(pools[0].checksums or ()) == [0] * 5
+    close_pools(list(pools.values()))
+    pools = open_persistent_pools(tmp_path, {0: (1, 16)})  # fewer: cut
+    assert os.path.getsize(pools[0].path) == 16
+    close_pools(list(pools.values()))
+
+
+PERSISTENT_SIGTERM = """
+import os, signal, sys
+from kvpool.diskfile import create_pools, open_persistent_pools
+kept = open_persistent_pools(sys.argv[1], {0: (2, 8)})
+gone = create_pools(sys.argv[1], {0: (2, 8)})
+print(kept[0].path, gone[0].path, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_sigterm_removes_the_owned_files_but_not_the_persistent_ones(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PERSISTENT_SIGTERM), str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert out.returncode == -15, out.stderr[-2000:]
+    kept, gone = out.stdout.split()
+    assert os.path.exists(kept) and not os.path.exists(gone)

@@ -36,8 +36,8 @@ from kvpool.events import (
 )
 
 M64 = (1 << 64) - 1
-MEDIUM = ("GPU", "CPU", "STORAGE")
-TIER = {"GPU": 0, "CPU": 1, "STORAGE": 2, "CPU_PINNED": 1, "DISK": 2}
+MEDIUM = ("GPU", "CPU", "STORAGE", "REMOTE")
+TIER = {"GPU": 0, "CPU": 1, "STORAGE": 2, "CPU_PINNED": 1, "DISK": 2, "REMOTE": 3}
 
 # ============================================================================ encode
 
@@ -54,7 +54,7 @@ def _wire(h: Any) -> Any:
 
 
 def _medium(tier: int) -> str:
-    if tier in (0, 1, 2):
+    if tier in (0, 1, 2, 3):
         return MEDIUM[tier]
     raise InvalidArgumentError(f"bad tier {tier}")
 

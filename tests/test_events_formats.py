@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from kvpool.errors import EventFormatError, InvalidArgumentError
 from kvpool.events import (
+    REMOTE_CACHE_LEVEL,
+    REMOTE_MEDIUM,
     AllCleared,
     Created,
     EventDiff,
@@ -388,6 +390,22 @@ def test_vllm_tier_move_is_removed_on_old_medium_then_stored_on_new() -> None:
     ]
 
 
+def test_vllm_remote_tier_is_its_own_medium_both_ways() -> None:
+    blocks = (StoredBlock(1, (1, 2), REMOTE_CACHE_LEVEL), StoredBlock(2, (3, 4), 0))
+    payload = encode_vllm_batch(
+        [KVCacheEvent(0, Stored(None, blocks), 64), KVCacheEvent(1, Removed((1,), (3,)), 64)],
+        ts=0,
+    )
+    events = _plain(payload)[1]
+    assert [(e["type"], e["block_hashes"], e["medium"]) for e in events] == [
+        ("BlockStored", [1], REMOTE_MEDIUM), ("BlockStored", [2], "GPU"),
+        ("BlockRemoved", [1], REMOTE_MEDIUM),
+    ]
+    decoded = decode_vllm_batch(payload).events
+    assert [b.cache_level for b in decoded[0].data.blocks] == [REMOTE_CACHE_LEVEL]
+    assert decoded[2].data.cache_levels == (REMOTE_CACHE_LEVEL,)
+
+
 def test_vllm_mixed_tiers_split_by_medium_keeping_the_chain() -> None:
     blocks = (StoredBlock(1, (1,), 0), StoredBlock(2, (2,), 0), StoredBlock(3, (3,), 1))
     payload = encode_vllm_batch(
@@ -412,7 +430,7 @@ def test_vllm_mixed_tiers_split_by_medium_keeping_the_chain() -> None:
 @pytest.mark.parametrize(
     "event",
     [
-        KVCacheEvent(0, Removed((1,), (3,)), 0),
+        KVCacheEvent(0, Removed((1,), (4,)), 0),  # tiers 0-3: GPU, CPU, STORAGE, REMOTE
         KVCacheEvent(0, Removed((1 << 64,)), 0),
         KVCacheEvent(0, Removed(("not hex",)), 0),
         KVCacheEvent(0, Removed((1, 2), (0,)), 0),

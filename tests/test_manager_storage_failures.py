@@ -407,7 +407,7 @@ def test_damaged_or_limited_disk_files_are_storage_errors_not_crashes(disk_dir: 
     assert "cannot create the disk tier" in limited["create"]
     assert limited["left after create"] == []
     assert "File too large" in limited["write"] or "wrote" in limited["write"], limited
-    assert limited["registered"] is True  # what the check cannot prevent (see manager._copy)
+    assert limited["registered"] is True  # what the check cannot prevent (see CacheState.copy)
     assert "earlier copy failed" in limited["later"]
     assert limited["later unchanged"] is True
     assert limited["left"] == []

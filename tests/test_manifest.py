@@ -187,3 +187,35 @@ def test_records_survive_sigkill(tmp_path: Path) -> None:
     assert proc.returncode == -9
     entries = Manifest(path, _ns()).entries
     assert entries == {(0, i): _entry(HashAlgo.V2_SHA256, 0, i, i) for i in range(500)}
+
+
+@given(st.sampled_from(list(HashAlgo)), OPS, st.lists(st.integers(0, 10_000), max_size=8))
+def test_paths_and_batches_round_trip_and_compact(tmp_path_factory: pytest.TempPathFactory,
+                                                  algo: HashAlgo,
+                                                  ops: list[tuple[str, int, int, int]],
+                                                  path_ids: list[int]) -> None:
+    """append_many writes drops, paths and puts in one record batch; paths (by key, without
+    a slot) survive reopening and compaction and go with clear()."""
+    path = tmp_path_factory.mktemp("m") / "manifest"
+    paths = {_key(algo, i): _entry(algo, 1, 2, i) for i in path_ids}
+    expected_paths = {k: ManifestEntry(0, 0, e.key, e.tokens, e.parent, 0, e.lora_id,
+                                       e.cache_salt) for k, e in paths.items()}
+    with Manifest(path, _ns(algo)) as m:
+        for op, g, s, i in ops:
+            if op == "put":
+                m.append_many(puts=[_entry(algo, g, s, i)])
+            else:
+                m.append_many(drops=[(g, s)])
+        m.append_many(paths=paths.values())
+        assert m.paths == expected_paths
+    m = Manifest(path, _ns(algo))
+    assert m.entries == _replay(algo, ops) and m.paths == expected_paths
+    m.compact()
+    m.close()
+    m = Manifest(path, _ns(algo))
+    assert m.entries == _replay(algo, ops) and m.paths == expected_paths
+    m.clear()
+    m.close()
+    m = Manifest(path, _ns(algo))
+    assert m.entries == {} and m.paths == {}
+    m.close()

@@ -22,7 +22,7 @@ def blocks(language: str) -> list[str]:
 
 def test_the_python_fragments_run_as_written() -> None:
     fragments = blocks("python")
-    assert len(fragments) == 2
+    assert len(fragments) == 3
     namespace: dict[str, object] = {}
     for code in fragments:  # in order, as a reader pastes them into one session
         exec(compile(code, "README.md", "exec"), namespace)

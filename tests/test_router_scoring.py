@@ -320,6 +320,25 @@ def test_requests_never_reported_expire() -> None:
     assert router.stats.expired_total == 1
 
 
+def test_a_request_id_routed_again_expires_from_its_last_routing() -> None:
+    clock = Clock()
+    _, router = make("A", request_timeout_s=10.0, clock=clock)
+    router.route(PROMPT, request_id="r")
+    router.request_finished("r")
+    for _ in range(3000):  # finished ones pile up behind it, and are dropped in bulk
+        router.route(PROMPT)
+        router.request_finished(f"auto-{router.stats.routes_total - 1}")
+    clock.now += 6
+    router.route(PROMPT, request_id="r")
+    clock.now += 5  # 11 s after the first routing of "r", 5 s after the second
+    router.route(PROMPT)
+    assert router.active_requests("A") == 2 and router.stats.expired_total == 0
+    clock.now += 6
+    router.route(PROMPT)
+    assert router.active_requests("A") == 2 and router.stats.expired_total == 1
+    assert router.request_finished("r") is False
+
+
 def test_removing_a_worker_drops_its_load_and_predictions() -> None:
     index, router = make("A", "B")
     router.route(PROMPT, request_id="r")

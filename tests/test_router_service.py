@@ -659,6 +659,54 @@ def test_bad_bodies_limits_and_errors_are_json(monkeypatch: pytest.MonkeyPatch) 
     run(main())
 
 
+def test_expect_continue_head_and_allow_over_a_raw_socket() -> None:
+    """What the service's own dispatch answers besides the endpoints: ``Expect:
+    100-continue`` gets 100 before the body is sent (413 at once when the announced body is
+    over the limit), HEAD works where GET does, a 405 names the allowed methods."""
+    cfg = config([{"id": "a", "kind": "kvpool"}],
+                 listen={"host": LOCAL, "port": 0, "max_body_bytes": 4096})
+
+    async def exchange(port: int, head: bytes, body: bytes = b"") -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection(LOCAL, port)
+        try:
+            writer.write(head)
+            interim = b""
+            if body:
+                interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                if interim.startswith(b"HTTP/1.1 100 "):
+                    writer.write(body)
+            answer = await asyncio.wait_for(reader.read(65536), 5)
+            return interim, answer
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        svc = RouterService(cfg)
+        port = await svc.start()
+        try:
+            body = b'{"token_ids": [1, 2, 3]}'
+            head = (b"POST /route HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"Content-Type: application/json\r\nExpect: 100-continue\r\n")
+            interim, answer = await exchange(
+                port, head + b"Content-Length: %d\r\n\r\n" % len(body), body)
+            assert interim.startswith(b"HTTP/1.1 100 Continue")
+            assert answer.startswith(b"HTTP/1.1 200 ") and b'"worker_id":"a"' in answer
+            interim, answer = await exchange(port, head + b"Content-Length: 5000\r\n\r\n",
+                                             b"x" * 5000)
+            assert interim.startswith(b"HTTP/1.1 413 ") and b"max_body_bytes (4096" in (
+                interim + answer)
+            _, answer = await exchange(
+                port, b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")
+            _, answer = await exchange(
+                port, b"DELETE /route HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 405 ") and b"Allow: POST\r\n" in answer
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
 def test_auth_token_variable_must_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPOOL_TEST_ROUTER_TOKEN", raising=False)
     cfg = config([{"id": "a", "kind": "kvpool"}],

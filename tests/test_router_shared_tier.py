@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.events.keyed import RemovedKeys, StoredKeys
 from kvpool.events.model import (
+    REMOTE_CACHE_LEVEL,
     EventDiff,
     KVCacheEvent,
     Removed,
@@ -27,7 +28,7 @@ from kvpool.router.index import KvIndex
 from kvpool.router.ingest import Ingest
 from kvpool.router.scoring import Router
 from kvpool.router.service import RouterService
-from kvpool.router.shared_tier import REMOTE_CACHE_LEVEL, SharedTiers
+from kvpool.router.shared_tier import SharedTiers
 from test_router_service import FakeTrtllm, config, eventually, get_json, post, run
 
 ALGO = "v1_block_key"

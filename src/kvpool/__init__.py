@@ -16,6 +16,7 @@ from kvpool.errors import (
     InvalidArgumentError,
     InvalidTokenError,
     KVPoolError,
+    ManifestError,
     OutOfBlocksError,
     RewindError,
     SequenceStateError,
@@ -39,7 +40,8 @@ from kvpool.hashing import (
 from kvpool.manager import AdmitResult, KVCacheManager
 from kvpool.planner import KVCacheDesc, LayerSpec, ModelSpec, PoolPlan, plan_pools
 from kvpool.stats import CacheStats, RequestStats
-from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage, TorchStorage
+from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage
+from kvpool.torch_storage import TorchStorage
 
 __all__ = [
     "AdmitResult",
@@ -59,6 +61,7 @@ __all__ = [
     "KVCacheManager",
     "KVPoolError",
     "LayerSpec",
+    "ManifestError",
     "MetadataStorage",
     "ModelSpec",
     "OutOfBlocksError",

@@ -29,7 +29,7 @@ _jit = cast("Callable[[_F], _F]", numba.njit(cache=True, nogil=True))
 
 @_jit
 def _mix64(v: Any, seed: Any) -> Any:
-    """kvpool.hashing._mix64: a 64-bit id (salt, LoRA) mixed into the seed."""
+    """kvpool.hash_v1._mix64: a 64-bit id (salt, LoRA) mixed into the seed."""
     v = (v ^ (v >> _S30)) * _C64A
     v = (v ^ (v >> _S27)) * _C64B
     v = v ^ (v >> _S31)
@@ -38,7 +38,7 @@ def _mix64(v: Any, seed: Any) -> Any:
 
 @_jit
 def v1_chain(tok: Any, params: Any, tpb: int, flags: int) -> Any:
-    """kvpool.hashing._v1_chain over u32 token ids ``tok`` (an ``array("I")``): one uint64 key
+    """kvpool.hash_v1._v1_chain over u32 token ids ``tok`` (an ``array("I")``): one uint64 key
     per block (the last block may be partial), each chained on the one before, the first on
     ``params[0]``. ``params`` (an ``array("Q")``) = (parent, salt id, LoRA id); ``flags`` bit 0:
     a salt is set, bit 1: a LoRA id is set."""

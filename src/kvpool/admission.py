@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+from typing import cast
 
 from kvpool.config import SequenceRequest
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
@@ -42,32 +43,47 @@ class PartialMode(Enum):
     TAKEOVER = "takeover"  # take an unreferenced GPU leaf over in place
 
 
-@dataclass(slots=True)
 class RequestPlan:
-    """What one request of a batch reuses and needs."""
+    """What one request of a batch reuses and needs.
 
-    seq_id: int | str
-    reused_tokens: int
-    new_blocks: dict[int, int]  # layer group -> GPU slots this request takes (fresh+copy+onboard)
-    # -- execution details (internal) --
-    request: SequenceRequest
-    root_key: BlockKey
-    num_blocks: int  # context blocks (ceil(n / tpb))
-    last_shared: bool  # the last context block is shared by all beams
-    _matched: list[Segment]  # full matches, block order (tree objects: internal)
-    num_matched: int  # blocks in ``matched``
-    claimed: dict[int, Sequence[int]]  # layer group -> indices of matched blocks it claims
-    _partial: Block | None = None  # the partial source (a tree block: internal)
-    partial_tokens: int = 0
-    partial_mode: PartialMode | None = None
-    onboard: dict[int, int] = field(default_factory=dict)  # group -> onboards (first claimer)
-    claim_tiers: dict[int, list[int]] = field(default_factory=dict)  # tier of each claim
-    claim_slots: dict[int, list[int]] = field(default_factory=dict)  # slot of each claim
-    partial_loc: dict[int, tuple[int, int]] = field(default_factory=dict)  # (tier, slot) per group
-    # group -> claimed GPU slots that were queued (unreferenced) when planned, for the batch's
-    # first request whose claims the execution starts with (later ones recount)
-    queued: dict[int, list[int]] = field(default_factory=dict)
-    _blocks: list[Block] | None = None
+    Public: ``seq_id``, ``reused_tokens``, ``new_blocks`` (layer group -> GPU slots the
+    request takes: fresh + copies + onboards) and the queries below. The rest is what the
+    execution (:mod:`kvpool.admit`) needs; the tree objects (``_matched``, ``_partial``) stay
+    private.
+    """
+
+    __slots__ = (
+        "_blocks", "_matched", "_partial", "claim_slots", "claim_tiers", "claimed",
+        "last_shared", "new_blocks", "num_blocks", "num_matched", "partial_loc",
+        "partial_mode", "partial_tokens", "queued", "request", "reused_tokens", "root_key",
+        "seq_id",
+    )
+
+    def __init__(self, request: SequenceRequest, root_key: BlockKey, matched: list[Segment],
+                 num_matched: int, partial: Block | None, partial_tokens: int,
+                 claim_slots: dict[int, list[int]], tpb: int, groups: int) -> None:
+        n = len(request.tokens)
+        self.request = request
+        self.seq_id: int | str = request.seq_id
+        self.root_key = root_key
+        self._matched = matched  # full matches, block order (tree objects: internal)
+        self.num_matched = num_matched  # blocks in ``_matched``
+        self._partial = partial  # the partial source (a tree block: internal)
+        self.partial_tokens = partial_tokens
+        self.reused_tokens = num_matched * tpb + partial_tokens
+        self.num_blocks = -(-n // tpb)  # context blocks
+        self.last_shared = request.beam_width == 1 or n % tpb == 0  # shared by all beams
+        self.new_blocks: dict[int, int] = dict.fromkeys(range(groups), 0)
+        # layer group -> indices of matched blocks it claims, their slots and tiers
+        self.claimed: dict[int, Sequence[int]] = {}
+        self.claim_slots = claim_slots
+        self.claim_tiers: dict[int, list[int]] = {}
+        self.partial_mode: PartialMode | None = None
+        self.partial_loc: dict[int, tuple[int, int]] = {}  # (tier, slot) per group
+        # group -> claimed GPU slots that were queued (unreferenced) when planned, for the
+        # batch's first request whose claims the execution starts with (later ones recount)
+        self.queued: dict[int, list[int]] = {}
+        self._blocks: list[Block] | None = None
 
     def blocks(self) -> list[Block]:
         """The matched blocks one by one (built on first use: only slow paths need them)."""
@@ -112,7 +128,8 @@ class BatchPlan:
 
     @property
     def fits(self) -> bool:
-        return all(self.new_blocks[g] <= self.available[g] for g in self.new_blocks)
+        available = self.available
+        return all(n <= available[g] for g, n in self.new_blocks.items())
 
     @property
     def deficit(self) -> dict[tuple[int, int], int]:
@@ -267,10 +284,9 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
 
 
-def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
-    """Plan a batch without changing anything (see the module docstring)."""
+def _check_requests(view: PlanView, requests: list[SequenceRequest]) -> None:
+    """Refuse a batch with a bad request (nothing is planned)."""
     cfg = view.config
-    tpb = view.tpb
     seen: set[int | str] = set()
     for r in requests:
         if not isinstance(r, SequenceRequest):
@@ -289,92 +305,119 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
                 f"request {r.seq_id!r} has no encoder_tokens but layer groups "
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
-    groups = range(cfg.num_groups)
+
+
+def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
+    """One request's reuse (its walk) and the blocks each group claims of it."""
+    root_key, matched, pblock, pk, matched_slots = walk(view, r)
+    d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
+        b - a for _, a, b in matched)
+    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb,
+                    view.config.num_groups)
     kinds = view.kinds
-    out: list[RequestPlan] = []
-    for r in requests:
-        root_key, matched, pblock, pk, matched_slots = walk(view, r)
-        n = len(r.tokens)
-        d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
-            b - a for _, a, b in matched)
-        reused = d * tpb + pk
-        claimed: dict[int, Sequence[int]] = {}
-        for g in view.self_groups:
-            claimed[g] = kinds[g].claimed(d, reused)
-        num_blocks = -(-n // tpb)
-        out.append(RequestPlan(
-            seq_id=r.seq_id, reused_tokens=reused, new_blocks=dict.fromkeys(groups, 0),
-            request=r, root_key=root_key, num_blocks=num_blocks,
-            last_shared=r.beam_width == 1 or n % tpb == 0, _matched=matched, num_matched=d,
-            claimed=claimed, _partial=pblock, partial_tokens=pk, claim_slots=matched_slots,
-        ))
-    tracker = PartialClaimTracker()
-    if any(p._partial is not None for p in out):
+    claimed = p.claimed
+    for g in view.self_groups:
+        claimed[g] = kinds[g].claimed(d, p.reused_tokens)
+    return p
+
+
+class _BatchClaims:
+    """What the requests of a batch planned so far claim of the GPU pools: queued slots they
+    take out of the queues (a set, or a count for a batch of one request without a partial
+    source, whose claims are distinct) and colder blocks already onboarded."""
+
+    __slots__ = ("count", "evictable", "onboarded", "single")
+
+    def __init__(self, groups: int, single: bool) -> None:
+        self.single = single
+        self.count = [0] * groups
+        self.evictable: list[set[int]] = [set() for _ in range(groups)]
+        self.onboarded: set[tuple[int, int, int]] = set()
+
+    def claimed(self, g: int) -> int:
+        """Queued GPU slots of group g the batch claims."""
+        return self.count[g] + len(self.evictable[g])
+
+
+def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -> int:
+    """GPU slots request ``p`` takes in self-attention group g (fresh + copies + onboards);
+    records its claims in ``claims`` and its claimed slots and tiers in ``p``."""
+    d = p.num_matched
+    partial = p._partial
+    fresh = p.num_blocks - d
+    copies = 0
+    if partial is not None:
+        fresh -= 1
+        beams = p.request.beam_width
+        copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
+        copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
+        prun, pi = partial
+        if view.evictable(prun, pi, g):
+            claims.evictable[g].add(prun.slot[g][pi])
+    if fresh > 0 and not p.last_shared:
+        fresh += p.request.beam_width - 1
+    ref = view.refs(g)
+    idxs = p.claimed[g]
+    slots = p.claim_slots[g]  # every matched block's, from the walk
+    tiers = [0] * d if view.one_tier else flat(p._matched, g, tiers=True)
+    if len(idxs) != d:
+        tiers = [tiers[i] for i in idxs]
+        slots = p.claim_slots[g] = [slots[i] for i in idxs]
+    p.claim_tiers[g] = tiers
+    if view.one_tier or not any(tiers):
+        queued = p.queued[g] = [s for s in slots if not ref[s]]
+        if claims.single:
+            claims.count[g] += len(queued)  # slots are distinct within a request
+        else:
+            claims.evictable[g].update(queued)
+        return fresh + copies
+    onboard = 0
+    blocks = p.blocks()
+    for i, t, s in zip(idxs, tiers, slots, strict=True):
+        if t:
+            run, j = blocks[i]
+            if (id(run), j, g) not in claims.onboarded:
+                claims.onboarded.add((id(run), j, g))
+                onboard += 1
+        elif not ref[s]:
+            claims.evictable[g].add(s)
+    return fresh + copies + onboard
+
+
+def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
+    """Plan a batch without changing anything (see the module docstring)."""
+    _check_requests(view, requests)
+    out = [_plan_request(view, r) for r in requests]
+    partials = [p for p in out if p._partial is not None]
+    tracker = PartialClaimTracker() if partials else None
+    if tracker is not None:
         # partial sources are decided once every full match of the batch is known
         for p in out:
             blocks = p.blocks()
             for idxs in p.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
-    one_tier = view.config.num_tiers == 1
-    onboarded: set[tuple[int, int, int]] = set()
-    claimed_evictable: dict[int, set[int]] = {g: set() for g in groups}
-    # a batch of one request without a partial source claims distinct slots: a count will do
-    single = len(out) == 1 and out[0]._partial is None
-    n_claimed = [0] * cfg.num_groups
+    groups = view.groups
+    kinds = view.kinds
+    claims = _BatchClaims(len(groups), len(out) == 1 and not partials)
     for p in out:
-        beams = p.request.beam_width
-        d = p.num_matched
         if p._partial is not None:
-            shared = p.last_shared or d < p.num_blocks - 1
+            assert tracker is not None
+            shared = p.last_shared or p.num_matched < p.num_blocks - 1
             p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
+        new_blocks = p.new_blocks
         for g in groups:
             kind = kinds[g]
-            if isinstance(kind, CrossAttention):
-                p.new_blocks[g] = kind.blocks(len(p.request.encoder_tokens or ()))
-                continue
-            first_fresh = d + (1 if p._partial is not None else 0)
-            fresh = p.num_blocks - first_fresh
-            if fresh > 0 and not p.last_shared:
-                fresh += beams - 1
-            copies = 0
-            if p._partial is not None:
-                copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
-                copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-                prun, pi = p._partial
-                if view.evictable(prun, pi, g):
-                    claimed_evictable[g].add(prun.slot[g][pi])
-            onboard = 0
-            ref = view.refs(g)
-            ce = claimed_evictable[g]
-            idxs = p.claimed[g]
-            slots = p.claim_slots[g]  # every matched block's, from the walk
-            tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
-            if len(idxs) != d:
-                tiers = [tiers[i] for i in idxs]
-                slots = [slots[i] for i in idxs]
-            p.claim_tiers[g] = tiers
-            p.claim_slots[g] = slots
-            if one_tier or not any(tiers):
-                queued = [s for s in slots if not ref[s]]
-                p.queued[g] = queued
-                if single:
-                    n_claimed[g] += len(queued)  # slots are distinct within a request
-                else:
-                    ce.update(queued)
+            if kind.cross:
+                new_blocks[g] = cast(CrossAttention, kind).blocks(
+                    len(p.request.encoder_tokens or ()))
             else:
-                blocks = p.blocks()
-                for i, t, s in zip(idxs, tiers, slots, strict=True):
-                    if t:
-                        run, j = blocks[i]
-                        if (id(run), j, g) not in onboarded:
-                            onboarded.add((id(run), j, g))
-                            onboard += 1
-                    elif not ref[s]:
-                        ce.add(s)
-            p.onboard[g] = onboard
-            p.new_blocks[g] = fresh + copies + onboard
-    totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
-    available = {g: view.available(g) - len(claimed_evictable[g]) - n_claimed[g]
-                 for g in groups}
+                new_blocks[g] = _group_needs(view, p, g, claims)
+    if len(out) == 1:
+        totals = dict(out[0].new_blocks)
+    else:
+        totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
+    available = {}
+    for g in groups:
+        available[g] = view.available(g) - claims.claimed(g)
     return BatchPlan(requests=out, new_blocks=totals, available=available)

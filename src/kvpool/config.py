@@ -17,6 +17,7 @@ from kvpool.hashing import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:
     from kvpool.planner import PoolPlan
+    from kvpool.remote.store import BlockStore
     from kvpool.storage import GroupGeometry
 
 DEFAULT_PRIORITY = 35
@@ -26,6 +27,9 @@ DEFAULT_MAX_SEQ_LEN = 131_072
 OFFLOAD_GATES: tuple[str, ...] = ("all", "reused")
 """``CacheConfig.offload_gate`` values: every victim may go down a tier, or only reused ones."""
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "2q", "s3fifo", "arc")
+DISK_MANIFEST_DAMAGED: tuple[str, ...] = ("refuse", "keep_prefix", "discard")
+"""``CacheConfig.disk_manifest_damaged`` values: what a persistent disk tier does with a damaged
+or foreign manifest (``kvpool.persist``)."""
 """``CacheConfig.eviction_policy`` values (``kvpool.eviction.POLICIES`` maps each to its class)."""
 
 
@@ -163,6 +167,48 @@ def _per_group(name: str, value: int | Mapping[int, int] | Sequence[int], groups
     return (v,) * groups
 
 
+_STORE_METHODS = ("get_many", "put_many", "exists_many", "delete_many", "close")
+
+
+def _check_remote(config: CacheConfig) -> None:
+    """The remote-tier fields (``remote_url`` or ``remote_store``, and their settings)."""
+    from kvpool.remote.store import split_url
+    from kvpool.remote.writer import REMOTE_WRITE_MODES
+
+    if config.remote_url is not None and config.remote_store is not None:
+        raise InvalidArgumentError("give remote_url or remote_store, not both")
+    if config.remote_url is not None:
+        split_url(config.remote_url)
+    store = config.remote_store
+    if store is not None:
+        missing = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
+        if missing:
+            raise InvalidArgumentError(
+                f"remote_store {store!r:.60} is not a block store (lacks {', '.join(missing)})"
+            )
+    if not isinstance(config.remote_write, str) or config.remote_write not in REMOTE_WRITE_MODES:
+        raise InvalidArgumentError(
+            f"remote_write must be one of {list(REMOTE_WRITE_MODES)}, got {config.remote_write!r}"
+        )
+    t = config.remote_timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+        raise InvalidArgumentError(f"remote_timeout_s must be a positive number, got {t!r}")
+    _check_int("remote_max_pending_bytes", config.remote_max_pending_bytes, 1)
+
+
+
+def _windows(window_sizes: Sequence[int | None]) -> tuple[int | None, ...]:
+    """``window_sizes`` checked: one entry per layer group, None or a window of >= 1 token."""
+    windows = _as_tuple("window_sizes (one entry per layer group: None or a window)",
+                        window_sizes)
+    if not windows:
+        raise InvalidArgumentError("window_sizes needs at least one layer group")
+    for g, w in enumerate(windows):
+        if w is not None:
+            _check_int(f"window_sizes[{g}]", w, 1)
+    return windows
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Geometry and policies of one manager.
@@ -174,6 +220,21 @@ class CacheConfig:
     ``host_blocks``, ``disk_blocks``) are an int (same for every group), a sequence or a
     mapping layer group -> slots. ``layer_geometry`` (one ``GroupGeometry`` per layer group)
     makes the manager hold real KV in torch tensors (``disk_path`` for a disk tier).
+
+    ``disk_persistent=True`` keeps the disk tier and a manifest of its blocks in ``disk_path``
+    when the manager ends (killed or closed); a manager started later on the same
+    ``disk_path`` with the same namespace (``model_id``, geometry, block size, hash
+    algorithm) finds those blocks again (:mod:`kvpool.persist`). A damaged or foreign manifest
+    is refused (``disk_manifest_damaged="refuse"``: :class:`ManifestError`), cut to its intact
+    records (``"keep_prefix"``; a foreign namespace is still refused) or discarded
+    (``"discard"``: an empty disk tier). The manifest and the disk files are fsynced every
+    ``disk_sync_interval_s`` seconds of calls (None: only on ``close`` and
+    ``persistent_disk.sync()``); what was written survives SIGKILL either way.
+
+    ``remote_url`` (``redis://host:port/db``, ``rediss://``, ``unix://``, ``valkey://``, or
+    ``redis+cluster://`` for a cluster) or ``remote_store`` (an in-process
+    :class:`~kvpool.remote.MemoryStore` shared by managers) adds the shared remote tier below
+    the local ones (:mod:`kvpool.remote`, ``KVCacheManager.prefetch``).
     """
 
     tokens_per_block: int
@@ -189,6 +250,12 @@ class CacheConfig:
     host_blocks: int | Mapping[int, int] | Sequence[int] = 0
     disk_blocks: int | Mapping[int, int] | Sequence[int] = 0
     disk_path: str | None = None
+    disk_persistent: bool = False
+    disk_manifest_damaged: str = "refuse"
+    disk_sync_interval_s: float | None = 10.0
+    # names the model whose KV the pools hold: bytes kept on a persistent disk tier or in the
+    # shared remote tier are reused only under the same name (and the same geometry)
+    model_id: str = ""
     offload_min_priority: int = DEFAULT_PRIORITY
     # "2q" (default), "lru", "s3fifo" or "arc" (kvpool.eviction; README: which to pick)
     eviction_policy: str = "2q"
@@ -202,6 +269,14 @@ class CacheConfig:
     layer_geometry: Sequence[GroupGeometry] | None = None
     device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
+    # the shared remote tier (kvpool.remote; README "Remote tier"): a server's URL, or an
+    # in-process store object shared by several managers (a MemoryStore), not both
+    remote_url: str | None = None
+    remote_store: BlockStore | None = field(default=None, compare=False)
+    # "evict": blocks leaving the last local tier are written; "store": every stored block
+    remote_write: str = "evict"
+    remote_timeout_s: float = 2.0
+    remote_max_pending_bytes: int = 1 << 30
 
     # normalised views, filled in __post_init__
     num_groups: int = field(init=False)
@@ -209,14 +284,8 @@ class CacheConfig:
     sinks: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        tpb = _check_int("tokens_per_block", self.tokens_per_block, 1)
-        windows = _as_tuple("window_sizes (one entry per layer group: None or a window)",
-                            self.window_sizes)
-        if not windows:
-            raise InvalidArgumentError("window_sizes needs at least one layer group")
-        for g, w in enumerate(windows):
-            if w is not None:
-                _check_int(f"window_sizes[{g}]", w, 1)
+        _check_int("tokens_per_block", self.tokens_per_block, 1)
+        windows = _windows(self.window_sizes)
         object.__setattr__(self, "window_sizes", windows)
         groups = len(windows)
         object.__setattr__(self, "num_groups", groups)
@@ -249,17 +318,7 @@ class CacheConfig:
         _check_int("max_seq_len", self.max_seq_len, 1)
         _check_priority("offload_min_priority", self.offload_min_priority)
         _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
-        tree_algo = hash_algo(self.hash_algo)
-        object.__setattr__(self, "hash_algo", tree_algo)
-        ev = hash_algo(self.event_hash_algo) if self.event_hash_algo is not None else tree_algo
-        sha_v2 = {HashAlgo.V2_SHA256, HashAlgo.V2_SHA256_64}
-        if ev is not tree_algo and not {ev, tree_algo} <= sha_v2:
-            raise InvalidArgumentError(
-                f"event_hash_algo {ev.value!r} is not a projection of hash_algo "
-                f"{tree_algo.value!r}; events carry the tree's keys (v2_sha256 and "
-                "v2_sha256_64 share them)"
-            )
-        object.__setattr__(self, "event_hash_algo", ev)
+        self._normalise_hash_algos()
         if self.layer_geometry is not None:
             from kvpool.storage import GroupGeometry
 
@@ -279,6 +338,7 @@ class CacheConfig:
             raise InvalidArgumentError("a disk tier with real storage needs disk_path")
         if any(disk) and not any(host):
             raise InvalidArgumentError("a disk tier needs a host tier (host_blocks > 0)")
+        self._check_persistence(any(disk))
         for name in ("enable_block_reuse", "enable_partial_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -297,7 +357,39 @@ class CacheConfig:
             raise InvalidArgumentError(
                 f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
             )
-        del tpb
+        _check_remote(self)
+
+    def _normalise_hash_algos(self) -> None:
+        tree_algo = hash_algo(self.hash_algo)
+        object.__setattr__(self, "hash_algo", tree_algo)
+        ev = hash_algo(self.event_hash_algo) if self.event_hash_algo is not None else tree_algo
+        sha_v2 = {HashAlgo.V2_SHA256, HashAlgo.V2_SHA256_64}
+        if ev is not tree_algo and not {ev, tree_algo} <= sha_v2:
+            raise InvalidArgumentError(
+                f"event_hash_algo {ev.value!r} is not a projection of hash_algo "
+                f"{tree_algo.value!r}; events carry the tree's keys (v2_sha256 and "
+                "v2_sha256_64 share them)"
+            )
+        object.__setattr__(self, "event_hash_algo", ev)
+
+    def _check_persistence(self, has_disk: bool) -> None:
+        if not isinstance(self.disk_persistent, bool):
+            raise InvalidArgumentError(
+                f"disk_persistent must be a bool, got {self.disk_persistent!r}"
+            )
+        if self.disk_manifest_damaged not in DISK_MANIFEST_DAMAGED:
+            raise InvalidArgumentError(
+                f"disk_manifest_damaged must be one of {list(DISK_MANIFEST_DAMAGED)}, "
+                f"got {self.disk_manifest_damaged!r}"
+            )
+        _check_duration("disk_sync_interval_s", self.disk_sync_interval_s)
+        if not isinstance(self.model_id, str):
+            raise InvalidArgumentError(f"model_id must be a str, got {self.model_id!r}")
+        if self.disk_persistent and not (has_disk and self.layer_geometry is not None):
+            raise InvalidArgumentError(
+                "disk_persistent needs a disk tier holding real KV (disk_blocks > 0, "
+                "layer_geometry and disk_path)"
+            )
 
     @property
     def num_tiers(self) -> int:

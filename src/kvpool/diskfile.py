@@ -22,6 +22,13 @@ process and then does what the previous handler did (by default: the process die
 The files stay readable and writable through their descriptors until closed, so a previous
 handler that shuts down gracefully still works with them. A forked child inherits the pools
 but never removes their files (only the creating process does, at close or on SIGTERM).
+
+Persistent files (:func:`open_persistent_pools`, a disk tier that outlives its process) are
+named after their layer group only (``kvpool-persistent-g<group>.kvp``), so the next process
+on the same ``disk_path`` opens the same files: they are never removed (not at close, not on
+SIGTERM, not by :func:`reclaim`, which only knows ``kvpool-*.kv``), but they carry the same
+exclusive ``flock`` while open, so two live processes can never share one. A pool of a
+persistent tier records the xxh3_64 of every block it writes (:attr:`DiskPool.checksums`).
 """
 
 from __future__ import annotations
@@ -33,24 +40,33 @@ import secrets
 import shutil
 import signal
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
+
+import xxhash
 
 from kvpool.errors import StorageError
 
 LOCK_NAME = ".kvpool.lock"
 PREFIX = "kvpool-"
 SUFFIX = ".kv"
+PERSISTENT_PREFIX = "kvpool-persistent-g"
+PERSISTENT_SUFFIX = ".kvp"
+_READ_BATCH = 4 << 20  # bytes read at once when hashing slots (one buffer, reused)
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class DiskPool:
     """The disk-tier slots of one layer group: ``slots`` blocks of ``block_bytes`` in one file,
     slot i at offset ``i * block_bytes``."""
 
-    __slots__ = ("_fd", "_removed", "block_bytes", "owner", "path", "size", "slots")
+    __slots__ = ("_fd", "_removed", "block_bytes", "checksums", "owner", "path", "persistent",
+                 "size", "slots")
 
-    def __init__(self, fd: int, path: str, slots: int, block_bytes: int) -> None:
+    def __init__(self, fd: int, path: str, slots: int, block_bytes: int, *,
+                 persistent: bool = False) -> None:
         self._fd = fd
         self.path = path
         self.slots = slots
@@ -58,6 +74,9 @@ class DiskPool:
         self.size = slots * block_bytes
         self.owner = os.getpid()  # a forked child inherits the pool but never removes the file
         self._removed = False  # the path was removed on purpose (close, SIGTERM)
+        self.persistent = persistent  # never removed: the next process reopens it
+        # xxh3_64 of the bytes last written to each slot (persistent pools; 0 = none written)
+        self.checksums: array[int] | None = array("Q", bytes(8 * slots)) if persistent else None
 
     @property
     def closed(self) -> bool:
@@ -98,9 +117,11 @@ class DiskPool:
 
     def write(self, slots: Sequence[int], buffers: Sequence[memoryview]) -> None:
         """Write ``buffers[i]`` (each ``block_bytes`` long) to slot ``slots[i]``."""
-        fd, size = self._fd, self.block_bytes
+        fd, size, sums = self._fd, self.block_bytes, self.checksums
         try:
             for slot, buf in zip(slots, buffers, strict=True):
+                if sums is not None:
+                    sums[slot] = _xxh3(buf)
                 done = os.pwrite(fd, buf, slot * size)
                 if done != size:
                     raise StorageError(
@@ -110,16 +131,37 @@ class DiskPool:
         except OSError as exc:
             raise StorageError(f"cannot write the disk tier {self.path!r}: {exc}") from exc
 
+    def hash_slots(self, slots: Sequence[int]) -> list[int]:
+        """The xxh3_64 of the bytes each slot of ``slots`` holds now, read from the file."""
+        size = self.block_bytes
+        per_read = max(1, _READ_BATCH // max(size, 1))
+        buffer = memoryview(bytearray(min(per_read, max(len(slots), 1)) * size))
+        out: list[int] = []
+        for start in range(0, len(slots), per_read):
+            batch = slots[start:start + per_read]
+            chunks = [buffer[i * size:(i + 1) * size] for i in range(len(batch))]
+            self.read(batch, chunks)
+            out += [_xxh3(chunk) for chunk in chunks]
+        return out
+
+    def sync(self) -> None:
+        """fsync the file: what was written survives a machine crash."""
+        if self._fd >= 0:
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise StorageError(f"cannot fsync the disk tier {self.path!r}: {exc}") from exc
+
     def remove(self) -> None:
         """Remove the file's name (idempotent; only in the process that created it); the open
         descriptor keeps the data usable."""
-        if not self._removed and os.getpid() == self.owner:
+        if not self._removed and not self.persistent and os.getpid() == self.owner:
             self._removed = True
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
 
     def close(self) -> None:
-        """Remove the file and close it. Idempotent."""
+        """Remove the file (unless persistent) and close it. Idempotent."""
         self.remove()
         _LIVE.pop(id(self), None)
         if self._fd >= 0:
@@ -140,12 +182,7 @@ def create_pools(
     """One file per layer group of ``layout`` (group -> (slots, block bytes)), sized and
     locked, after removing the files of dead owners; all or none are left."""
     total = sum(slots * size for slots, size in layout.values())
-    if path is None:
-        raise StorageError(f"the disk tier has {total} bytes of slots but disk_path is None")
-    directory = os.fspath(path)
-    if not os.path.isdir(directory):
-        what = "is not a directory" if os.path.exists(directory) else "does not exist"
-        raise StorageError(f"disk_path {directory!r} {what}")
+    directory = _check_directory(path, total)
     pools: dict[int, DiskPool] = {}
     try:
         with _directory_lock(directory):
@@ -171,6 +208,85 @@ def create_pools(
     return pools
 
 
+def _check_directory(path: str | os.PathLike[str] | None, total: int) -> str:
+    if path is None:
+        raise StorageError(f"the disk tier has {total} bytes of slots but disk_path is None")
+    directory = os.fspath(path)
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise StorageError(f"disk_path {directory!r} {what}")
+    return directory
+
+
+def open_persistent_pools(
+    path: str | os.PathLike[str] | None, layout: dict[int, tuple[int, int]]
+) -> dict[int, DiskPool]:
+    """The persistent files of ``layout`` (group -> (slots, block bytes)) in ``path``: opened
+    when they exist (their bytes kept, resized to the layout), created otherwise, each locked
+    for as long as it is open; all or none are left open. A file another live process holds
+    is a :class:`StorageError`."""
+    total = sum(slots * size for slots, size in layout.values())
+    directory = _check_directory(path, total)
+    pools: dict[int, DiskPool] = {}
+    try:
+        with _directory_lock(directory):
+            reclaim(directory)
+            for group, (slots, size) in layout.items():
+                pools[group] = _open_persistent(directory, group, slots, size)
+    except OSError as exc:
+        close_pools(list(pools.values()))
+        raise StorageError(
+            f"cannot open the persistent disk tier ({total} bytes) under {directory!r}: {exc}"
+        ) from exc
+    except BaseException:
+        close_pools(list(pools.values()))
+        raise
+    return pools
+
+
+def persistent_name(group: int) -> str:
+    """The file name of layer group ``group``'s persistent disk-tier file."""
+    return f"{PERSISTENT_PREFIX}{group}{PERSISTENT_SUFFIX}"
+
+
+def _open_persistent(directory: str, group: int, slots: int, size: int) -> DiskPool:
+    path = os.path.join(directory, persistent_name(group))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    pool = DiskPool(fd, path, slots, size, persistent=True)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StorageError(
+                f"the persistent disk-tier file {path!r} is in use by another live manager; "
+                "two managers cannot share one persistent disk tier (give each its own "
+                "disk_path)"
+            ) from None
+        have = os.fstat(fd).st_size
+        if have > slots * size:
+            os.ftruncate(fd, slots * size)  # fewer slots than last time: the rest is gone
+        elif have < slots * size:
+            free = shutil.disk_usage(directory).free
+            if free < slots * size - have:
+                raise StorageError(
+                    f"disk_path {directory!r} has {free} bytes free; the persistent disk tier "
+                    f"needs {slots * size - have} more"
+                )
+            _reserve(fd, slots * size)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Reserve the blocks now: a sparse file could hit a full disk on a later write."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+    else:  # pragma: no cover - macOS: sparse, so a full disk fails a later write instead
+        os.ftruncate(fd, size)
+
+
 def _create_file(directory: str, group: int, slots: int, size: int) -> DiskPool:
     name = f"{PREFIX}{os.getpid()}-g{group}-{secrets.token_hex(4)}{SUFFIX}"
     path = os.path.join(directory, name)
@@ -178,11 +294,7 @@ def _create_file(directory: str, group: int, slots: int, size: int) -> DiskPool:
     pool = DiskPool(fd, path, slots, size)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # Reserve the blocks now: a sparse file could hit a full disk on a later write.
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, slots * size)
-        else:  # pragma: no cover - macOS: sparse, so a full disk fails a later write instead
-            os.ftruncate(fd, slots * size)
+        _reserve(fd, slots * size)
     except BaseException:
         pool.close()
         raise

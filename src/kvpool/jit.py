@@ -5,7 +5,7 @@ TensorRT-LLM's v1 block key chains one 64-bit seed through every token of a sequ
     seed ^= mix32(token) + (seed << 6) + (seed >> 2)        (mod 2**64, token by token)
 
 Each step depends on the one before, so only the per-token ``mix32`` vectorises (numpy, in
-:mod:`kvpool.hashing`); the combine stays a loop of five big-int operations that each allocate
+:mod:`kvpool.hash_v1`); the combine stays a loop of five big-int operations that each allocate
 an int, about 250 ns a token on CPython 3.11, which caps ``v1_block_key`` near 4 M tokens/s.
 Compiled, the whole chain (mixing, combine, salt and LoRA scopes, block chaining) runs at a
 few hundred million tokens per second.

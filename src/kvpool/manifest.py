@@ -7,7 +7,11 @@ The manifest is an append-only log: a header naming the namespace the bytes belo
 then records, each with its own checksum. A ``put`` record says that slot ``slot`` of layer
 group ``group`` holds the block with full chained key ``key``, its ``tokens``, its ``parent``
 key (or, for the first block of a chain, its reuse scope) and the xxh3_64 of its bytes; a
-``drop`` record empties a slot. Replaying the records in order gives the state. When the log
+``drop`` record empties a slot. A ``path`` record names a block without bytes (key, tokens,
+parent or scope): an ancestor of recorded blocks that was not on disk, so that a warm restart
+can rebuild the chain its recorded descendants hang from (:attr:`Manifest.paths`, by key; a
+path is never dropped, only left out when the log is compacted). Replaying the records in
+order gives the state. When the log
 has grown well past its live entries, :meth:`Manifest.compact` writes the state as a fresh
 log to a temporary file, fsyncs it and renames it over the old one (then fsyncs the directory),
 so a crash at any moment leaves either the old or the new manifest, whole.
@@ -20,6 +24,7 @@ Layout (little-endian)::
              | parent key (flag 1) | LoRA id u64 (flag 2) | salt length u16, salt (flag 4)
              | tokens u32...
     drop:    group u16 | slot u32
+    path:    as put, with group, slot and data checksum 0
 
 Reading validates everything: a header of another namespace or a damaged header raises
 :class:`ManifestError` (or, with ``on_damage="discard"``, starts an empty manifest). Records
@@ -33,14 +38,15 @@ verify a block's bytes before it trusts them.
 
 Durability: :meth:`Manifest.append_put` and :meth:`Manifest.append_drop` write the record
 (``write(2)``: it survives the process, SIGKILL included); :meth:`Manifest.sync` fsyncs it
-(survives the machine). The manager's warm-restart integration comes next.
+(survives the machine). :mod:`kvpool.persist` keeps a manager's disk tier and its manifest
+in step and re-indexes the blocks at a warm restart.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
@@ -60,7 +66,7 @@ _REC: Final = struct.Struct("<IB")
 _SUM: Final = struct.Struct("<Q")
 _PUT: Final = struct.Struct("<HIQBH")
 _DROP: Final = struct.Struct("<HI")
-_PUT_KIND, _DROP_KIND = 1, 2
+_PUT_KIND, _DROP_KIND, _PATH_KIND = 1, 2, 3
 _HAS_PARENT, _HAS_LORA, _HAS_SALT = 1, 2, 4
 _MAX_RECORD: Final = 1 << 24
 _COMPACT_MIN_BYTES: Final = 1 << 20
@@ -111,13 +117,22 @@ def _encode_put(algo: HashAlgo, e: ManifestEntry) -> bytes:
         flags |= _HAS_SALT
         tail.append(_u("cache_salt length", len(salt), 16).to_bytes(2, "little") + salt)
     tokens = e.tokens
-    if not all(isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
-        raise InvalidArgumentError(f"tokens must be ints in [0, 2**31), got {tokens!r:.80}")
-    tail.append(struct.pack(f"<{len(tokens)}I", *tokens))
+    try:  # struct checks each is an int in [0, 2**32); the bound is checked at C speed too
+        tail.append(struct.pack(f"<{len(tokens)}I", *tokens))
+        if tokens and max(tokens) > MAX_TOKEN_ID:
+            raise struct.error("a token id is not below 2**31")
+    except (struct.error, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"tokens must be ints in [0, 2**31), got {tokens!r:.80}: {exc}") from None
     head = _PUT.pack(_u("group", e.group, 16), _u("slot", e.slot, 32),
                      _u("data_checksum", e.data_checksum, 64), flags,
                      _u("token count", len(tokens), 16))
     return head + b"".join(tail)
+
+
+def _as_path(e: ManifestEntry) -> ManifestEntry:
+    """A path entry: ``e`` with group, slot and data checksum 0."""
+    return ManifestEntry(0, 0, e.key, e.tokens, e.parent, 0, e.lora_id, e.cache_salt)
 
 
 def _decode_key(algo: HashAlgo, raw: bytes) -> BlockKey:
@@ -196,7 +211,8 @@ def _records(data: bytes, start: int) -> Iterator[tuple[int, int, bytes]]:
 class Manifest:
     """An open manifest: the current state, and an append handle on its log (module doc).
 
-    ``entries`` maps (group, slot) to the :class:`ManifestEntry` the slot holds.
+    ``entries`` maps (group, slot) to the :class:`ManifestEntry` the slot holds; ``paths``
+    maps a key to the entry (group, slot, checksum 0) of a block recorded without bytes.
     ``ignored_bytes`` is how much of the file was cut off as damaged when it was opened.
     """
 
@@ -209,12 +225,14 @@ class Manifest:
         self.path = Path(path)
         self.namespace = namespace
         self.entries: dict[tuple[int, int], ManifestEntry] = {}
+        self.paths: dict[BlockKey, ManifestEntry] = {}
         self.ignored_bytes = 0
         self._log_records = 0
         data = self.path.read_bytes() if self.path.exists() else None
         valid = self._load(data, on_damage) if data is not None else 0
         if valid == 0:
             self.entries.clear()
+            self.paths.clear()
             self._log_records = 0
             self._rewrite()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
@@ -268,6 +286,11 @@ class Manifest:
             self.entries[e.group, e.slot] = e
         elif kind == _DROP_KIND and len(body) == _DROP.size:
             self.entries.pop(_DROP.unpack(body), None)
+        elif kind == _PATH_KIND:
+            e = _decode_put(self.namespace.algo, body)
+            if (e.group, e.slot, e.data_checksum) != (0, 0, 0):
+                raise ValueError("a path record names a slot")
+            self.paths[e.key] = e
         else:
             raise ValueError(f"unknown record kind {kind}")
         self._log_records += 1
@@ -284,6 +307,37 @@ class Manifest:
         self._append(_record(_DROP_KIND, _DROP.pack(_u("group", group, 16), _u("slot", slot, 32))))
         self.entries.pop((group, slot), None)
         self._log_records += 1
+
+    def append_many(self, drops: Iterable[tuple[int, int]] = (),
+                    puts: Iterable[ManifestEntry] = (),
+                    paths: Iterable[ManifestEntry] = ()) -> None:
+        """Record ``drops`` ((group, slot) pairs), ``paths`` (entries whose group, slot and
+        checksum are ignored), then ``puts``, in one ``write``: all are validated first (a bad
+        one raises :class:`InvalidArgumentError`, nothing written)."""
+        drops, puts = list(drops), list(puts)
+        paths = [_as_path(e) for e in paths]
+        algo = self.namespace.algo
+        records = [_record(_DROP_KIND, _DROP.pack(_u("group", g, 16), _u("slot", s, 32)))
+                   for g, s in drops]
+        records += [_record(_PATH_KIND, _encode_put(algo, e)) for e in paths]
+        records += [_record(_PUT_KIND, _encode_put(algo, e)) for e in puts]
+        if not records:
+            return
+        self._append(b"".join(records))
+        for key in drops:
+            self.entries.pop(key, None)
+        for e in paths:
+            self.paths[e.key] = e
+        for e in puts:
+            self.entries[e.group, e.slot] = e
+        self._log_records += len(records)
+
+    def clear(self) -> None:
+        """Forget every entry and path: the log becomes an empty snapshot (temp file, fsync,
+        rename)."""
+        self.entries.clear()
+        self.paths.clear()
+        self.compact()
 
     def _append(self, record: bytes) -> None:
         """Write one record whole, or leave the log as it was and raise StorageError."""
@@ -305,18 +359,24 @@ class Manifest:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
     def maybe_compact(self) -> bool:
-        """Compact when the log holds more than twice as many records as live entries (and is
-        at least 1 MiB); whether it did."""
-        size = os.fstat(self._fd).st_size
-        if size < _COMPACT_MIN_BYTES or self._log_records <= 2 * len(self.entries):
+        """Compact when :meth:`needs_compaction`; whether it did."""
+        if not self.needs_compaction():
             return False
         self.compact()
         return True
 
+    def needs_compaction(self) -> bool:
+        """Whether the log holds more than twice as many records as live entries and paths
+        (and is at least 1 MiB)."""
+        size = os.fstat(self._fd).st_size
+        live = len(self.entries) + len(self.paths)
+        return size >= _COMPACT_MIN_BYTES and self._log_records > 2 * live
+
     def _rewrite(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         algo = self.namespace.algo
-        records = [_record(_PUT_KIND, _encode_put(algo, e)) for e in self.entries.values()]
+        records = [_record(_PATH_KIND, _encode_put(algo, e)) for e in self.paths.values()]
+        records += [_record(_PUT_KIND, _encode_put(algo, e)) for e in self.entries.values()]
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, _header(self.namespace) + b"".join(records))

@@ -103,7 +103,10 @@ class Run:
 
     def has_slot(self, i: int) -> bool:
         """Does block i hold a slot in any layer group?"""
-        return any(sl[i] != NO_SLOT for sl in self.slot)
+        for sl in self.slot:  # noqa: SIM110 (any() over a generator costs more for few groups)
+            if sl[i] != NO_SLOT:
+                return True
+        return False
 
     def set_retention(self, i: int, priority: int, duration: float | None) -> None:
         if priority == DEFAULT_PRIORITY and duration is None and self.prio is None:

@@ -47,6 +47,11 @@ class CacheStats:
     dropped_blocks: int = 0
     evicted_blocks: int = 0
     admitted_requests: int = 0
+    # the shared remote tier (kvpool.remote): blocks handed to it, brought back by
+    # prefetch, and its failures (the manager carried on locally)
+    remote_offload_blocks: int = 0
+    remote_prefetch_blocks: int = 0
+    remote_errors: int = 0
     tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     @property

@@ -32,7 +32,7 @@ class PlanView:
     """What admission may read of one manager (see the module docstring)."""
 
     __slots__ = ("_free", "_queued", "_refs", "_root_keys", "config", "full_attention_only",
-                 "kinds", "roots", "self_groups", "sequences", "step", "tpb")
+                 "groups", "kinds", "one_tier", "roots", "self_groups", "sequences", "step", "tpb")
 
     def __init__(self, config: CacheConfig, roots: Mapping[Scope, Run],
                  sequences: Container[int | str], refs: Sequence[Sequence[int]],
@@ -44,6 +44,8 @@ class PlanView:
             g for g in range(config.num_groups) if g not in config.cross_attention_groups
         )
         self.kinds = group_kinds(config)  # one per layer group (kvpool.groups)
+        self.groups = range(config.num_groups)
+        self.one_tier = config.num_tiers == 1
         # no sliding window: a sequence's self-attention tables all have the same length
         self.full_attention_only = all(
             config.window_sizes[g] is None for g in self.self_groups

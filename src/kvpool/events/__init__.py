@@ -7,6 +7,8 @@ from kvpool.events.index import EventIndex
 from kvpool.events.manager import AttentionDpGather, EventManager
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
+    REMOTE_CACHE_LEVEL,
+    REMOTE_MEDIUM,
     AllCleared,
     BlockHash,
     Created,
@@ -32,6 +34,8 @@ from kvpool.events.zmq import SubscribedBatch, ZmqEventPublisher, ZmqEventSubscr
 
 __all__ = [
     "DEFAULT_PRIORITY",
+    "REMOTE_CACHE_LEVEL",
+    "REMOTE_MEDIUM",
     "AllCleared",
     "AttentionDpGather",
     "BlockHash",

@@ -23,6 +23,14 @@ from kvpool.config import DEFAULT_PRIORITY as DEFAULT_PRIORITY  # re-exported: d
 
 BlockHash = int | str
 
+REMOTE_CACHE_LEVEL = 3
+"""The cache level of a block held in the shared remote tier (:mod:`kvpool.remote`), below
+GPU (0), host (1) and disk (2) whatever tiers a manager has locally: TensorRT-LLM's
+``cache_level`` 3."""
+REMOTE_MEDIUM = "REMOTE"
+"""vLLM's ``medium`` of :data:`REMOTE_CACHE_LEVEL` (``"GPU"``, ``"CPU"``, ``"STORAGE"``, then
+this)."""
+
 
 class EventDiff(msgspec.Struct, frozen=True, gc=False):
     """A changed value: cache level or priority."""

@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.events.model import AllCleared, BlockHash, KVCacheEvent, Removed, Stored, Updated
-from kvpool.events.vllm_msgpack import encode_vllm_batch, whole_blocks
+from kvpool.events.vllm_encode import encode_vllm_batch, whole_blocks
 
 __all__ = ["VllmStreamEncoder"]
 

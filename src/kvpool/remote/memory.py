@@ -8,13 +8,17 @@ least recently used keys until it fits. A value that cannot fit even in an empty
 stored (Redis answers such a write with an OOM error; here it is counted in
 :attr:`MemoryStoreStats.rejected`) and the key's old value, if any, is deleted, so a reader
 never sees a stale value for it. Redis samples its LRU; this one is exact.
+
+``charge(key, value_length)``, when given, is what a key counts instead of ``len(key) +
+len(value)``: a simulation whose values carry no payload (a replay's metadata-only managers
+write empty blocks) charges each value the block size it stands for.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.errors import InvalidArgumentError
@@ -38,13 +42,17 @@ class MemoryStoreStats:
 class MemoryStore:
     """A byte-bounded LRU map of keys to values (module docstring). Thread-safe."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *,
+                 charge: Callable[[bytes, int], int] | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
                 or capacity_bytes < 1:
             raise InvalidArgumentError(
                 f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}"
             )
+        if charge is not None and not callable(charge):
+            raise InvalidArgumentError(f"charge must be callable, got {charge!r}")
         self.capacity_bytes = capacity_bytes
+        self._charge = charge
         self._values: OrderedDict[bytes, bytes] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
@@ -52,7 +60,7 @@ class MemoryStore:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held: the sum of ``len(key) + len(value)`` over every key."""
+        """Bytes held: the sum of ``len(key) + len(value)`` (or the charge) over every key."""
         return self._used
 
     def __len__(self) -> int:
@@ -86,19 +94,24 @@ class MemoryStore:
         values = self._values
         old = values.pop(key, None)
         if old is not None:
-            self._used -= len(key) + len(old)
-        size = len(key) + len(value)
+            self._used -= self._size(key, old)
+        size = self._size(key, value)
         if size > self.capacity_bytes:
             self.stats.rejected += 1
             return
         while self._used + size > self.capacity_bytes:
             k, v = values.popitem(last=False)
-            self._used -= len(k) + len(v)
+            freed = self._size(k, v)
+            self._used -= freed
             self.stats.evictions += 1
-            self.stats.evicted_bytes += len(k) + len(v)
+            self.stats.evicted_bytes += freed
         values[key] = value
         self._used += size
         self.stats.writes += 1
+
+    def _size(self, key: bytes, value: bytes) -> int:
+        charge = self._charge
+        return len(key) + len(value) if charge is None else charge(key, len(value))
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -110,7 +123,7 @@ class MemoryStore:
             for k in keys:
                 v = self._values.pop(k, None)
                 if v is not None:
-                    self._used -= len(k) + len(v)
+                    self._used -= self._size(k, v)
                     deleted += 1
         return deleted
 

@@ -76,7 +76,9 @@ class RemoteStoreStats:
     connects: int = 0
 
 
-def _split_url(url: str) -> tuple[str, bool]:
+def split_url(url: str) -> tuple[str, bool]:
+    """(the URL redis-py connects to, whether it names a cluster); InvalidArgumentError for
+    anything but a redis/rediss/unix/valkey URL or a ``+cluster`` one."""
     if not isinstance(url, str) or "://" not in url:
         raise InvalidArgumentError(f"remote_url must be a redis:// URL, got {url!r}")
     scheme, rest = url.split("://", 1)
@@ -151,7 +153,7 @@ class RemoteStore:
         backoff_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.url, self._cluster_url = _split_url(url)
+        self.url, self._cluster_url = split_url(url)
         if importlib.util.find_spec("redis") is None:
             raise StorageError(
                 "the remote tier needs redis-py: install kvpool with the 'remote' extra "

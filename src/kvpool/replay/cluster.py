@@ -54,32 +54,32 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from queue import Empty
 from typing import Any, Final
 
 import numpy as np
 import xxhash
 
-from kvpool.config import CacheConfig
-from kvpool.errors import InvalidArgumentError, TransportError
+from kvpool.errors import InvalidArgumentError
 from kvpool.events.manager import EventManager
-from kvpool.events.model import KVCacheEvent
-from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
-from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
-from kvpool.hashing import HashAlgo
-from kvpool.planner import ModelSpec, PoolPlan, plan_pools
 from kvpool.replay.bounds import BlockStream, HitRateBound, belady_hit_rate, unlimited_hit_rate
 from kvpool.replay.engine_sim import (
     LOOKUP,
     RequestRecord,
-    SchedulerConfig,
     SimWorker,
-    TimeModel,
     committed_tokens,
     output_tokens,
     reference_group,
 )
+from kvpool.replay.sizing import (
+    TRANSPORTS,
+    ClusterConfig,
+    block_cache,
+    planned_cache,
+    shared_store,
+)
+from kvpool.replay.transport import InProcess, Zmq
 from kvpool.replay.workloads import Request, Workload
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import Ingest
@@ -109,134 +109,7 @@ POLICIES: Final = ("cost", "trtllm", "approx", "round-robin", "least-loaded", "r
 KV_POLICIES: Final = frozenset({"cost", "trtllm", "approx"})
 """The policies that route with the KV-aware router."""
 
-TRANSPORTS: Final = ("inproc", "zmq")
-"""How events reach the router: in process, or vLLM msgpack over ZeroMQ on 127.0.0.1."""
-
-HASH_ALGO: Final = HashAlgo.V2_SHA256_64
-"""The simulated engines' block hashes (TensorRT-LLM V2 keys, 64-bit event hashes)."""
-
 _END, _ARRIVAL, _START = 0, 1, 2  # event kinds, in their order at one instant
-_ZMQ_TIMEOUT_S: Final = 10.0
-
-
-# --------------------------------------------------------------------------------- sizing
-
-
-def planned_cache(
-    model: str | ModelSpec,
-    *,
-    gpu_bytes: int,
-    host_bytes: int = 0,
-    disk_bytes: int = 0,
-    tokens_per_block: int = 32,
-    scheduler: SchedulerConfig | None = None,
-    max_seq_len: int | None = None,
-    partial_reuse: bool = True,
-) -> tuple[CacheConfig, PoolPlan]:
-    """One worker's cache sized by the planner for a model preset (or spec) and budgets.
-
-    ``max_seq_len`` defaults to the model's; pass the workload's longest request so that the
-    planner's longest-sequence floor covers it. Raises what :func:`plan_pools` raises
-    (:class:`~kvpool.errors.CapacityError` when the GPU budget is too small).
-    """
-    spec = ModelSpec.preset(model) if isinstance(model, str) else model
-    sched = scheduler or SchedulerConfig()
-    plan = plan_pools(
-        spec,
-        tokens_per_block,
-        gpu_bytes,
-        host_bytes,
-        disk_bytes,
-        max_batch_size=sched.max_batch_size,
-        max_num_tokens=sched.max_num_tokens,
-        max_seq_len=max_seq_len or spec.max_seq_len,
-    )
-    cfg = CacheConfig.from_plan(
-        plan, hash_algo=HASH_ALGO, enable_partial_reuse=partial_reuse
-    )
-    return cfg, plan
-
-
-def block_cache(
-    gpu_blocks: int,
-    *,
-    host_blocks: int = 0,
-    disk_blocks: int = 0,
-    tokens_per_block: int = 32,
-    partial_reuse: bool = True,
-) -> CacheConfig:
-    """One worker's cache given by block counts: one full-attention layer group."""
-    return CacheConfig(
-        tokens_per_block=tokens_per_block,
-        gpu_blocks=gpu_blocks,
-        host_blocks=host_blocks,
-        disk_blocks=disk_blocks,
-        hash_algo=HASH_ALGO,
-        enable_partial_reuse=partial_reuse,
-        max_seq_len=1 << 20,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    """A cluster: ``workers`` identical engines with ``cache`` each, and how they report.
-
-    ``cache`` is one worker's cache (see :func:`planned_cache` and :func:`block_cache`); its
-    clock is replaced by the simulated one. ``seed`` seeds the ``random`` policy and the
-    generated tokens of requests that carry none. ``description`` says, for reports, how the
-    cache was sized.
-    """
-
-    cache: CacheConfig
-    workers: int = 4
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    time_model: TimeModel = field(default_factory=TimeModel)
-    transport: str = "inproc"
-    seed: int = 0
-    description: dict[str, Any] = field(default_factory=dict)
-    coalesce_steps: bool = True
-    """Run identical decode-only steps as one (exact; off only to check that it is)."""
-    router_options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of the :class:`~kvpool.router.Router` of the ``cost`` and
-    ``approx`` policies (e.g. ``load_weight``), for sensitivity sweeps."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.cache, CacheConfig):
-            raise InvalidArgumentError(f"cache must be a CacheConfig, got {self.cache!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not (
-            1 <= self.workers <= 64
-        ):
-            raise InvalidArgumentError(f"workers must be an int in [1, 64], got {self.workers!r}")
-        if self.transport not in TRANSPORTS:
-            raise InvalidArgumentError(
-                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
-            )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InvalidArgumentError(f"seed must be an int >= 0, got {self.seed!r}")
-
-    @property
-    def capacity_blocks(self) -> int:
-        """Slots of the reference layer group over every tier and worker (Belady's cache)."""
-        g = reference_group(self.cache)
-        return self.workers * sum(tier[g] for tier in self.cache.slots)
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-able summary."""
-        c = self.cache
-        return {
-            "workers": self.workers,
-            "transport": self.transport,
-            "seed": self.seed,
-            "tokens_per_block": c.tokens_per_block,
-            "slots_per_worker": [list(t) for t in c.slots],
-            "window_sizes": list(c.window_sizes),
-            "partial_reuse": c.enable_partial_reuse,
-            "capacity_blocks": self.capacity_blocks,
-            "scheduler": dataclasses.asdict(self.scheduler),
-            "time_model": dataclasses.asdict(self.time_model),
-            **({"sizing": self.description} if self.description else {}),
-            **({"router_options": dict(self.router_options)} if self.router_options else {}),
-        }
 
 
 # --------------------------------------------------------------------------------- results
@@ -382,90 +255,6 @@ def run_bound(
     return belady_hit_rate(_stream(entries, tokens_per_block), capacity_blocks, bypass=True)
 
 
-# ------------------------------------------------------------------------------ transports
-
-
-class _InProcess:
-    """Events go straight from the event manager to the router's ingest."""
-
-    def __init__(self, ingest: Ingest) -> None:
-        self.ingest = ingest
-
-    def deliver(self, worker_id: str, events: list[KVCacheEvent], now: float) -> int:
-        return self.ingest.feed(worker_id, events)
-
-    def close(self) -> None:
-        pass
-
-
-class _ZmqLink:
-    __slots__ = ("next_event_id", "pub", "published", "sub")
-
-    def __init__(self, pub: ZmqEventPublisher, sub: ZmqEventSubscriber) -> None:
-        self.pub = pub
-        self.sub = sub
-        self.published = 0
-        self.next_event_id = 0
-
-
-class _Zmq:
-    """Events go as vLLM msgpack batches over one ZeroMQ PUB/SUB pair per worker (loopback).
-
-    Each delivery waits until the subscriber has the batch (asking the replay socket for what
-    the SUB socket missed, e.g. before it finished connecting), so results do not depend on
-    network timing. Partial blocks are published (unlike vLLM): the router matches a prompt's
-    trailing partial block with :data:`HASH_ALGO`, as it does with in-process events.
-    """
-
-    def __init__(self, ingest: Ingest, worker_ids: Sequence[str], tokens_per_block: int) -> None:
-        self.ingest = ingest
-        self.tpb = tokens_per_block
-        self.links: dict[str, _ZmqLink] = {}
-        try:
-            for wid in worker_ids:
-                pub = ZmqEventPublisher(
-                    "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=wid, buffer_steps=1024
-                )
-                try:
-                    sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, topic=wid)
-                except BaseException:
-                    pub.close()
-                    raise
-                self.links[wid] = _ZmqLink(pub, sub)
-        except BaseException:
-            self.close()
-            raise
-
-    def deliver(self, worker_id: str, events: list[KVCacheEvent], now: float) -> int:
-        link = self.links[worker_id]
-        link.pub.publish(
-            encode_vllm_batch(events, ts=now, block_size=self.tpb, partial_blocks=True)
-        )
-        link.published += 1
-        applied = 0
-        deadline = time.monotonic() + _ZMQ_TIMEOUT_S
-        while (link.sub.expected_seq or 0) < link.published:
-            batches = link.sub.recv(timeout_s=0.02) or link.sub.catch_up()
-            for b in batches:
-                batch = decode_vllm_batch(
-                    b.payload, hash_algo=HASH_ALGO.value, first_event_id=link.next_event_id
-                )
-                link.next_event_id += len(batch.events)
-                applied += self.ingest.feed(worker_id, batch.events)
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"worker {worker_id}: event batch {link.published - 1} did not arrive over "
-                    f"ZeroMQ within {_ZMQ_TIMEOUT_S:.0f} s"
-                )
-        return applied
-
-    def close(self) -> None:
-        for link in self.links.values():
-            link.sub.close()
-            link.pub.close()
-        self.links.clear()
-
-
 # ------------------------------------------------------------------------------ the replay
 
 
@@ -486,6 +275,9 @@ class _Replay:
         self.policy = policy
         self.now = 0.0
         cache = dataclasses.replace(config.cache, clock=self._clock)
+        self.shared = shared_store(config.cache, config.remote_bytes, config.remote_block_bytes)
+        if self.shared is not None:
+            cache = dataclasses.replace(cache, remote_store=self.shared)
         self.worker_ids = [f"w{i}" for i in range(config.workers)]
         self.events = [
             EventManager(1 << 20, hash_algo=cache.hash_algo) for _ in self.worker_ids
@@ -533,10 +325,10 @@ class _Replay:
 
     def run(self, progress: ProgressFn | None) -> PolicyResult:
         started = time.perf_counter()
-        transport: _InProcess | _Zmq = (
-            _Zmq(self.ingest, self.worker_ids, self.config.cache.tokens_per_block)
+        transport: InProcess | Zmq = (
+            Zmq(self.ingest, self.worker_ids, self.config.cache.tokens_per_block)
             if self.config.transport == "zmq"
-            else _InProcess(self.ingest)
+            else InProcess(self.ingest)
         )
         try:
             for w, em in enumerate(self.events):
@@ -548,6 +340,9 @@ class _Replay:
         cfg = self.config
         belady = run_bound(self.workload, self.accesses, cfg.cache.tokens_per_block,
                            cfg.capacity_blocks, seed=cfg.seed)
+        if self.shared is not None:  # stop the workers' remote writers
+            for worker in self.workers:
+                worker.manager.close()
         return PolicyResult(
             policy=self.policy,
             records=self.records,
@@ -569,7 +364,7 @@ class _Replay:
             decision_latency_s=self.latencies,
         )
 
-    def _loop(self, transport: _InProcess | _Zmq, progress: ProgressFn | None) -> None:
+    def _loop(self, transport: InProcess | Zmq, progress: ProgressFn | None) -> None:
         requests = self.workload.requests
         heap = self.heap
         pop = heapq.heappop
@@ -614,7 +409,7 @@ class _Replay:
             self.start_pending[w] = True
             heapq.heappush(self.heap, (self.now, _START, next(self.counter), w, 0))
 
-    def _deliver(self, transport: _InProcess | _Zmq, w: int) -> None:
+    def _deliver(self, transport: InProcess | Zmq, w: int) -> None:
         events = self.events[w].get_latest_events(0)
         if events:
             self.emitted += len(events)

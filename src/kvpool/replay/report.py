@@ -123,6 +123,8 @@ def summarize(
         "token_hit_rate": _rate(reused, prompt),
         "full_block_hit_rate": full_rate,
         "tier_hit_rate": {name: _rate(tiers[t], prompt) for t, name in enumerate(_TIERS)},
+        "remote_tokens": sum(r.remote_tokens for r in done),
+        "remote_hit_rate": _rate(sum(r.remote_tokens for r in done), prompt),
         "prefill_tokens_computed": sum(r.computed_tokens for r in done),
         "preemptions": sum(r.preemptions for r in done),
         "ttft_s": _percentiles([r.first_token_s - r.arrival_s for r in done
@@ -234,6 +236,10 @@ def _describe(result: ReplayResult) -> list[str]:
         f"batch {sched.max_batch_size}, {sched.max_num_tokens} tokens/step"
         f"{', chunked' if sched.chunked_prefill else ''}; events {cfg.transport}",
     ]
+    if cfg.remote_bytes:
+        shared = sizing.get("remote_mem") or f"{cfg.remote_bytes:,} blocks"
+        lines.append(f"shared remote tier: {shared} for the cluster (in-process, LRU; every "
+                     "worker writes what leaves its tiers and prefetches before admission)")
     lines.append(
         (f"unlimited-cache bound {_pct(b['unlimited'].token_hit_rate)}; " if b else "")
         + f"Belady bound per run for {cfg.capacity_blocks:,} blocks in all (whole blocks)"
@@ -269,6 +275,8 @@ def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
     row("token hit rate %", (s["token_hit_rate"] for s in sums), pct, "max")
     for t in range(tiers if tiers > 1 else 0):
         row(f"  on {_TIERS[t]} %", (s["tier_hit_rate"][_TIERS[t]] for s in sums), pct)
+    if result.config.remote_bytes:
+        row("  from shared tier %", (s["remote_hit_rate"] for s in sums), pct, "max")
     row("  partial blocks %",
         (_rate(s["reused_partial_tokens"], s["prompt_tokens"]) for s in sums), pct)
     row("full-block hit %", (s["full_block_hit_rate"] for s in sums), pct, "max")

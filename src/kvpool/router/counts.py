@@ -40,6 +40,23 @@ from kvpool.router.worker import (
 M64: Final = (1 << 64) - 1
 
 
+def tier_runs(
+    keys: list[int], level: int | None, levels: Sequence[int | None] | None
+) -> list[tuple[int, list[int]]]:
+    """``keys`` as runs of one tier each: all on ``level``, or when it is None on the tier
+    ``levels`` gives each key (None for 0), or on tier 0 when both are None. An event names
+    one tier for all its blocks, usually: one run."""
+    if level is not None or levels is None:
+        return [(level or 0, keys)]
+    runs: list[tuple[int, list[int]]] = []
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or (levels[i] or 0) != (levels[start] or 0):
+            runs.append((levels[start] or 0, keys[start:i]))
+            start = i
+    return runs
+
+
 class BlockCounts:
     """Presence masks over every worker's reference counts (compact or expanded), with the
     +1 / -1 steps events apply and the ledger that orders late ones.
@@ -68,7 +85,9 @@ class BlockCounts:
         level: int | None,
         levels: list[int] | None,
     ) -> None:
-        """+1 reference per key: on ``level``, or block by block on ``levels`` when None."""
+        """+1 reference per key: on ``level``, or block by block on ``levels`` when None. A
+        compact worker's first reference of a key is its presence bit, further ones its extras;
+        a key with a pending ledger entry takes a step there instead."""
         if not (w.compact and w.group == group):
             self._adopt(w, group)
         masks = self.masks
@@ -76,44 +95,37 @@ class BlockCounts:
         stride = self._stride
         bit0 = 1 << w.slot
         present = w.present
-        if w.compact and level is not None and not w.ledger:
-            # The common case, kept tight: one layer group, one tier, nothing pending.
-            extra = w.extras[level]
-            bit = bit0 << (level * stride)
-            again = 0  # keys already held: one more reference
-            for h in keys:
-                if h not in masks:
-                    masks[h] = bit
-                    continue
-                m = masks[h]
-                if m & bit:
-                    extra[h] = extra.get(h, 0) + 1
-                    again += 1
-                else:
-                    masks[h] = m | bit
-            present[level] += len(keys) - again
-        else:
-            ledger = w.ledger
-            per_block = levels if levels is not None else [level or 0] * len(keys)
-            if w.compact:
-                for h, t in zip(keys, per_block, strict=True):
+        ledger = w.ledger
+        if w.compact:
+            for t, run in tier_runs(keys, level, levels):
+                bit = bit0 << (t * stride)
+                extra = w.extras[t]
+                added = 0  # keys the tier did not hold
+                for h in run:
                     if ledger and (group, t, h) in ledger:
                         self._step(w, (group, t, h), eid, rank, 1)
+                    elif h not in masks:
+                        masks[h] = bit
+                        added += 1
+                    elif (m := masks[h]) & bit:
+                        extra[h] = extra.get(h, 0) + 1
                     else:
-                        c = self._count(w, group, t, h)
-                        self._set_count(w, (group, t, h), c, c + 1)
-            else:
-                tiers = w.groups[group]
-                for h, t in zip(keys, per_block, strict=True):
-                    if ledger and (group, t, h) in ledger:
-                        self._step(w, (group, t, h), eid, rank, 1)
-                        continue
-                    d = tiers[t]
-                    c = d.get(h, 0)
-                    d[h] = c + 1
-                    if c == 0 and not held_elsewhere(w, group, t, h):
-                        masks[h] = mget(h, 0) | (bit0 << (t * stride))
-                        present[t] += 1
+                        masks[h] = m | bit
+                        added += 1
+                present[t] += added
+        else:
+            tiers = w.groups[group]
+            for h, t in zip(keys, [level or 0] * len(keys) if levels is None else levels,
+                            strict=True):
+                if ledger and (group, t, h) in ledger:
+                    self._step(w, (group, t, h), eid, rank, 1)
+                    continue
+                d = tiers[t]
+                c = d.get(h, 0)
+                d[h] = c + 1
+                if c == 0 and not held_elsewhere(w, group, t, h):
+                    masks[h] = mget(h, 0) | (bit0 << (t * stride))
+                    present[t] += 1
         w.counters.blocks_stored += len(keys)
         self.counters.blocks_stored += len(keys)
 
@@ -294,56 +306,55 @@ class BlockCounts:
         levels: Sequence[int] | None,
     ) -> None:
         """-1 reference per key: on ``level``; block by block on ``levels`` when ``level`` is
-        None; on every tier that holds it when both are None."""
-        removed = 0
-        anomalies = 0
+        None; on every tier that holds it when both are None. A compact worker's extras go
+        first, then its presence bit; a key with a pending ledger entry takes a step there; a
+        key the tier does not hold is an anomaly (kept in the ledger when it may be early)."""
         present = w.present
-        if (w.compact and group == w.group and not w.ledger
-                and (level is not None or (levels is None and not present[1] and not present[2]))):
-            # The common case, kept tight: one layer group, one tier, nothing pending. (A
-            # removal from every tier while only the GPU holds anything is a GPU removal.)
-            everywhere = level is None
-            t = level or 0
-            extra = w.extras[t]
+        everywhere = level is None and levels is None
+        ledger = w.ledger
+        if everywhere and (present[1] or present[2] or ledger
+                           or not (w.compact and group == w.group)):
+            removed = sum([self._release_everywhere(w, group, eid, rank, key) for key in keys])
+        elif w.compact and group == w.group:
+            # (A removal from every tier while only the GPU holds anything is a GPU removal.)
             masks = self.masks
-            bit = (1 << w.slot) << (t * self._stride)
-            clear = ~bit
-            kept = missing = 0  # references left / keys not held
-            for key in keys:
-                try:
-                    m = masks[key]
-                except KeyError:  # held by nobody: rare, an anomaly
-                    m = 0
-                if m & bit:
+            removed = anomalies = 0
+            for t, run in tier_runs(keys, level, levels):
+                extra = w.extras[t]
+                bit = (1 << w.slot) << (t * self._stride)
+                clear = ~bit
+                dropped = 0  # keys the tier no longer holds
+                for key in run:
+                    if ledger and (group, t, key) in ledger:
+                        removed += self._step(w, (group, t, key), eid, rank, -1)
+                        continue
+                    m = masks.get(key, 0)
+                    if not m & bit:
+                        if everywhere:  # held nowhere, and nothing is pending
+                            anomalies += 1
+                        else:
+                            self._release(w, group, eid, rank, key, t)
+                        continue
+                    removed += 1
                     if extra and key in extra:
                         c = extra.pop(key)
                         if c > 1:
                             extra[key] = c - 1
-                        kept += 1
-                    elif m := m & clear:
+                        continue
+                    dropped += 1
+                    if m := m & clear:
                         masks[key] = m
                     else:
                         del masks[key]
-                else:
-                    missing += 1
-                    if not everywhere:
-                        self._release(w, group, eid, rank, key, t)
-            removed = len(keys) - missing
-            present[t] -= removed - kept
-            if everywhere:
-                anomalies = missing  # held nowhere: nothing can be pending either
-        elif level is not None:
-            for key in keys:
-                removed += self._release(w, group, eid, rank, key, level)
-        elif levels is not None:
-            for key, t in zip(keys, levels, strict=True):
-                removed += self._release(w, group, eid, rank, key, t or 0)
+                present[t] -= dropped
+            if anomalies:
+                w.counters.anomalies += anomalies
+                self.counters.anomalies += anomalies
+        elif levels is None:
+            removed = sum([self._release(w, group, eid, rank, key, level or 0) for key in keys])
         else:
-            for key in keys:
-                removed += self._release_everywhere(w, group, eid, rank, key)
-        if anomalies:
-            w.counters.anomalies += anomalies
-            self.counters.anomalies += anomalies
+            removed = sum([self._release(w, group, eid, rank, key, t or 0)
+                           for key, t in zip(keys, levels, strict=True)])
         w.counters.blocks_removed += removed
         self.counters.blocks_removed += removed
 

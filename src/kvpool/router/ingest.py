@@ -61,7 +61,7 @@ from kvpool.hashing import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 from kvpool.router.index import HOLE_WINDOW, KvIndex
 from kvpool.router.shared_tier import SharedTiers
-from kvpool.router.zmq_reader import Delivery, ZmqReader, decode_vllm, next_backoff
+from kvpool.router.zmq_reader import Delivery, ReaderSink, ZmqReader, decode_vllm, next_backoff
 
 __all__ = ["WORKER_STATES", "Ingest", "IngestCounters", "TransportStatus"]
 
@@ -198,9 +198,12 @@ class Ingest:
         self._loop = asyncio.get_running_loop()
         timeout = aiohttp.ClientTimeout(total=self.options.http_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout)
+        sink = ReaderSink(self._deliver, self._reader_failed, self._set_health,
+                          self._count_probe_failure)
         for w in self._workers.values():
             if w.zmq_endpoint is not None:
-                reader = ZmqReader(self, self._loop, w)
+                tokens = self.index.uses_tokens(w.id)
+                reader = ZmqReader(sink, self._loop, w, self.options, tokens=tokens)
                 self._readers.append(reader)
                 reader.start()
                 if w.replay_endpoint is None and w.http_base_url is not None:
@@ -314,6 +317,9 @@ class Ingest:
             else:
                 logger.warning("worker %s is %s: %s", worker_id, state, reason)
             self._refresh_routing()
+
+    def _count_probe_failure(self) -> None:
+        self.counters.probe_failures += 1
 
     def _reader_failed(self, worker_id: str, reason: str) -> None:
         status = self.status(worker_id)
@@ -434,7 +440,7 @@ class Ingest:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 ok, reason = False, f"GET /health failed: {exc or type(exc).__name__}"
             if not ok:
-                self.counters.probe_failures += 1
+                self._count_probe_failure()
             self._set_health(w.id, ok, reason)
             await asyncio.sleep(self.options.health_interval_s)
 

@@ -9,6 +9,7 @@ tokens and the part of it still queued, the load term of ``cost``.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["Active", "Load", "Loads"]
@@ -45,13 +46,19 @@ class Loads:
     def __init__(self) -> None:
         self.requests: dict[str, Active] = {}
         self.workers: dict[str, Load] = {}
+        # (started, request id, entry) in routing order, for timeouts: popping the oldest of
+        # ``requests`` itself would scan the dict's deleted slots at its front each time
+        self._timeouts: deque[tuple[float, str, Active]] = deque()
 
     def of(self, worker_id: str) -> Load:
         """The worker's load (an idle one's is all zeros; do not change it)."""
         return self.workers.get(worker_id, _IDLE)
 
-    def add(self, request_id: str, entry: Active) -> None:
+    def add(self, request_id: str, entry: Active, timeout: bool) -> None:
+        """Register a routed request (``timeout``: it may time out, see :meth:`timed_out`)."""
         self.requests[request_id] = entry
+        if timeout:
+            self._timeouts.append((entry.started, request_id, entry))
         load = self.workers.get(entry.worker_id)
         if load is None:
             load = self.workers[entry.worker_id] = Load()
@@ -78,12 +85,20 @@ class Loads:
         if load.active <= 0:
             del self.workers[entry.worker_id]
 
-    def oldest_before(self, deadline: float) -> tuple[str, Active] | None:
-        """The request routed first, if it was routed before ``deadline``."""
-        if not self.requests:
-            return None
-        rid, entry = next(iter(self.requests.items()))
-        return (rid, entry) if entry.started <= deadline else None
+    def timed_out(self, deadline: float) -> list[Active]:
+        """Take out the requests routed at or before ``deadline`` and still active (routing
+        order); the caller unloads them."""
+        out: list[Active] = []
+        timeouts = self._timeouts
+        active = self.requests
+        while timeouts and timeouts[0][0] <= deadline:
+            _, rid, entry = timeouts.popleft()
+            if active.get(rid) is entry:  # not finished (nor routed again) since
+                del active[rid]
+                out.append(entry)
+        if len(timeouts) > 2 * len(active) + 1024:  # mostly finished ones: keep the rest
+            self._timeouts = deque([(e.started, rid, e) for rid, e in active.items()])
+        return out
 
     def drop_worker(self, worker_id: str) -> None:
         """The worker is gone: its requests will never be reported."""

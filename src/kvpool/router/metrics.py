@@ -10,6 +10,7 @@ exposition format 0.0.4, written by ``prometheus_client.generate_latest``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Final
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -28,6 +29,45 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+_TOTALS: Final[tuple[tuple[str, str, str, str], ...]] = (
+    # name after kvpool_router_, help, whose counters (router, index, ingest), attribute
+    ("prompt_tokens", "Prompt tokens routed.", "router", "prompt_tokens"),
+    ("matched_tokens", "Prompt tokens found cached on the chosen worker.", "router",
+     "matched_tokens"),
+    ("requests_finished", "Requests reported finished.", "router", "finished_total"),
+    ("requests_expired", "Requests dropped after request_timeout_s without a finish.", "router",
+     "expired_total"),
+    ("events_applied", "KV events applied to the index.", "index", "events_applied"),
+    ("events_malformed", "KV events or payloads that could not be applied (skipped).", "index",
+     "events_malformed"),
+    ("event_anomalies", "Events about blocks the index did not hold (late, reordered or lost).",
+     "index", "anomalies"),
+    ("blocks_stored", "Blocks stored, all workers.", "index", "blocks_stored"),
+    ("blocks_removed", "Blocks removed, all workers.", "index", "blocks_removed"),
+    ("event_batches", "Event batches received.", "ingest", "batches"),
+    ("decode_errors", "Payloads that could not be decoded (skipped).", "ingest", "decode_errors"),
+    ("sequence_gaps", "Sequence gaps seen on ZMQ streams.", "ingest", "gaps"),
+    ("replayed_batches", "Batches recovered through replay sockets.", "ingest", "replayed"),
+    ("missed_batches", "Batches lost (not replayable).", "ingest", "missed"),
+    ("snapshots", "Workers bootstrapped from a snapshot.", "ingest", "snapshots"),
+    ("publisher_restarts", "Publisher or engine restarts detected (the worker was reset).",
+     "ingest", "restarts"),
+    ("poll_errors", "Failed TensorRT-LLM event polls.", "ingest", "poll_errors"),
+    ("probe_failures", "Failed liveness probes.", "ingest", "probe_failures"),
+    ("transport_restarts", "Event readers or pollers restarted after an unexpected failure.",
+     "ingest", "transport_restarts"),
+)
+"""The plain totals after ``routes`` and ``hit_blocks``, in exposition order."""
+
+_WORKER_GAUGES: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
+    ("healthy", "1 while the worker may be routed to.", ("worker",)),
+    ("state", "1 for the worker's health state (unknown, healthy, degraded, unhealthy).",
+     ("worker", "state")),
+    ("blocks", "Blocks the index holds per worker, tier.", ("worker", "tier")),
+    ("active_requests", "Routed, unfinished requests.", ("worker",)),
+)
+"""The per-worker gauges (name after kvpool_router_worker_, help, labels), in order."""
+
 
 class RouterMetrics(Collector):
     """The metrics of one router service, in a registry of their own."""
@@ -45,13 +85,9 @@ class RouterMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self.router.stats
-        ic = self.index.counters
-        gc = self.ingest.counters
-
-        def total(name: str, help_: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, help_, value=value)
-
-        yield total("kvpool_router_routes", "Routing decisions made.", st.routes_total)
+        yield CounterMetricFamily(
+            "kvpool_router_routes", "Routing decisions made.", value=st.routes_total
+        )
         hits = CounterMetricFamily(
             "kvpool_router_hit_blocks",
             "Prefix blocks matched on the chosen worker, by tier (0 GPU, 1 host, 2 disk).",
@@ -60,46 +96,10 @@ class RouterMetrics(Collector):
         for t in range(TIERS):
             hits.add_metric([str(t)], st.hit_blocks[t])
         yield hits
-        yield total("kvpool_router_prompt_tokens", "Prompt tokens routed.", st.prompt_tokens)
-        yield total("kvpool_router_matched_tokens",
-                    "Prompt tokens found cached on the chosen worker.", st.matched_tokens)
-        yield total("kvpool_router_requests_finished", "Requests reported finished.",
-                    st.finished_total)
-        yield total("kvpool_router_requests_expired",
-                    "Requests dropped after request_timeout_s without a finish.",
-                    st.expired_total)
-        yield total("kvpool_router_events_applied", "KV events applied to the index.",
-                    ic.events_applied)
-        yield total("kvpool_router_events_malformed",
-                    "KV events or payloads that could not be applied (skipped).",
-                    ic.events_malformed)
-        yield total("kvpool_router_event_anomalies",
-                    "Events about blocks the index did not hold (late, reordered or lost).",
-                    ic.anomalies)
-        yield total("kvpool_router_blocks_stored", "Blocks stored, all workers.",
-                    ic.blocks_stored)
-        yield total("kvpool_router_blocks_removed", "Blocks removed, all workers.",
-                    ic.blocks_removed)
-        yield total("kvpool_router_event_batches", "Event batches received.", gc.batches)
-        yield total("kvpool_router_decode_errors",
-                    "Payloads that could not be decoded (skipped).", gc.decode_errors)
-        yield total("kvpool_router_sequence_gaps", "Sequence gaps seen on ZMQ streams.", gc.gaps)
-        yield total("kvpool_router_replayed_batches",
-                    "Batches recovered through replay sockets.", gc.replayed)
-        yield total("kvpool_router_missed_batches", "Batches lost (not replayable).",
-                    gc.missed)
-        yield total("kvpool_router_snapshots", "Workers bootstrapped from a snapshot.",
-                    gc.snapshots)
-        yield total("kvpool_router_publisher_restarts",
-                    "Publisher or engine restarts detected (the worker was reset).",
-                    gc.restarts)
-        yield total("kvpool_router_poll_errors", "Failed TensorRT-LLM event polls.",
-                    gc.poll_errors)
-        yield total("kvpool_router_probe_failures", "Failed liveness probes.",
-                    gc.probe_failures)
-        yield total("kvpool_router_transport_restarts",
-                    "Event readers or pollers restarted after an unexpected failure.",
-                    gc.transport_restarts)
+        sources = {"router": st, "index": self.index.counters, "ingest": self.ingest.counters}
+        for name, help_, source, attr in _TOTALS:
+            value = getattr(sources[source], attr)
+            yield CounterMetricFamily(f"kvpool_router_{name}", help_, value=value)
         yield self._latency()
         yield from self._per_worker()
 
@@ -118,19 +118,10 @@ class RouterMetrics(Collector):
 
     def _per_worker(self) -> Iterator[Metric]:
         infos = self.index.workers()
-        routable = GaugeMetricFamily(
-            "kvpool_router_worker_healthy", "1 while the worker may be routed to.",
-            labels=["worker"])
-        state = GaugeMetricFamily(
-            "kvpool_router_worker_state",
-            "1 for the worker's health state (unknown, healthy, degraded, unhealthy).",
-            labels=["worker", "state"])
-        blocks = GaugeMetricFamily(
-            "kvpool_router_worker_blocks", "Blocks the index holds per worker, tier.",
-            labels=["worker", "tier"])
-        active = GaugeMetricFamily(
-            "kvpool_router_worker_active_requests", "Routed, unfinished requests.",
-            labels=["worker"])
+        routable, state, blocks, active = (
+            GaugeMetricFamily(f"kvpool_router_worker_{name}", help_, labels=labels)
+            for name, help_, labels in _WORKER_GAUGES
+        )
         errors = CounterMetricFamily(
             "kvpool_router_worker_decode_errors",
             "Payloads of the worker that could not be decoded (skipped).", labels=["worker"])

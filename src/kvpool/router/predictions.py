@@ -22,24 +22,25 @@ class Predictions:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.masks: dict[int, int] = {}
-        self._refs: dict[tuple[int, int], int] = {}
+        self._refs: dict[int, dict[int, int]] = {}  # slot -> {key: references} (no tuples)
         # (expiry, slot, keys) in expiry order: a constant TTL keeps appends sorted
         self._queue: deque[tuple[float, int, list[int]]] = deque()
 
     def __len__(self) -> int:
         """Distinct (key, slot) predictions."""
-        return len(self._refs)
+        return sum(map(len, self._refs.values()))
 
     def add(self, slot: int, keys: list[int]) -> None:
         """A request with block ``keys`` was routed to ``slot``: predicted until :meth:`start`
         and ``ttl_s`` after it."""
         bit = 1 << slot
         masks = self.masks
-        refs = self._refs
+        refs = self._refs.get(slot)
+        if refs is None:
+            refs = self._refs[slot] = {}
         for h in keys:
-            k = (h, slot)
-            c = refs.get(k, 0)
-            refs[k] = c + 1
+            c = refs.get(h, 0)
+            refs[h] = c + 1
             if c == 0:
                 masks[h] = masks.get(h, 0) | bit
 
@@ -58,19 +59,20 @@ class Predictions:
         """One request's prediction of ``keys`` on ``slot`` ends."""
         clear = ~(1 << slot)
         masks = self.masks
-        refs = self._refs
+        refs = self._refs[slot]
         for h in keys:
-            k = (h, slot)
-            c = refs[k]
+            c = refs[h]
             if c > 1:
-                refs[k] = c - 1
+                refs[h] = c - 1
                 continue
-            del refs[k]
+            del refs[h]
             m = masks[h] & clear
             if m:
                 masks[h] = m
             else:
                 del masks[h]
+        if not refs:
+            del self._refs[slot]
 
     def drop_slot(self, slot: int) -> None:
         """The worker's cache is gone: the queued predictions of ``slot`` end now (those of

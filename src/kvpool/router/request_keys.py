@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from array import array
-from typing import Final
+from typing import Final, cast
 
-from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id
+from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id, request_block_hashes
 from kvpool.router.index import token_chain_keys, token_chain_root
 
 __all__ = ["request_keys"]
@@ -25,6 +25,10 @@ def request_keys(
     group's workers publish for the same blocks. Blocks cover the prompt minus its last token,
     a trailing partial block included for TensorRT-LLM's algorithms (``v1``, ``v2``) and the
     token chain, full blocks only for vLLM's (COMPATIBILITY §1.5)."""
+    if scheme == "v2":  # the whole chain in one call, no hasher object
+        return cast(list[int], request_block_hashes(
+            tokens, tokens_per_block, HashAlgo.V2_SHA256_64, cache_salt=cache_salt
+        ))
     body = tokens[: max(len(tokens) - 1, 0)]
     if scheme == "tokens":
         salt = cache_salt_id(cache_salt) if cache_salt is not None else None
@@ -38,9 +42,4 @@ def request_keys(
         if isinstance(tail, int):
             out.append(tail)
         return out
-    if scheme == "v2":
-        tail = hasher.partial_key()
-        if tail is not None:
-            keys.append(tail)
-        return [int.from_bytes(k[:8], "big") for k in keys if isinstance(k, bytes)]
     return [int.from_bytes(k[-8:], "big") for k in keys if isinstance(k, bytes)]

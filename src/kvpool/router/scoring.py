@@ -441,7 +441,7 @@ class Router:
             prompt - winner.matched_tokens, 0
         )
         entry = Active(winner.worker_id, prefill, prompt, now)
-        self._loads.add(request_id, entry)
+        self._loads.add(request_id, entry, self.request_timeout_s > 0)
         index = self.index
         gkey = index.group_of(winner.worker_id)
         if gkey is not None and gkey in group_keys:
@@ -512,10 +512,7 @@ class Router:
     def _expire(self, now: float) -> None:
         self._pred.expire(now)
         if self.request_timeout_s > 0:
-            deadline = now - self.request_timeout_s
-            while (oldest := self._loads.oldest_before(deadline)) is not None:
-                rid, entry = oldest
-                del self._loads.requests[rid]
+            for entry in self._loads.timed_out(now - self.request_timeout_s):
                 self._unload(entry, now)
                 self.stats.expired_total += 1
         if self.approx.slot_bits:

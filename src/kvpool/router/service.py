@@ -31,7 +31,13 @@ The service listens where its config says (loopback by default; port 0 picks a f
 Request bodies over ``listen.max_body_bytes`` get 413; every error status (400, 401, 404, 405,
 413, 500, 502, 503) comes with a JSON body ``{"error": "..."}``. With ``listen.auth_token_env``
 set, every endpoint but ``/health`` requires ``Authorization: Bearer <token>``, the token being
-the value of that environment variable (401 otherwise).
+the value of that environment variable (401 otherwise). A 405 names the allowed methods
+(``Allow``); ``HEAD`` works wherever ``GET`` does; a request with ``Expect: 100-continue`` gets
+its 100 before sending the body, or a 413 at once when its ``Content-Length`` is over the limit.
+
+The server is aiohttp's low-level one with the endpoints in one dict (the per-request work of an
+``Application``'s router and middleware chain is not needed here); ``kvpool router`` runs it on
+uvloop when installed (:mod:`kvpool.commands.router`).
 """
 
 from __future__ import annotations
@@ -102,7 +108,7 @@ def _parse(decoder: msgspec.json.Decoder[_T], raw: bytes, what: str) -> _T:
         raise InvalidArgumentError(f"bad {what} body ({type(exc).__name__}): {exc}") from None
 
 
-_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 class RouterService:
@@ -145,7 +151,8 @@ class RouterService:
         for w in config.workers:
             self.ingest.add(w)
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
+        self._endpoints: dict[str, dict[str, _Handler]] = {}
         self._proxy_session: ClientSession | None = None
         self._proxy_ids = itertools.count()
         self.metrics = RouterMetrics(self.router, self.index, self.ingest)
@@ -154,19 +161,35 @@ class RouterService:
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=self.config.listen.max_body_bytes, middlewares=[self._guard]
-        )
-        app.router.add_post("/route", self._route)
-        app.router.add_post("/finished", self._finished)
-        app.router.add_get("/workers", self._workers_view)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
+    def server(self) -> web.Server:
+        """The HTTP server (built on the running loop): aiohttp's low-level one, with the
+        endpoints in one dict (path -> method -> handler). An ``Application`` (router, match
+        info, middleware chain) measured about 20 us more per request, a fifth of the HTTP
+        work of a route."""
+        endpoints: dict[str, dict[str, _Handler]] = {
+            "/route": {"POST": self._route},
+            "/finished": {"POST": self._finished},
+            "/workers": {"GET": self._workers_view},
+            "/metrics": {"GET": self._metrics},
+            "/health": {"GET": self._health},
+        }
         if self.config.proxy:
-            app.router.add_post("/v1/completions", self._proxy)
-            app.router.add_post("/v1/chat/completions", self._proxy)
-        return app
+            endpoints["/v1/completions"] = {"POST": self._proxy}
+            endpoints["/v1/chat/completions"] = {"POST": self._proxy}
+        for methods in endpoints.values():  # HEAD as GET (aiohttp sends no body)
+            if "GET" in methods:
+                methods["HEAD"] = methods["GET"]
+        self._endpoints = endpoints
+        limit = self.config.listen.max_body_bytes
+        loop = asyncio.get_running_loop()
+
+        def make_request(
+            message: Any, payload: Any, protocol: Any, writer: Any, task: Any
+        ) -> web.BaseRequest:
+            return web.BaseRequest(message, payload, protocol, writer, task, loop,
+                                   client_max_size=limit)
+
+        return web.Server(self._dispatch, request_factory=make_request)
 
     async def start(self) -> int:
         """Start ingesting and listening; returns the port bound."""
@@ -176,7 +199,7 @@ class RouterService:
             self._proxy_session = ClientSession(
                 timeout=ClientTimeout(total=None, sock_connect=self.config.ingest.http_timeout_s)
             )
-        runner = web.AppRunner(self.app(), access_log=None)
+        runner = web.ServerRunner(self.server(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         try:
@@ -206,11 +229,12 @@ class RouterService:
 
     # ------------------------------------------------------------------------------ handlers
 
-    @web.middleware
-    async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
-        """Bearer-token check (every endpoint but ``/health``) and JSON bodies for every error
-        status: aiohttp's own (404, 405, 413) and an unexpected failure's 500."""
-        if self._token is not None and request.path != "/health":
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Bearer-token check (every endpoint but ``/health``), then the endpoint's handler;
+        JSON bodies for every error status: 401, 404, 405, 413 and an unexpected failure's
+        500. ``Expect: 100-continue`` is answered before the body is read."""
+        path = request.path
+        if self._token is not None and path != "/health":
             given = request.headers.get("Authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -219,23 +243,40 @@ class RouterService:
                 resp = _error(401, "missing or wrong bearer token (Authorization: Bearer ...)")
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return resp
+        methods = self._endpoints.get(path)
+        if methods is None:
+            return _error(404, f"no endpoint {path}")
+        handler = methods.get(request.method)
+        if handler is None:
+            resp = _error(405, f"{request.method} is not allowed on {path}")
+            resp.headers["Allow"] = ", ".join(methods)
+            return resp
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            if request.content_length is not None and (
+                request.content_length > self.config.listen.max_body_bytes
+            ):
+                return self._too_large()
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the response proper has not started
         try:
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return self._too_large()
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            message = exc.text or exc.reason
-            if exc.status == 413:
-                message = (f"request body is over listen.max_body_bytes "
-                           f"({self.config.listen.max_body_bytes} bytes)")
-            return _error(exc.status, message)
+            return _error(exc.status, exc.text or exc.reason)
         except asyncio.CancelledError:
             raise
         except Exception:
-            logger.exception("%s %s failed", request.method, request.path)
-            return _error(500, f"internal error in {request.path} (logged by the router)")
+            logger.exception("%s %s failed", request.method, path)
+            return _error(500, f"internal error in {path} (logged by the router)")
 
-    async def _route(self, request: web.Request) -> web.Response:
+    def _too_large(self) -> web.Response:
+        return _error(413, f"request body is over listen.max_body_bytes "
+                           f"({self.config.listen.max_body_bytes} bytes)")
+
+    async def _route(self, request: web.BaseRequest) -> web.Response:
         try:
             body = parse_route_body(await request.read())
         except InvalidArgumentError as exc:
@@ -253,7 +294,7 @@ class RouterService:
             return _error(400, str(exc))
         return web.Response(body=msgspec.json.encode(decision), content_type=_JSON)
 
-    async def _finished(self, request: web.Request) -> web.Response:
+    async def _finished(self, request: web.BaseRequest) -> web.Response:
         try:
             body = parse_finished_body(await request.read())
         except InvalidArgumentError as exc:
@@ -261,7 +302,7 @@ class RouterService:
         done = self.router.request_finished(body.request_id)
         return web.json_response({"request_id": body.request_id, "finished": done})
 
-    async def _workers_view(self, request: web.Request) -> web.Response:
+    async def _workers_view(self, request: web.BaseRequest) -> web.Response:
         out: list[dict[str, Any]] = []
         for info in self.index.workers():
             cfg = self._workers.get(info.worker_id)
@@ -295,7 +336,7 @@ class RouterService:
             })
         return web.json_response({"workers": out})
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: web.BaseRequest) -> web.Response:
         infos = self.index.workers()
         healthy = sum(1 for i in infos if i.healthy)
         return web.json_response(
@@ -304,10 +345,10 @@ class RouterService:
             status=200 if healthy else 503,
         )
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: web.BaseRequest) -> web.Response:
         return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
         raw = await request.read()
         try:
             obj = _ANY_DECODER.decode(raw)

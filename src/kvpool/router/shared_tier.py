@@ -47,7 +47,7 @@ from kvpool.events.keyed import (
     normalize_hash,
     normalize_hashes,
 )
-from kvpool.events.model import KVCacheEvent, Removed, Stored, Updated
+from kvpool.events.model import REMOTE_CACHE_LEVEL, KVCacheEvent, Removed, Stored, Updated
 
 __all__ = [
     "DEFAULT_SHARED_TIER_BLOCKS",
@@ -55,11 +55,6 @@ __all__ = [
     "REMOTE_CACHE_LEVEL",
     "SharedTiers",
 ]
-
-REMOTE_CACHE_LEVEL: Final = 3
-"""The cache level of a block held in a shared remote tier (TensorRT-LLM's level 3, vLLM's
-medium ``"REMOTE"``); :data:`kvpool.events.model.REMOTE_CACHE_LEVEL` where the event decoders
-know it."""
 
 DEFAULT_SHARED_TIER_WEIGHT: Final = 0.3
 """``cost``/``approx``: what a matched token saves when only a shared remote tier holds it,

@@ -26,6 +26,10 @@ __all__ = ["walk"]
 
 _LITTLE: Final = sys.byteorder == "little"
 _U64: Final = (1 << 64) - 1
+_WALK_NP_MIN_BLOCKS: Final = 128
+"""Prompts of this many blocks or more are walked with numpy: below it the Python walk, which
+stops at the first block no worker holds, measured faster (64 blocks: 2x on GPU copies, 1.3x
+with host and disk copies); from 256 blocks with tiered copies numpy wins."""
 
 
 def walk(
@@ -42,7 +46,7 @@ def walk(
     ``pred``: predicted GPU bits; ``shared``: per key, the slots of its shared-tier readers."""
     if shared and not shared.keys().isdisjoint(keys):
         return _walk_py(keys, alive, stride, masks, pred, approx, shared)
-    if stride == 64 and len(keys) >= 32 and _LITTLE:
+    if stride == 64 and len(keys) >= _WALK_NP_MIN_BLOCKS and _LITTLE:
         return _walk_np(keys, alive, masks, pred, approx)
     return _walk_py(keys, alive, stride, masks, pred, approx, {})
 

@@ -2,9 +2,10 @@
 
 ZeroMQ sockets stay on the thread that made them, so each ZMQ worker gets a thread that runs a
 :class:`~kvpool.events.zmq.ZmqEventSubscriber`, decodes each batch
-(:func:`decode_vllm`) and hands the result to the event loop (:meth:`Ingest._deliver
-<kvpool.router.ingest.Ingest>`), which alone touches the index. Every ``health_interval_s`` it
-probes the replay socket (:meth:`~kvpool.events.zmq.ZmqEventSubscriber.probe`), then:
+(:func:`decode_vllm`) and hands the result to the event loop through its :class:`ReaderSink`
+(the router's :class:`~kvpool.router.ingest.Ingest`), which alone touches the index. Every
+``health_interval_s`` it probes the replay socket
+(:meth:`~kvpool.events.zmq.ZmqEventSubscriber.probe`), then:
 
 * a vLLM publisher (no snapshots): asks for a replay from the next expected batch, so a lost
   last batch of an idle worker comes back within one period;
@@ -26,20 +27,18 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from kvpool.errors import EventFormatError
 from kvpool.events.keyed import KeyedEvent
 from kvpool.events.vllm_msgpack import decode_vllm_keys
 from kvpool.events.zmq import SubscribedBatch, ZmqEventSubscriber
 from kvpool.hashing import HashAlgo
-from kvpool.router.config import WorkerConfig, WorkerKind
+from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 
-if TYPE_CHECKING:
-    from kvpool.router.ingest import Ingest
-
-__all__ = ["MAX_BACKOFF_S", "Delivery", "ZmqReader", "decode_vllm", "next_backoff"]
+__all__ = ["MAX_BACKOFF_S", "Delivery", "ReaderSink", "ZmqReader", "decode_vllm", "next_backoff"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +70,43 @@ class Delivery:
     error: str | None = None  # why the last undecodable batch was refused
 
 
-class ZmqReader(threading.Thread):
-    """Owns one worker's ZMQ sockets (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class ReaderSink:
+    """Where a reader's results go: each is posted to the event loop, which alone runs them."""
 
-    def __init__(self, ingest: Ingest, loop: asyncio.AbstractEventLoop, w: WorkerConfig) -> None:
+    deliver: Callable[[str, Delivery], None]
+    """(worker id, delivery): batches decoded, counters, snapshots."""
+    failed: Callable[[str, str], None]
+    """(worker id, reason): the reader failed and restarts with backoff."""
+    health: Callable[[str, bool, str], None]
+    """(worker id, healthy, reason): what a liveness probe showed."""
+    probe_failed: Callable[[], None]
+    """Count one failed liveness probe."""
+
+
+class ZmqReader(threading.Thread):
+    """Owns one worker's ZMQ sockets (see the module docstring).
+
+    ``tokens``: whether the index matches this worker by tokens (it then decodes the stored
+    blocks' tokens).
+    """
+
+    def __init__(
+        self,
+        sink: ReaderSink,
+        loop: asyncio.AbstractEventLoop,
+        w: WorkerConfig,
+        options: IngestOptions,
+        *,
+        tokens: bool,
+    ) -> None:
         super().__init__(name=f"kvpool-router-zmq-{w.id}", daemon=True)
-        self.ingest = ingest
+        self.sink = sink
         self.loop = loop
         self.w = w
         self.algo = w.hash_algo or HashAlgo.VLLM_SHA256_CBOR.value
-        self.tokens = ingest.index.uses_tokens(w.id)  # read here, on the event loop's thread
-        self.options = ingest.options
+        self.tokens = tokens
+        self.options = options
         self.stop_event = threading.Event()
         self.ready = threading.Event()
         """Set once the first bootstrap (snapshot or replay) was handed to the event loop."""
@@ -100,7 +125,7 @@ class ZmqReader(threading.Thread):
             except Exception as exc:  # never silently dead: report, wait, start again
                 backoff = next_backoff(backoff)
                 logger.exception("ZMQ reader of worker %s failed", self.w.id)
-                self._post(self.ingest._reader_failed, self.w.id,
+                self._post(self.sink.failed, self.w.id,
                            f"event reader failed ({exc!r}); restarting in {backoff:.2f} s")
                 if self.stop_event.wait(backoff):
                     return
@@ -171,7 +196,7 @@ class ZmqReader(threading.Thread):
             d.batches.append((snap.seq - 1, events))
             d.snapshots += 1
         self.resume_seq = sub.expected_seq or 0
-        self._post(self.ingest._deliver, self.w.id, d)
+        self._post(self.sink.deliver, self.w.id, d)
         return True
 
     def _handle(self, sub: ZmqEventSubscriber, batches: list[SubscribedBatch]) -> None:
@@ -202,7 +227,7 @@ class ZmqReader(threading.Thread):
             self.next_id += len(events)
             d.batches.append((b.seq, events))
         self.resume_seq = sub.expected_seq or 0
-        self._post(self.ingest._deliver, self.w.id, d)
+        self._post(self.sink.deliver, self.w.id, d)
 
     _last_error: str | None = None
 
@@ -215,11 +240,8 @@ class ZmqReader(threading.Thread):
 
     def _post_health(self, ok: bool, reason: str) -> None:
         if not ok:
-            self._post(self._count_probe_failure)
-        self._post(self.ingest._set_health, self.w.id, ok, reason)
-
-    def _count_probe_failure(self) -> None:
-        self.ingest.counters.probe_failures += 1
+            self._post(self.sink.probe_failed)
+        self._post(self.sink.health, self.w.id, ok, reason)
 
     def _post(self, fn: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed while we were stopping
