@@ -181,6 +181,16 @@ def test_ties_go_to_the_less_busy_worker_then_registration_order() -> None:
     assert router.route(PROMPT).worker_id == "C"
 
 
+def test_ties_go_to_fewer_unfinished_requests_before_less_kv_held() -> None:
+    """A worker with one long request is less busy than one with two short ones (the batch
+    slots and the per-step token budget run out first); equal counts go by KV held."""
+    _, router = make("A", "B", load_weight=0.0, prediction_ttl_s=0)
+    load_up(router, "A", 1, tokens=1000, tag="long")
+    load_up(router, "B", 2, tokens=10, tag="short")
+    assert router.route(PROMPT).worker_id == "A"  # 1 request of 1,000 tokens against 2 of 10
+    assert router.route(list(range(900, 915))).worker_id == "B"  # 2 and 2: B holds less KV
+
+
 def test_predictions_pull_a_burst_together_until_they_expire() -> None:
     """Predicted blocks live while the request's prefill is pending, then prediction_ttl_s."""
     clock = Clock()

@@ -16,6 +16,8 @@ in ``examples/``)::
       prediction_ttl_s: 2.0                       # default: 2.0 in cost mode, 0 in trtllm mode
       max_batch_size: 64
       request_timeout_s: 600
+      shared_tier_weight: 0.3                     # per token only a shared remote tier holds
+      shared_tier_blocks: 4194304                 # keys a shared tier is assumed to keep
       seed: 0
     ingest:
       poll_interval_s: 0.5                        # TensorRT-LLM event polling
@@ -34,6 +36,8 @@ in ``examples/``)::
         match_by_tokens: false                    # key blocks by their token ids instead
         approx_blocks: null                       # [gpu, host, disk] blocks: no events, the
                                                   # router predicts the cache (approx mode)
+        shared_tier: null                         # name of the shared remote tier (Redis /
+                                                  # Valkey store) the worker reads and writes
 
 ``hash_algo`` defaults: ``vllm_sha256_cbor`` for vLLM workers (unless ``match_by_tokens``);
 for TensorRT-LLM workers what ``/server_info`` advertises, else each event's field; kvpool
@@ -61,6 +65,7 @@ import yaml
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
 from kvpool.hashing import hash_algo as parse_hash_algo
 from kvpool.router.scoring import DEFAULT_LOAD_WEIGHT, DEFAULT_TIER_WEIGHTS
+from kvpool.router.shared_tier import DEFAULT_SHARED_TIER_BLOCKS, DEFAULT_SHARED_TIER_WEIGHT
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -111,6 +116,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The worker publishes no KV events: the router predicts its cache from what it routed
     there, with this many blocks per tier (GPU[, host[, disk]]), see
     :meth:`kvpool.router.scoring.Router.predict_cache`."""
+    shared_tier: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """The shared remote tier (a name; one per store) the worker reads and writes: blocks any
+    worker of that tier announces on the remote cache level count for this one too, see
+    :meth:`kvpool.router.scoring.Router.share_tier`. Needs the engine's block hashes (not
+    ``match_by_tokens``)."""
 
 
 class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -123,6 +133,8 @@ class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prediction_ttl_s: _NonNegative | None = None
     max_batch_size: _Positive = 64
     request_timeout_s: _NonNegative = 600.0
+    shared_tier_weight: _Weight = DEFAULT_SHARED_TIER_WEIGHT
+    shared_tier_blocks: _Positive = DEFAULT_SHARED_TIER_BLOCKS
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
@@ -214,6 +226,11 @@ def _checked_worker(w: WorkerConfig, where: str) -> WorkerConfig:
             raise ConfigError(f"{where}.{name}: {ep!r} is not a ZeroMQ endpoint (tcp://host:port)")
     if w.replay_endpoint is not None and w.zmq_endpoint is None:
         raise ConfigError(f"{where}.replay_endpoint: needs a zmq_endpoint")
+    if w.shared_tier is not None and w.match_by_tokens:
+        raise ConfigError(
+            f"{where}.shared_tier: needs the engine's block hashes; match_by_tokens keys "
+            "blocks by tokens, which remote-tier events do not map"
+        )
     approx = w.approx_blocks
     if approx is not None and not (1 <= len(approx) <= 3 and approx[0] >= 1):
         raise ConfigError(

@@ -60,6 +60,7 @@ from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
 from kvpool.hashing import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 from kvpool.router.index import HOLE_WINDOW, KvIndex
+from kvpool.router.shared_tier import SharedTiers
 from kvpool.router.zmq_reader import Delivery, ReaderSink, ZmqReader, decode_vllm, next_backoff
 
 __all__ = ["WORKER_STATES", "Ingest", "IngestCounters", "TransportStatus"]
@@ -139,8 +140,14 @@ class Ingest:
     """Feeds a :class:`KvIndex` from its workers. The index must already know every worker
     added here; the event loop that runs :meth:`start` is the only one touching the index."""
 
-    def __init__(self, index: KvIndex, options: IngestOptions | None = None) -> None:
+    def __init__(
+        self, index: KvIndex, options: IngestOptions | None = None,
+        shared: SharedTiers | None = None,
+    ) -> None:
         self.index = index
+        self.shared = shared if shared is not None else SharedTiers()
+        """Where blocks announced on the remote cache level go (the router's, to credit them;
+        :mod:`kvpool.router.shared_tier`); the index sees the rest."""
         self.options = options or IngestOptions()
         self.counters = IngestCounters()
         self._workers: dict[str, WorkerConfig] = {}
@@ -234,7 +241,7 @@ class Ingest:
         """Apply a kvpool manager's events in-process; returns how many were applied."""
         status = self.status(worker_id)
         batch = list(events)
-        applied = self.index.apply_many(worker_id, batch)
+        applied = self._apply(worker_id, batch)
         self._account(worker_id, status, len(batch))
         return applied
 
@@ -250,7 +257,7 @@ class Ingest:
             self._malformed(worker_id, status, str(exc))
             return 0
         self._next_id[worker_id] = first + len(events)
-        applied = self.index.apply_many(worker_id, events)
+        applied = self._apply(worker_id, events)
         self._account(worker_id, status, len(events))
         return applied
 
@@ -269,11 +276,16 @@ class Ingest:
             self._malformed(worker_id, status, str(exc))
             return 0
         self._detect_id_restart(worker_id, status, events)
-        applied = self.index.apply_many(worker_id, events)
+        applied = self._apply(worker_id, events)
         self._account(worker_id, status, len(events))
         return applied
 
     # ------------------------------------------------------------------------------ internals
+
+    def _apply(self, worker_id: str, events: list[Any]) -> int:
+        """Apply a decoded batch: remote-level blocks to :attr:`shared`, the rest to the
+        index."""
+        return self.index.apply_many(worker_id, self.shared.split(worker_id, events))
 
     def _account(self, worker_id: str, status: TransportStatus, n_events: int) -> None:
         status.batches += 1
@@ -361,7 +373,7 @@ class Ingest:
             if events is None:
                 self._malformed(worker_id, status, delivery.error)
                 continue
-            self.index.apply_many(worker_id, events)
+            self._apply(worker_id, events)
             status.last_seq = seq
             self._account(worker_id, status, len(events))
         if delivery.batches and status.state != HEALTHY:

@@ -138,12 +138,16 @@ class RouterService:
             prediction_ttl_s=o.prediction_ttl_s,
             max_batch_size=o.max_batch_size,
             request_timeout_s=o.request_timeout_s,
+            shared_tier_weight=o.shared_tier_weight,
+            shared_tier_blocks=o.shared_tier_blocks,
             seed=o.seed,
         )
         for w in config.workers:
             if w.approx_blocks is not None:  # publishes no events: its cache is predicted
                 self.router.predict_cache(w.id, w.approx_blocks)
-        self.ingest = Ingest(self.index, config.ingest)
+            if w.shared_tier is not None:
+                self.router.share_tier(w.id, w.shared_tier)
+        self.ingest = Ingest(self.index, config.ingest, shared=self.router.shared)
         for w in config.workers:
             self.ingest.add(w)
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
