@@ -285,7 +285,13 @@ def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
         blocks = [b for e in stored for b in e.blocks]
         assert [list(b.tokens) for b in blocks[:3]] == [prompt[i:i + TPB]
                                                        for i in range(0, 3 * TPB, TPB)]
-        cached = {h for h, _, tier in engine.manager.cached_blocks() if tier == 0}
+        # the prompt's partial last block is committed when the request ends, which may be
+        # after the answer reached the client: wait for it before a consumer joins
+        while time.monotonic() < deadline:
+            cached = {h for h, _, tier in engine.manager.cached_blocks() if tier == 0}
+            if len(cached) > len(blocks):
+                break
+            time.sleep(0.01)
         assert {b.block_hash for b in blocks} <= cached
         # a consumer joining now (a router started after the worker) asks for a snapshot: an
         # all-cleared event, then every block published so far, the partial one included
