@@ -245,6 +245,9 @@ def test_shared_tier_credit_over_http_through_the_service() -> None:
                 assert (by["e2"]["shared_blocks"], by["e2"]["score"]) == (0, -65)
                 _, workers = await get_json(s, f"{base}/workers")
                 assert all(w["events_malformed"] == 0 for w in workers["workers"])
+                async with s.get(f"{base}/metrics") as resp:
+                    text = await resp.text()
+                assert "kvpool_router_shared_hit_blocks_total 3.0" in text
         finally:
             await svc.stop()
             for e in engines:

@@ -34,6 +34,8 @@ _TOTALS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("prompt_tokens", "Prompt tokens routed.", "router", "prompt_tokens"),
     ("matched_tokens", "Prompt tokens found cached on the chosen worker.", "router",
      "matched_tokens"),
+    ("shared_hit_blocks", "Blocks credited from a shared remote tier (shared_tier).",
+     "router", "shared_hit_blocks"),
     ("requests_finished", "Requests reported finished.", "router", "finished_total"),
     ("requests_expired", "Requests dropped after request_timeout_s without a finish.", "router",
      "expired_total"),
