@@ -61,7 +61,7 @@ class RequestPlan:
 
     def __init__(self, request: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                  num_matched: int, partial: Block | None, partial_tokens: int,
-                 claim_slots: dict[int, list[int]], tpb: int, groups: int) -> None:
+                 claim_slots: dict[int, list[int]], tpb: int, groups: range) -> None:
         n = len(request.tokens)
         self.request = request
         self.seq_id: int | str = request.seq_id
@@ -73,7 +73,7 @@ class RequestPlan:
         self.reused_tokens = num_matched * tpb + partial_tokens
         self.num_blocks = -(-n // tpb)  # context blocks
         self.last_shared = request.beam_width == 1 or n % tpb == 0  # shared by all beams
-        self.new_blocks: dict[int, int] = dict.fromkeys(range(groups), 0)
+        self.new_blocks: dict[int, int] = dict.fromkeys(groups, 0)
         # layer group -> indices of matched blocks it claims, their slots and tiers
         self.claimed: dict[int, Sequence[int]] = {}
         self.claim_slots = claim_slots
@@ -295,14 +295,15 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
 def _check_requests(view: PlanView, requests: list[SequenceRequest]) -> None:
     """Refuse a batch with a bad request (nothing is planned)."""
     cfg = view.config
-    seen: set[int | str] = set()
+    seen: set[int | str] | None = set() if len(requests) > 1 else None  # a batch of one: none
     for r in requests:
         if not isinstance(r, SequenceRequest):
             raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
-        if r.seq_id in seen or r.seq_id in view.sequences:
-            where = "twice in this batch" if r.seq_id in seen else "already in use"
+        if r.seq_id in view.sequences or (seen is not None and r.seq_id in seen):
+            where = "already in use" if r.seq_id in view.sequences else "twice in this batch"
             raise DuplicateSequenceError(f"sequence id {r.seq_id!r} is {where}")
-        seen.add(r.seq_id)
+        if seen is not None:
+            seen.add(r.seq_id)
         if r.beam_width > cfg.max_beam_width:
             raise InvalidArgumentError(
                 f"request {r.seq_id!r}: beam_width {r.beam_width} > max_beam_width "
@@ -320,8 +321,7 @@ def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
     root_key, matched, pblock, pk, matched_slots = walk(view, r)
     d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
         b - a for _, a, b in matched)
-    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb,
-                    view.config.num_groups)
+    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb, view.groups)
     kinds = view.kinds
     claimed = p.claimed
     for g in view.self_groups:
