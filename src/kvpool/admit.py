@@ -59,13 +59,14 @@ def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[t
     takeovers: set[tuple[int, int]] = set()
     first = True
     gpu = st.gpu
+    one_tier = st.tiers == 1
     for p in plan.requests:
         beams = p.request.beam_width
         for g, slots in p.claim_slots.items():
             tiers = p.claim_tiers[g]
             pool = gpu[g]
             ref = pool.ref
-            if not any(tiers):  # all on the GPU (slots are distinct within a request)
+            if one_tier or not any(tiers):  # all on the GPU (slots are distinct within a request)
                 # the first request claims from the state it was planned against
                 queued = p.queued[g] if first else [s for s in slots if not ref[s]]
                 pool.queue.remove_many(queued)
@@ -128,7 +129,8 @@ def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats)
     claimed = p.claimed[g]
     claim_tiers = p.claim_tiers[g]
     tier_hits = st.stats.tier_hits
-    if any(claim_tiers):
+    colder = st.tiers > 1 and any(claim_tiers)  # one tier: every claim is on the GPU
+    if colder:
         shared = [NO_SLOT] * d
         blocks = p.blocks()
         beams = p.request.beam_width
@@ -145,7 +147,7 @@ def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats)
         shared = [NO_SLOT] * d
         for i, s in zip(claimed, p.claim_slots[g], strict=True):
             shared[i] = s
-    tier_hits[0] += claim_tiers.count(0)
+    tier_hits[0] += claim_tiers.count(0) if colder else len(claimed)
     stats.full_reused += len(claimed)
     return shared
 
