@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import cast
 
@@ -61,7 +61,7 @@ class RequestPlan:
 
     def __init__(self, request: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                  num_matched: int, partial: Block | None, partial_tokens: int,
-                 claim_slots: dict[int, list[int]], tpb: int, groups: int) -> None:
+                 claim_slots: dict[int, list[int]], tpb: int, groups: range) -> None:
         n = len(request.tokens)
         self.request = request
         self.seq_id: int | str = request.seq_id
@@ -73,7 +73,7 @@ class RequestPlan:
         self.reused_tokens = num_matched * tpb + partial_tokens
         self.num_blocks = -(-n // tpb)  # context blocks
         self.last_shared = request.beam_width == 1 or n % tpb == 0  # shared by all beams
-        self.new_blocks: dict[int, int] = dict.fromkeys(range(groups), 0)
+        self.new_blocks: dict[int, int] = dict.fromkeys(groups, 0)
         # layer group -> indices of matched blocks it claims, their slots and tiers
         self.claimed: dict[int, Sequence[int]] = {}
         self.claim_slots = claim_slots
@@ -125,11 +125,15 @@ class BatchPlan:
     requests: list[RequestPlan]
     new_blocks: dict[int, int]
     available: dict[int, int]  # free + evictable GPU slots not claimed by this batch
+    partials: list[RequestPlan] = field(default_factory=list)  # the requests with a partial
 
     @property
     def fits(self) -> bool:
         available = self.available
-        return all(n <= available[g] for g, n in self.new_blocks.items())
+        for g, n in self.new_blocks.items():  # noqa: SIM110 (a loop: no generator per call)
+            if n > available[g]:
+                return False
+        return True
 
     @property
     def deficit(self) -> dict[tuple[int, int], int]:
@@ -256,10 +260,14 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     if len(matched) == 1:
         run, a, b = matched[0]
         d = b - a
-        slots = {g: run.slot[g][a:b] for g in groups}
+        slots = {}  # loops, not comprehensions: each of those is a call in Python 3.11
+        for g in groups:
+            slots[g] = run.slot[g][a:b]
     else:
         d = sum(b - a for _, a, b in matched)
-        slots = {g: flat(matched, g) for g in groups}
+        slots = {}
+        for g in groups:
+            slots[g] = flat(matched, g)
     kinds = view.kinds
     if cfg.enable_partial_reuse and d * tpb < body:
         target = raw[d * step:min((d + 1) * tpb, body) * 4]
@@ -287,14 +295,15 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
 def _check_requests(view: PlanView, requests: list[SequenceRequest]) -> None:
     """Refuse a batch with a bad request (nothing is planned)."""
     cfg = view.config
-    seen: set[int | str] = set()
+    seen: set[int | str] | None = set() if len(requests) > 1 else None  # a batch of one: none
     for r in requests:
         if not isinstance(r, SequenceRequest):
             raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
-        if r.seq_id in seen or r.seq_id in view.sequences:
-            where = "twice in this batch" if r.seq_id in seen else "already in use"
+        if r.seq_id in view.sequences or (seen is not None and r.seq_id in seen):
+            where = "already in use" if r.seq_id in view.sequences else "twice in this batch"
             raise DuplicateSequenceError(f"sequence id {r.seq_id!r} is {where}")
-        seen.add(r.seq_id)
+        if seen is not None:
+            seen.add(r.seq_id)
         if r.beam_width > cfg.max_beam_width:
             raise InvalidArgumentError(
                 f"request {r.seq_id!r}: beam_width {r.beam_width} > max_beam_width "
@@ -312,8 +321,7 @@ def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
     root_key, matched, pblock, pk, matched_slots = walk(view, r)
     d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
         b - a for _, a, b in matched)
-    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb,
-                    view.config.num_groups)
+    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb, view.groups)
     kinds = view.kinds
     claimed = p.claimed
     for g in view.self_groups:
@@ -331,7 +339,9 @@ class _BatchClaims:
     def __init__(self, groups: int, single: bool) -> None:
         self.single = single
         self.count = [0] * groups
-        self.evictable: list[set[int]] = [set() for _ in range(groups)]
+        # one set per group (a list display: no comprehension call for the common one group)
+        self.evictable: list[set[int]] = [set()] if groups == 1 else [
+            set() for _ in range(groups)]
         self.onboarded: set[tuple[int, int, int]] = set()
 
     def claimed(self, g: int) -> int:
@@ -359,12 +369,13 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
     ref = view.refs(g)
     idxs = p.claimed[g]
     slots = p.claim_slots[g]  # every matched block's, from the walk
-    tiers = [0] * d if view.one_tier else flat(p._matched, g, tiers=True)
+    one_tier = view.one_tier
+    tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
     if len(idxs) != d:
         tiers = [tiers[i] for i in idxs]
         slots = p.claim_slots[g] = [slots[i] for i in idxs]
     p.claim_tiers[g] = tiers
-    if view.one_tier or not any(tiers):
+    if one_tier or not any(tiers):
         queued = p.queued[g] = [s for s in slots if not ref[s]]
         if claims.single:
             claims.count[g] += len(queued)  # slots are distinct within a request
@@ -387,8 +398,13 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
 def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     """Plan a batch without changing anything (see the module docstring)."""
     _check_requests(view, requests)
-    out = [_plan_request(view, r) for r in requests]
-    partials = [p for p in out if p._partial is not None]
+    out: list[RequestPlan] = []
+    partials: list[RequestPlan] = []
+    for r in requests:
+        p = _plan_request(view, r)
+        out.append(p)
+        if p._partial is not None:
+            partials.append(p)
     tracker = PartialClaimTracker() if partials else None
     if tracker is not None:
         # partial sources are decided once every full match of the batch is known
@@ -414,10 +430,11 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             else:
                 new_blocks[g] = _group_needs(view, p, g, claims)
     if len(out) == 1:
-        totals = dict(out[0].new_blocks)
+        totals = out[0].new_blocks.copy()
     else:
         totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
     available = {}
+    count, evictable = claims.count, claims.evictable
     for g in groups:
-        available[g] = view.available(g) - claims.claimed(g)
-    return BatchPlan(requests=out, new_blocks=totals, available=available)
+        available[g] = view.available(g) - count[g] - len(evictable[g])
+    return BatchPlan(out, totals, available, partials)

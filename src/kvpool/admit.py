@@ -44,7 +44,9 @@ def admit(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> list[
     caller ends the call (``finish_call``)."""
     st.begin_call()
     takeovers = claim(st, plan, partials)
-    results = [allocate(st, p, takeovers) for p in plan.requests]
+    results = []
+    for p in plan.requests:
+        results.append(allocate(st, p, takeovers))
     if partials:
         release_partials(st, [p._partial for p in partials if p._partial is not None
                               and (id(p._partial[0]), p._partial[1]) not in takeovers])
@@ -57,13 +59,14 @@ def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[t
     takeovers: set[tuple[int, int]] = set()
     first = True
     gpu = st.gpu
+    one_tier = st.tiers == 1
     for p in plan.requests:
         beams = p.request.beam_width
         for g, slots in p.claim_slots.items():
             tiers = p.claim_tiers[g]
             pool = gpu[g]
             ref = pool.ref
-            if not any(tiers):  # all on the GPU (slots are distinct within a request)
+            if one_tier or not any(tiers):  # all on the GPU (slots are distinct within a request)
                 # the first request claims from the state it was planned against
                 queued = p.queued[g] if first else [s for s in slots if not ref[s]]
                 pool.queue.remove_many(queued)
@@ -108,8 +111,14 @@ def allocate(st: CacheState, p: RequestPlan, takeovers: set[tuple[int, int]]) ->
         else:
             tables.append(_self_tables(st, p, g, stats))
     stats.reused = stats.full_reused + stats.partial_reused
-    new = {g: st.new_count[g] - before[g] for g in range(st.num_groups)}
-    stats.alloc_new = sum(new[g] for g in st.self_groups)
+    new: dict[int, int] = {}
+    now = st.new_count
+    for g in range(st.num_groups):
+        new[g] = now[g] - before[g]
+    alloc_new = 0
+    for g in st.self_groups:
+        alloc_new += new[g]
+    stats.alloc_new = alloc_new
     return _admitted(st, p, tables, new, stats)
 
 
@@ -120,7 +129,8 @@ def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats)
     claimed = p.claimed[g]
     claim_tiers = p.claim_tiers[g]
     tier_hits = st.stats.tier_hits
-    if any(claim_tiers):
+    colder = st.tiers > 1 and any(claim_tiers)  # one tier: every claim is on the GPU
+    if colder:
         shared = [NO_SLOT] * d
         blocks = p.blocks()
         beams = p.request.beam_width
@@ -132,12 +142,12 @@ def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats)
         for t in range(1, st.tiers):
             tier_hits[t] += claim_tiers.count(t)
     elif len(claimed) == d:
-        shared = list(p.claim_slots[g])
+        shared = p.claim_slots[g]  # the plan is spent once executed: its list becomes the row
     else:
         shared = [NO_SLOT] * d
         for i, s in zip(claimed, p.claim_slots[g], strict=True):
             shared[i] = s
-    tier_hits[0] += claim_tiers.count(0)
+    tier_hits[0] += claim_tiers.count(0) if colder else len(claimed)
     stats.full_reused += len(claimed)
     return shared
 
@@ -153,7 +163,7 @@ def _self_tables(st: CacheState, p: RequestPlan, g: int,
     shared = _shared_matches(st, p, g, stats)
     last = p.num_blocks - 1
     per_beam_last = not p.last_shared
-    per_beam: list[list[int]] = [[] for _ in range(beams)]
+    per_beam: list[list[int]] = [[]] if beams == 1 else [[] for _ in range(beams)]
     if p._partial is not None:
         on_last = per_beam_last and d == last
         copies = beams if on_last else 1
@@ -184,9 +194,13 @@ def _self_tables(st: CacheState, p: RequestPlan, g: int,
             ref[s] += 1
             per_beam[b].append(s)
         stats.missed += 1
-    stats.alloc_total += len(shared) - shared.count(NO_SLOT) + sum(map(len, per_beam))
     if beams == 1:
-        return [shared + per_beam[0]]
+        row = per_beam[0]
+        stats.alloc_total += len(shared) - shared.count(NO_SLOT) + len(row)
+        if row:
+            shared += row
+        return [shared]
+    stats.alloc_total += len(shared) - shared.count(NO_SLOT) + sum(map(len, per_beam))
     return [shared + per_beam[b] for b in range(beams)]
 
 
@@ -218,5 +232,16 @@ def _admitted(st: CacheState, p: RequestPlan, tables: list[list[list[int]]],
     stats.onboard_blocks += rs.onboarded
     return AdmitResult(
         seq_id=r.seq_id, reused_tokens=p.reused_tokens,
-        block_ids=[[list(b) for b in t] for t in tables], new_blocks=new, stats=rs,
+        block_ids=_copy_tables(tables), new_blocks=new, stats=rs,
     )
+
+
+def _copy_tables(tables: list[list[list[int]]]) -> list[list[list[int]]]:
+    """The caller's copy of the block tables (the sequence keeps its own)."""
+    out = []
+    for t in tables:
+        if len(t) == 1:
+            out.append([t[0][:]])
+        else:
+            out.append([b[:] for b in t])
+    return out

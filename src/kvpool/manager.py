@@ -163,7 +163,7 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            partials = [p for p in plan.requests if p._partial is not None]
+            partials = plan.partials
             if self._batch_may_copy or partials:
                 st.check_storage()  # the batch may copy: fail before changing anything
             results = admit(st, plan, partials)

@@ -176,7 +176,8 @@ class CacheState:
             for t, g, s in self.pending_free:
                 pools[t][g].free.append(s)
             self.pending_free.clear()
-        self.emit.flush_removed()
+        if self.emit.pending:  # an attribute test: most calls remove no block
+            self.emit.flush_removed()
         if self.remote is not None:  # remote tier: snapshot what leaves, before the copies
             self.remote.before_copies()
         copies = self.copies.take()

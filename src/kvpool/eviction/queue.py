@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 from kvpool.config import DEFAULT_PRIORITY, OFFLOAD_GATES
 from kvpool.errors import InvalidArgumentError
@@ -110,6 +111,26 @@ class LevelQueue:
             self._stored -= n
             return
         fifos = self._fifos
+        n = len(slots)
+        if n > 1:
+            # one batch (the common claim of a prefix released together): its FIFO's counts
+            # change once, the stamps in one loop (IndexError: a slot past the pool)
+            try:
+                vs = itemgetter(*slots)(stamp)
+            except IndexError:
+                vs = ()
+            v = vs[0] if vs else -1
+            if v >= 0 and vs.count(v) == n:
+                fifo = fifos[v & ID_MASK]
+                fifo.live -= n
+                fifo.dead += n
+                mark = CLAIMED - (v & 1)
+                for s in slots:
+                    stamp[s] = mark
+                self._len -= n
+                if self._stored > 2 * self._len + SLACK:
+                    self._compact()
+                return
         try:
             for s in slots:
                 v = stamp[s]
