@@ -184,24 +184,17 @@ def create_pools(
     total = sum(slots * size for slots, size in layout.values())
     directory = _check_directory(path, total)
     pools: dict[int, DiskPool] = {}
-    try:
-        with _directory_lock(directory):
-            reclaim(directory)
-            free = shutil.disk_usage(directory).free
-            if free < total:
-                raise StorageError(
-                    f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
-                )
-            for group, (slots, size) in layout.items():
-                pools[group] = _create_file(directory, group, slots, size)
-    except OSError as exc:
-        close_pools(list(pools.values()))
-        raise StorageError(
-            f"cannot create the disk tier ({total} bytes) under {directory!r}: {exc}"
-        ) from exc
-    except BaseException:
-        close_pools(list(pools.values()))
-        raise
+    with _all_or_none(
+        pools, f"cannot create the disk tier ({total} bytes) under {directory!r}"
+    ), _directory_lock(directory):
+        reclaim(directory)
+        free = shutil.disk_usage(directory).free
+        if free < total:
+            raise StorageError(
+                f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
+            )
+        for group, (slots, size) in layout.items():
+            pools[group] = _create_file(directory, group, slots, size)
     for pool in pools.values():
         _LIVE[id(pool)] = pool
     _install_sigterm_cleanup()
@@ -228,20 +221,27 @@ def open_persistent_pools(
     total = sum(slots * size for slots, size in layout.values())
     directory = _check_directory(path, total)
     pools: dict[int, DiskPool] = {}
+    with _all_or_none(
+        pools, f"cannot open the persistent disk tier ({total} bytes) under {directory!r}"
+    ), _directory_lock(directory):
+        reclaim(directory)
+        for group, (slots, size) in layout.items():
+            pools[group] = _open_persistent(directory, group, slots, size)
+    return pools
+
+
+@contextlib.contextmanager
+def _all_or_none(pools: dict[int, DiskPool], what: str) -> Iterator[None]:
+    """Closes the pools opened so far when the block fails; an OSError becomes a
+    :class:`StorageError` that starts with ``what``."""
     try:
-        with _directory_lock(directory):
-            reclaim(directory)
-            for group, (slots, size) in layout.items():
-                pools[group] = _open_persistent(directory, group, slots, size)
+        yield
     except OSError as exc:
         close_pools(list(pools.values()))
-        raise StorageError(
-            f"cannot open the persistent disk tier ({total} bytes) under {directory!r}: {exc}"
-        ) from exc
+        raise StorageError(f"{what}: {exc}") from exc
     except BaseException:
         close_pools(list(pools.values()))
         raise
-    return pools
 
 
 def persistent_name(group: int) -> str:
