@@ -217,13 +217,7 @@ def _offload_own(st: CacheState, seq: Seq, g: int) -> int:
         if h is None:
             continue  # no room below: stays on the GPU, still held
         st.copies.add(BlockCopy(0, s, 1, h, g))
-        run = gpu.run_at[s]
-        if run is not None:
-            i = gpu.idx_at[s]
-            gpu.clear(s)
-            run.tier[g][i], run.slot[g][i] = 1, h
-            host.place(h, run, i)
-            st.emit.updated(g, run.keys[i], 0, 1)
+        _move_tree_entry(st, g, 0, s, 1, h)
         host.held.add(h)
         gpu.ref[s] = 0
         gpu.free.append(s)
@@ -255,13 +249,7 @@ def resume(st: CacheState, seq_id: SeqId) -> None:
         new = alloc(st, g)
         st.copies.add(BlockCopy(t, h, 0, new, g))
         colder, gpu = st.pools[t][g], st.gpu[g]
-        run = colder.run_at[h]
-        if run is not None:
-            i = colder.idx_at[h]
-            colder.clear(h)
-            run.tier[g][i], run.slot[g][i] = 0, new
-            gpu.place(new, run, i)
-            st.emit.updated(g, run.keys[i], t, 0)
+        _move_tree_entry(st, g, t, h, 0, new)
         colder.held.discard(h)
         st.pending_free.append((t, g, h))
         gpu.ref[new] = len(pos)
@@ -272,3 +260,17 @@ def resume(st: CacheState, seq_id: SeqId) -> None:
     seq.moved.clear()
     seq.suspended = False
     st.finish_call()
+
+
+def _move_tree_entry(st: CacheState, g: int, t: int, s: int, dt: int, ds: int) -> None:
+    """The tree block held in slot ``s`` of tier ``t`` (if one is) now lives in slot ``ds`` of
+    tier ``dt``: the run, both pools' back-pointers and an updated event follow."""
+    src = st.pools[t][g]
+    run = src.run_at[s]
+    if run is None:
+        return
+    i = src.idx_at[s]
+    src.clear(s)
+    run.tier[g][i], run.slot[g][i] = dt, ds
+    st.pools[dt][g].place(ds, run, i)
+    st.emit.updated(g, run.keys[i], t, dt)
