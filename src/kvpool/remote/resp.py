@@ -28,37 +28,44 @@ _CHUNK: Final = 1 << 18
 
 
 class _Reader:
-    __slots__ = ("buf", "pos", "sock")
+    """A reply's bytes: headers through one fixed line buffer (filled with ``recv_into``, so
+    no chunk is allocated or copied on the way in), values each into a buffer of its own."""
+
+    __slots__ = ("buf", "end", "pos", "sock", "view")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.buf = bytearray()
-        self.pos = 0
+        self.buf = bytearray(_CHUNK)
+        self.view = memoryview(self.buf)
+        self.pos = 0  # unread bytes are buf[pos:end]
+        self.end = 0
 
     def _fill(self) -> None:
-        chunk = self.sock.recv(_CHUNK)
-        if not chunk:
+        if self.pos == self.end:
+            self.pos = self.end = 0
+        elif self.end == len(self.buf):  # no room behind: the unread bytes move to the front
+            if self.pos == 0:
+                raise RedisConnectionError("malformed reply: a header fills the line buffer")
+            n = self.end - self.pos
+            self.view[:n] = self.view[self.pos:self.end]
+            self.pos, self.end = 0, n
+        got = self.sock.recv_into(self.view[self.end:])
+        if not got:
             raise RedisConnectionError("the server closed the connection in a reply")
-        if self.pos == len(self.buf):
-            self.buf = bytearray(chunk)
-        else:  # keep only what is unread: the buffer never grows past a header and a chunk
-            del self.buf[:self.pos]
-            self.buf += chunk
-        self.pos = 0
+        self.end += got
 
     def line(self) -> bytes:
-        while (end := self.buf.find(b"\r\n", self.pos)) < 0:
+        while (end := self.buf.find(b"\r\n", self.pos, self.end)) < 0:
             self._fill()
-        line = bytes(self.buf[self.pos:end])
+        line = bytes(self.view[self.pos:end])
         self.pos = end + 2
         return line
 
     def exactly(self, n: int) -> bytearray:
         """The next ``n`` bytes, in a new buffer of their own."""
         out = bytearray(n)
-        have = min(len(self.buf) - self.pos, n)
-        with memoryview(self.buf) as buffered:
-            out[:have] = buffered[self.pos:self.pos + have]
+        have = min(self.end - self.pos, n)
+        out[:have] = self.view[self.pos:self.pos + have]
         self.pos += have
         if have < n:
             view = memoryview(out)
@@ -72,11 +79,17 @@ class _Reader:
         return out
 
     def crlf(self) -> None:
-        while len(self.buf) - self.pos < 2:
+        while self.end - self.pos < 2:
             self._fill()
         if self.buf[self.pos:self.pos + 2] != b"\r\n":
             raise RedisConnectionError("malformed reply: a value is not followed by CRLF")
         self.pos += 2
+
+    def unread(self) -> int:
+        return self.end - self.pos
+
+    def close(self) -> None:
+        self.view.release()
 
 
 def _int(line: bytes) -> int:
@@ -89,6 +102,13 @@ def _int(line: bytes) -> int:
 def read_mget_reply(sock: socket.socket, count: int) -> list[bytearray | None]:
     """The values of the ``MGET`` of ``count`` keys whose reply comes next on ``sock``."""
     reader = _Reader(sock)
+    try:
+        return _values(reader, count)
+    finally:
+        reader.close()
+
+
+def _values(reader: _Reader, count: int) -> list[bytearray | None]:
     head = reader.line()
     if head[:1] == b"-":
         raise ResponseError(head[1:].decode(errors="replace"))
@@ -108,6 +128,6 @@ def read_mget_reply(sock: socket.socket, count: int) -> list[bytearray | None]:
             continue
         values.append(reader.exactly(n))
         reader.crlf()
-    if reader.pos != len(reader.buf):
+    if reader.unread():
         raise RedisConnectionError("bytes after the MGET reply")
     return values
