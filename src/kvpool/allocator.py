@@ -380,24 +380,21 @@ def unref_many(st: CacheState, g: int, slots: list[int]) -> None:
     Uncached blocks become free.
     """
     pool = st.gpu[g]
-    if NO_SLOT in slots:
-        slots = [s for s in slots if s != NO_SLOT]
-    gone = pool.drop(slots)
+    gone = pool.release(slots)  # blocks never committed (a partial last block) are freed
     if not gone:
         return
     run_at = pool.run_at
-    runs = [run_at[s] for s in gone]
-    if None in runs:  # blocks never committed (a partial last block, say) become free
-        pool.free += [s for s, r in zip(gone, runs, strict=True) if r is None]
-        gone = [s for s, r in zip(gone, runs, strict=True) if r is not None]
-        runs = [r for r in runs if r is not None]
-        if not gone:
-            return
-    cached = cast("list[Run]", runs)
     queue = pool.queue
     idx_at = pool.idx_at
-    if not st.retention_seen or all(r.prio is None for r in cached):
-        # the common case: default priority, no duration
+    if not st.retention_seen:  # the common case: default priority, no duration
+        if queue.uses_keys:
+            keys = [cast(Run, run_at[s]).keys[idx_at[s]] for s in gone]
+            queue.push_many(gone, DEFAULT_PRIORITY, keys)
+        else:
+            queue.push_many(gone, DEFAULT_PRIORITY)
+        return
+    cached = cast("list[Run]", [run_at[s] for s in gone])
+    if all(r.prio is None for r in cached):
         if queue.uses_keys:
             keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
             queue.push_many(gone, DEFAULT_PRIORITY, keys)
