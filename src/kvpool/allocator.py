@@ -383,17 +383,17 @@ def unref_many(st: CacheState, g: int, slots: list[int]) -> None:
     gone = pool.release(slots)  # blocks never committed (a partial last block) are freed
     if not gone:
         return
-    run_at = pool.run_at
+    run_at = cast("list[Run]", pool.run_at)  # (every slot in ``gone`` holds a block)
     queue = pool.queue
     idx_at = pool.idx_at
     if not st.retention_seen:  # the common case: default priority, no duration
         if queue.uses_keys:
-            keys = [cast(Run, run_at[s]).keys[idx_at[s]] for s in gone]
+            keys = [run_at[s].keys[idx_at[s]] for s in gone]
             queue.push_many(gone, DEFAULT_PRIORITY, keys)
         else:
             queue.push_many(gone, DEFAULT_PRIORITY)
         return
-    cached = cast("list[Run]", [run_at[s] for s in gone])
+    cached = [run_at[s] for s in gone]
     if all(r.prio is None for r in cached):
         if queue.uses_keys:
             keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
