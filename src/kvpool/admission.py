@@ -393,7 +393,10 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
             slots = p.claim_slots[g] = [slots[i] for i in idxs]
         p.claim_tiers[g] = _GPU_ONLY
         queued = p.queued[g] = [s for s in slots if not ref[s]]
-        claims.claim(g, queued)
+        if claims.evictable is None:  # (claims.claim inline: the common case)
+            claims.count[g] += len(queued)
+        else:
+            claims.evictable[g].update(queued)
         return fresh + copies
     tiers = flat(p._matched, g, tiers=True)
     if len(idxs) != d:

@@ -304,7 +304,7 @@ class SegmentedPolicy(LevelQueue):
                                    new_keys)
             if j < n:
                 cs = self._claimed_counts(slots[j:], stamps[j:], recent, frequent)
-                if cs != sorted(cs):
+                if cs.count(cs[0]) != len(cs) and cs != sorted(cs):  # (equal: a prefix)
                     chain_floor(cs)
                 self._append_frequent(lvl.frequent, list(slots[j:]), None, cs)
             return
@@ -334,6 +334,8 @@ class SegmentedPolicy(LevelQueue):
         counts = self._counts
         got = itemgetter(*slots)(counts) if len(slots) > 1 else (counts[slots[0]],)
         if not recent:
+            if got.count(got[0]) == len(got):  # a prefix claimed and released together
+                return [got[0] + 1] * len(got)
             return [c + 1 for c in got]
         return [c + 1 if v == CLAIMED_FREQUENT else 2 for c, v in zip(got, stamps, strict=True)]
 
