@@ -13,8 +13,9 @@ W2: the first 4,000 requests of the Mooncake conversation trace (tokens synthesi
     request early and retries (counted).
 
 "Hashing excluded" subtracts the time the manager itself spent computing block keys, timed
-around every BlockHasher.extend/key call it made during the run (the manager hashes only the
-blocks that enter its tree; matched blocks are found by their tokens and never rehashed).
+around every BlockHasher.extend/keys_after/key call it made during the run (the manager hashes
+only the blocks that enter its tree; matched blocks are found by their tokens and never
+rehashed).
 
 The garbage collector stays on in the timed loops, as in an engine (--no-gc turns it off there,
 to see what the collector costs).
@@ -93,10 +94,20 @@ class HashTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self._orig = (BlockHasher.extend, BlockHasher.key_of_prefix_block)
+        # a checkout from before keys_after (a baseline) commits through extend only
+        self._orig_after = getattr(BlockHasher, "keys_after", None)
 
     def __enter__(self) -> HashTimer:
         orig_extend, orig_key = self._orig
+        orig_after = self._orig_after
         timer = self
+
+        def after(h: BlockHasher, keys: object, raw: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return orig_after(h, keys, raw)  # type: ignore[misc,arg-type]
+            finally:
+                timer.seconds += time.perf_counter() - t0
 
         def extend(h: BlockHasher, tokens: object) -> object:
             t0 = time.perf_counter()
@@ -114,10 +125,14 @@ class HashTimer:
 
         BlockHasher.extend = extend  # type: ignore[method-assign,assignment]
         BlockHasher.key_of_prefix_block = key  # type: ignore[method-assign,assignment]
+        if orig_after is not None:
+            BlockHasher.keys_after = after  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         BlockHasher.extend, BlockHasher.key_of_prefix_block = self._orig  # type: ignore[method-assign]
+        if self._orig_after is not None:
+            BlockHasher.keys_after = self._orig_after  # type: ignore[method-assign]
 
 
 def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dict[str, object]:

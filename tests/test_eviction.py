@@ -617,6 +617,18 @@ class PolicyMachine(RuleBasedStateMachine):
         for s, _ in expected:
             del self.model[s]
 
+    @rule(n=st.integers(0, 5))
+    def pop_slots(self, n: int) -> None:
+        order = self.pol.peek_order()
+        if n > len(order):
+            with pytest.raises(IndexError):
+                self.pol.pop_slots(n)
+            assert self.pol.peek_order() == order, "a failed pop_slots changed the queue"
+            return
+        assert self.pol.pop_slots(n) == order[:n], "pop_slots is not pop_many's slots"
+        for s in order[:n]:
+            del self.model[s]
+
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())
     def remove_many(self, data: st.DataObject) -> None:
@@ -818,6 +830,9 @@ class RefPolicy:
             raise IndexError
         return [self.pop() for _ in range(n)]
 
+    def pop_slots(self, n: int) -> list[int]:
+        return [s for s, _ in self.pop_many(n)]
+
     def peek_order(self) -> list[int]:
         self.expire()
         saved = {s: replace(r) for s, r in self.queued.items()}, self.place
@@ -962,6 +977,10 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 6))
     def pop_many(self, n: int) -> None:
         self._both("pop_many", n)
+
+    @rule(n=st.integers(0, 6))
+    def pop_slots(self, n: int) -> None:
+        self._both("pop_slots", n)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))
     def tick(self, dt: float) -> None:

@@ -625,6 +625,27 @@ def test_resumed_continues_like_resume(
     assert forked.partial_key() == full.partial_key()
 
 
+@given(algo=algo_st, tokens=tokens_st, tpb=tpb_st, salt=salt_st, lora=lora_st, data=st.data())
+def test_keys_after_chains_like_a_resumed_hasher(
+    algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None,
+    data: st.DataObject,
+) -> None:
+    # keys_after (the manager's commit: raw token bytes, no hasher per call) gives the keys a
+    # resumed hasher's extend gives, whatever was fed to the prototype before
+    full = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
+    full.extend(tokens)
+    k = data.draw(st.integers(0, len(full.keys)))
+    upto = data.draw(st.integers(k, len(full.keys)))
+    proto = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
+    if data.draw(st.booleans()):
+        proto.extend(tokens[: data.draw(st.integers(0, len(tokens)))])
+    raw = array("I", tokens[k * tpb:upto * tpb]).tobytes()
+    assert proto.keys_after(full.keys[:k], raw) == full.keys[k:upto]
+    if raw:
+        with pytest.raises(InvalidArgumentError):
+            proto.keys_after(full.keys[:k], raw[:-1])
+
+
 @given(algo=algo_st, n=st.integers(0, 70), tpb=tpb_st)
 def test_request_block_hashes_structure(algo: HashAlgo, n: int, tpb: int) -> None:
     tokens = [(i * 31 + 7) % 50_000 for i in range(n)]

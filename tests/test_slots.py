@@ -1,6 +1,6 @@
 """SlotPool alone, against a reference model: a stack of free slots (the last given back is
 taken first; a new pool hands out its lowest slots first), a reference count and an owner per
-slot. Random bulk takes, gives, holds, drops, placements and clears must agree with the model
+slot. Random bulk takes, gives, holds, releases, placements and clears must agree with the model
 step by step."""
 
 from __future__ import annotations
@@ -59,13 +59,22 @@ class SlotPoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(self.refs))
     @rule(data=st.data())
-    def drop(self, data: st.DataObject) -> None:
-        held = [s for s in range(self.size) if self.refs[s]]
-        slots = data.draw(st.lists(st.sampled_from(held), unique=True, min_size=1))
-        gone = self.pool.drop(slots)
+    def release(self, data: st.DataObject) -> None:
+        # referenced slots out of the free list (the pool never frees a referenced slot)
+        held = [s for s in range(self.size) if self.refs[s] and s not in self.free]
+        slots = data.draw(st.lists(st.sampled_from([*held, NO_SLOT]), unique=True, min_size=1))
+        free_before = list(self.pool.free)
+        gone = self.pool.release(slots)
         for s in slots:
-            self.refs[s] -= 1
-        assert gone == [s for s in reversed(slots) if not self.refs[s]]
+            if s != NO_SLOT:
+                self.refs[s] -= 1
+        last = [s for s in reversed(slots) if s != NO_SLOT and not self.refs[s]]
+        # the cached ones come back tail first; the others went to the free list
+        assert gone == [s for s in last if s in self.owner]
+        freed = [s for s in last if s not in self.owner]
+        assert self.pool.free == free_before + freed
+        self.free += freed
+        self.taken = [s for s in self.taken if s not in freed]
 
     @precondition(lambda self: self.taken)
     @rule(data=st.data(), name=st.sampled_from(["a", "b"]), first=st.integers(0, 5))

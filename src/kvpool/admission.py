@@ -35,6 +35,9 @@ from kvpool.views import PlanView
 Block = tuple[Run, int]
 """Block i of a run."""
 
+_GPU_ONLY: tuple[int, ...] = ()
+"""A request's claim tiers in a one-tier manager: every claim is on the GPU (no list)."""
+
 
 class PartialMode(Enum):
     """How a request reuses its partially matched block."""
@@ -73,11 +76,11 @@ class RequestPlan:
         self.reused_tokens = num_matched * tpb + partial_tokens
         self.num_blocks = -(-n // tpb)  # context blocks
         self.last_shared = request.beam_width == 1 or n % tpb == 0  # shared by all beams
-        self.new_blocks: dict[int, int] = dict.fromkeys(groups, 0)
+        self.new_blocks: dict[int, int] = {}  # plan fills every group, in group order
         # layer group -> indices of matched blocks it claims, their slots and tiers
         self.claimed: dict[int, Sequence[int]] = {}
         self.claim_slots = claim_slots
-        self.claim_tiers: dict[int, list[int]] = {}
+        self.claim_tiers: dict[int, Sequence[int]] = {}  # () when every claim is on the GPU
         self.partial_mode: PartialMode | None = None
         self.partial_loc: dict[int, tuple[int, int]] = {}  # (tier, slot) per group
         # group -> claimed GPU slots that were queued (unreferenced) when planned, for the
@@ -331,22 +334,38 @@ def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
 
 class _BatchClaims:
     """What the requests of a batch planned so far claim of the GPU pools: queued slots they
-    take out of the queues (a set, or a count for a batch of one request without a partial
-    source, whose claims are distinct) and colder blocks already onboarded."""
+    take out of the queues (a set per group, or only a count for a batch of one request
+    without a partial source, whose claims are distinct) and colder blocks already
+    onboarded (made on first use)."""
 
-    __slots__ = ("count", "evictable", "onboarded", "single")
+    __slots__ = ("count", "evictable", "onboarded")
 
     def __init__(self, groups: int, single: bool) -> None:
-        self.single = single
         self.count = [0] * groups
         # one set per group (a list display: no comprehension call for the common one group)
-        self.evictable: list[set[int]] = [set()] if groups == 1 else [
-            set() for _ in range(groups)]
-        self.onboarded: set[tuple[int, int, int]] = set()
+        self.evictable: list[set[int]] | None = None if single else [set()] if groups == 1 \
+            else [set() for _ in range(groups)]
+        self.onboarded: set[tuple[int, int, int]] | None = None
+
+    def claim(self, g: int, slots: list[int]) -> None:
+        """The batch takes queued GPU slots ``slots`` of group g (distinct within a request)."""
+        if self.evictable is None:
+            self.count[g] += len(slots)
+        else:
+            self.evictable[g].update(slots)
 
     def claimed(self, g: int) -> int:
         """Queued GPU slots of group g the batch claims."""
-        return self.count[g] + len(self.evictable[g])
+        return self.count[g] + (len(self.evictable[g]) if self.evictable is not None else 0)
+
+    def onboard(self, block: tuple[int, int, int]) -> bool:
+        """Note a colder block the batch onboards; False if an earlier request did."""
+        if self.onboarded is None:
+            self.onboarded = set()
+        elif block in self.onboarded:
+            return False
+        self.onboarded.add(block)
+        return True
 
 
 def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -> int:
@@ -363,35 +382,39 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
         copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
         prun, pi = partial
         if view.evictable(prun, pi, g):
-            claims.evictable[g].add(prun.slot[g][pi])
+            claims.claim(g, [prun.slot[g][pi]])  # a batch with a partial keeps sets
     if fresh > 0 and not p.last_shared:
         fresh += p.request.beam_width - 1
     ref = view.refs(g)
     idxs = p.claimed[g]
     slots = p.claim_slots[g]  # every matched block's, from the walk
-    one_tier = view.one_tier
-    tiers = [0] * d if one_tier else flat(p._matched, g, tiers=True)
+    if view.one_tier:  # every claim on the GPU: no tier list
+        if len(idxs) != d:
+            slots = p.claim_slots[g] = [slots[i] for i in idxs]
+        p.claim_tiers[g] = _GPU_ONLY
+        queued = p.queued[g] = [s for s in slots if not ref[s]]
+        if claims.evictable is None:  # (claims.claim inline: the common case)
+            claims.count[g] += len(queued)
+        else:
+            claims.evictable[g].update(queued)
+        return fresh + copies
+    tiers = flat(p._matched, g, tiers=True)
     if len(idxs) != d:
         tiers = [tiers[i] for i in idxs]
         slots = p.claim_slots[g] = [slots[i] for i in idxs]
     p.claim_tiers[g] = tiers
-    if one_tier or not any(tiers):
+    if not any(tiers):
         queued = p.queued[g] = [s for s in slots if not ref[s]]
-        if claims.single:
-            claims.count[g] += len(queued)  # slots are distinct within a request
-        else:
-            claims.evictable[g].update(queued)
+        claims.claim(g, queued)
         return fresh + copies
     onboard = 0
     blocks = p.blocks()
     for i, t, s in zip(idxs, tiers, slots, strict=True):
         if t:
             run, j = blocks[i]
-            if (id(run), j, g) not in claims.onboarded:
-                claims.onboarded.add((id(run), j, g))
-                onboard += 1
+            onboard += claims.onboard((id(run), j, g))
         elif not ref[s]:
-            claims.evictable[g].add(s)
+            claims.claim(g, [s])
     return fresh + copies + onboard
 
 
@@ -434,7 +457,6 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     else:
         totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
     available = {}
-    count, evictable = claims.count, claims.evictable
     for g in groups:
-        available[g] = view.available(g) - count[g] - len(evictable[g])
+        available[g] = view.available(g) - claims.claimed(g)
     return BatchPlan(out, totals, available, partials)

@@ -46,7 +46,7 @@ def admit(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> list[
     takeovers = claim(st, plan, partials)
     results = []
     for p in plan.requests:
-        results.append(allocate(st, p, takeovers))
+        results.append(allocate(st, p))
     if partials:
         release_partials(st, [p._partial for p in partials if p._partial is not None
                               and (id(p._partial[0]), p._partial[1]) not in takeovers])
@@ -56,7 +56,6 @@ def admit(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> list[
 def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[tuple[int, int]]:
     """Phase 1: reference every full match; take partial sources out of the queues. Returns
     the partial sources taken over, as (id(run), index)."""
-    takeovers: set[tuple[int, int]] = set()
     first = True
     gpu = st.gpu
     one_tier = st.tiers == 1
@@ -81,6 +80,7 @@ def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[t
                     st.pools[t][g].queue.remove(s)  # claimed for onboarding
         first = False
     # partial sources after every full match: a full match of the same block holds it
+    takeovers: set[tuple[int, int]] = set()
     for p in partials:
         assert p._partial is not None
         run, i = p._partial
@@ -94,7 +94,7 @@ def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[t
     return takeovers
 
 
-def allocate(st: CacheState, p: RequestPlan, takeovers: set[tuple[int, int]]) -> AdmitResult:
+def allocate(st: CacheState, p: RequestPlan) -> AdmitResult:
     """Phase 2 for one request: onboard claims, copy/take over partials, allocate misses."""
     r = p.request
     beams = r.beam_width

@@ -57,13 +57,15 @@ def alloc_n(st: CacheState, g: int, n: int) -> list[int]:
             evict(st, 0, g, s, prio)
             out.append(s)
         return out
-    victims = pool.queue.pop_many(n - len(out))
-    out += _drop_victims(st, g, victims)
+    victims = pool.queue.pop_slots(n - len(out))
+    _drop_victims(st, g, victims)
+    out += victims
     return out
 
 
-def _drop_victims(st: CacheState, g: int, victims: list[tuple[int, int]]) -> list[int]:
-    """Drop the blocks of GPU victims (one tier, no copy in flight); returns their slots.
+def _drop_victims(st: CacheState, g: int, slots: list[int]) -> None:
+    """Drop the blocks of GPU victims ``slots`` (one tier, no copy in flight: a victim's
+    priority cannot send it down a tier).
 
     A victim that is a leaf's tail just leaves its run. (A victim with queued descendants
     drops them too; their slots go to the free list, so the call may evict a few more blocks
@@ -74,7 +76,6 @@ def _drop_victims(st: CacheState, g: int, victims: list[tuple[int, int]]) -> lis
     pool = st.gpu[g]
     run_at, idx_at = pool.run_at, pool.idx_at
     single = st.num_groups == 1
-    slots = [s for s, _ in victims]
     stats = st.stats
     if single:
         tails = leaf_tails(pool.run_at, pool.idx_at, g, slots)
@@ -82,14 +83,14 @@ def _drop_victims(st: CacheState, g: int, victims: list[tuple[int, int]]) -> lis
             drop_tails(st, g, tails)
             stats.evicted_blocks += len(slots)
             stats.dropped_blocks += len(slots)
-            return slots
+            return
     events = st.emit.sink is not None
     removed: list[BlockKey] = []
     cut: dict[Run, int] = {}
     prev: Run | None = None  # the run the last victim left, and its length now
     prev_n = 0
     slow = 0
-    for s, prio in victims:
+    for s in slots:
         run = run_at[s]
         assert run is not None
         i = idx_at[s]
@@ -101,7 +102,7 @@ def _drop_victims(st: CacheState, g: int, victims: list[tuple[int, int]]) -> lis
             cut = {}
             prev = None
             slow += 1
-            evict(st, 0, g, s, prio)  # counts its own evictions and drops
+            evict(st, 0, g, s, DEFAULT_PRIORITY)  # counts its own evictions and drops
             continue
         run_at[s] = None
         run.slot[g][i] = NO_SLOT
@@ -118,10 +119,9 @@ def _drop_victims(st: CacheState, g: int, victims: list[tuple[int, int]]) -> lis
         else:
             prev = None
     cut_runs(cut)
-    stats.evicted_blocks += len(victims) - slow
-    stats.dropped_blocks += len(victims) - slow
+    stats.evicted_blocks += len(slots) - slow
+    stats.dropped_blocks += len(slots) - slow
     st.emit.removed(g, removed)
-    return slots
 
 
 def leaf_tails(run_at: list[Run | None], idx_at: list[int], g: int,
@@ -380,24 +380,21 @@ def unref_many(st: CacheState, g: int, slots: list[int]) -> None:
     Uncached blocks become free.
     """
     pool = st.gpu[g]
-    if NO_SLOT in slots:
-        slots = [s for s in slots if s != NO_SLOT]
-    gone = pool.drop(slots)
+    gone = pool.release(slots)  # blocks never committed (a partial last block) are freed
     if not gone:
         return
-    run_at = pool.run_at
-    runs = [run_at[s] for s in gone]
-    if None in runs:  # blocks never committed (a partial last block, say) become free
-        pool.free += [s for s, r in zip(gone, runs, strict=True) if r is None]
-        gone = [s for s, r in zip(gone, runs, strict=True) if r is not None]
-        runs = [r for r in runs if r is not None]
-        if not gone:
-            return
-    cached = cast("list[Run]", runs)
+    run_at = cast("list[Run]", pool.run_at)  # (every slot in ``gone`` holds a block)
     queue = pool.queue
     idx_at = pool.idx_at
-    if not st.retention_seen or all(r.prio is None for r in cached):
-        # the common case: default priority, no duration
+    if not st.retention_seen:  # the common case: default priority, no duration
+        if queue.uses_keys:
+            keys = [run_at[s].keys[idx_at[s]] for s in gone]
+            queue.push_many(gone, DEFAULT_PRIORITY, keys)
+        else:
+            queue.push_many(gone, DEFAULT_PRIORITY)
+        return
+    cached = [run_at[s] for s in gone]
+    if all(r.prio is None for r in cached):
         if queue.uses_keys:
             keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
             queue.push_many(gone, DEFAULT_PRIORITY, keys)

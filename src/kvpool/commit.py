@@ -180,8 +180,10 @@ def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int,
     appended to the sequence's own run, or a new run. Returns where the path ends."""
     step = st.step
     k = upto - first
-    new_keys = hasher_after(st, seq, first).extend(seq.tokens[first * st.tpb:upto * st.tpb])
-    seq.keys.extend(new_keys)
+    keys = seq.keys
+    new_keys = st.hasher(seq).keys_after(keys[:first] if first < len(keys) else keys,
+                                         raw[first * step:upto * step])
+    keys.extend(new_keys)
     slots: list[list[int]] = []
     for g in range(st.num_groups):
         if st.kinds[g].cross:

@@ -60,7 +60,8 @@ def _bad_token_error(tokens: object) -> InvalidTokenError:
     return InvalidTokenError(f"invalid token ids {tokens!r:.80}")
 
 
-def _u32_array(seq: list[int]) -> array[int]:
+def _u32_array(seq: list[int]) -> tuple[array[int], bytes | None]:
+    """``seq`` as a u32 array, and its bytes when they were needed here (a long list)."""
     out = array("I")
     try:
         # Rejects non-ints (floats, str, None) and ids outside [0, 2**32) in C. fromlist
@@ -77,15 +78,17 @@ def _u32_array(seq: list[int]) -> array[int]:
         for t in seq:
             if t.__class__ is bool:
                 raise _bad_token_error(seq)
-    else:
-        low = out.tobytes()[_LOW_BYTE::4]
-        for b in (0, 1):
-            i = low.find(b)
-            while i >= 0:
-                if out[i] == b and seq[i].__class__ is bool:
-                    raise _bad_token_error(seq)
-                i = low.find(b, i + 1)
-    return out
+        return out, None
+    raw = out.tobytes()
+    low = raw[_LOW_BYTE::4]
+    find = low.find
+    for b in (0, 1):
+        i = find(b)
+        while i >= 0:
+            if seq[i].__class__ is bool:  # (most candidates are ids like 256 or 513)
+                raise _bad_token_error(seq)
+            i = find(b, i + 1)
+    return out, raw
 
 
 def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]:
@@ -95,8 +98,9 @@ def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]
     numpy array of an integer dtype. Raises :class:`InvalidTokenError` naming the first bad
     token. The result never aliases the argument.
     """
+    raw = None
     if type(tokens) is list:  # the common case first
-        out = _u32_array(tokens)
+        out, raw = _u32_array(tokens)
     elif isinstance(tokens, array) and tokens.typecode == "I":
         out = tokens[:]  # a memcpy, not a per-item conversion
     elif isinstance(tokens, np.ndarray):
@@ -115,13 +119,13 @@ def tokens_to_u32(tokens: Iterable[int] | np.ndarray | array[int]) -> array[int]
     ):
         raise _bad_token_error(tokens)
     else:
-        out = _u32_array(list(tokens))  # a one-shot iterator must survive the error path
+        out, raw = _u32_array(list(tokens))  # a one-shot iterator must survive the error path
     # An id >= 2**31 has the top bit of its u32 set: scan the most significant bytes in C, or
     # for long inputs take numpy's max (its fixed cost is that of scanning ~3,000 ids).
     if len(out) > _NUMPY_SCAN_MIN:
         if np.frombuffer(out, dtype=np.uint32).max() > MAX_TOKEN_ID:
             raise _bad_token_error(out)
-    elif not out.tobytes()[_TOP_BYTE::4].isascii():
+    elif not (raw if raw is not None else out.tobytes())[_TOP_BYTE::4].isascii():
         raise _bad_token_error(out)
     return out
 

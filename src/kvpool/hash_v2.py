@@ -60,12 +60,14 @@ def v2_chain(raw: bytes, step: int, parent: bytes) -> list[bytes]:
     if n_cut:
         for (chunk,) in struct.iter_unpack(f"{step}s", raw if n_cut == len(raw) else raw[:n_cut]):
             h = new()
-            h.update(parent + chunk)
+            h.update(parent)  # two updates: no parent + chunk concatenation per block
+            h.update(chunk)
             parent = h.digest()
             append(parent)
     for off in range(n_cut, len(raw), step):  # the blocks of a short input, a partial block
         h = new()
-        h.update(parent + raw[off:off + step])
+        h.update(parent)
+        h.update(raw[off:off + step])
         parent = h.digest()
         append(parent)
     return out

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from enum import StrEnum
@@ -202,6 +203,30 @@ class BlockHasher:
             h._parent = self._parent if not self.keys else self._root_of_scope()
         return h
 
+    def keys_after(self, parent_keys: Sequence[BlockKey], raw: bytes) -> list[BlockKey]:
+        """Keys of the whole blocks whose tokens are ``raw`` (native u32 bytes of validated
+        token ids: a sequence's own), chained after ``parent_keys`` (the scope's keys so far):
+        what ``resumed(parent_keys).extend(tokens)`` returns, without a hasher object or a
+        copy of the tokens per call (a manager's commit)."""
+        step = 4 * self.tpb
+        if len(raw) % step:
+            raise InvalidArgumentError(
+                f"keys_after takes whole blocks of {step} bytes, got {len(raw)} bytes"
+            )
+        if not raw:
+            return []
+        if parent_keys:
+            parent = parent_keys[-1]
+        else:
+            parent = self._parent if not self.keys else self._root_of_scope()
+        if self.algo is not HashAlgo.V1_BLOCK_KEY and self.algo is not \
+                HashAlgo.VLLM_SHA256_CBOR and sys.byteorder == "little":
+            assert isinstance(parent, bytes)
+            return cast(list[BlockKey], v2_chain(raw, step, parent))  # raw is little-endian
+        toks = array("I")
+        toks.frombytes(raw)
+        return self._chain_from(parent, not parent_keys, toks, len(toks), full=True)
+
     def _root_of_scope(self) -> BlockKey:
         return self.root_key(self.algo, lora_id=self._lora, salt_id=self._salt)
 
@@ -272,9 +297,12 @@ class BlockHasher:
         With ``full`` the blocks are whole; otherwise ``data[:stop]`` is one partial block
         (vLLM never hashes those; kvpool hashes them the same way for its own tree).
         """
+        return self._chain_from(self._parent, not self.keys, data, stop, full=full)
+
+    def _chain_from(self, parent: BlockKey, first: bool, data: array[int], stop: int, *,
+                    full: bool) -> list[BlockKey]:
+        """:meth:`_chain` after ``parent`` (``first``: the scope's first block comes next)."""
         algo = self.algo
-        parent = self._parent
-        first = not self.keys
         keys: list[BlockKey]
         if algo is HashAlgo.V1_BLOCK_KEY:
             assert isinstance(parent, int)

@@ -11,7 +11,7 @@ A pool of ``size`` slots keeps
 - ``held``: colder-tier slots holding blocks of suspended sequences (never evicted).
 
 A GPU slot is in exactly one of: free, queued (cached, ref 0), referenced (ref > 0). The bulk
-operations here (:meth:`take`, :meth:`give`, :meth:`hold`, :meth:`drop`, :meth:`place_all`)
+operations here (:meth:`take`, :meth:`give`, :meth:`hold`, :meth:`release`, :meth:`place_all`)
 are the ones the manager's hot paths use; each is one list operation or one comprehension,
 whatever the number of slots.
 """
@@ -84,13 +84,25 @@ class SlotPool(Generic[B, Q]):
         for s in slots:
             ref[s] += refs
 
-    def drop(self, slots: Sequence[int]) -> list[int]:
-        """Take one reference off each slot; the slots left without one, last listed first
-        (how a released block table enters the queue: tail first)."""
-        ref = self.ref
-        for s in slots:
-            ref[s] -= 1
-        return [s for s in reversed(slots) if not ref[s]]
+    def release(self, slots: Sequence[int]) -> list[int]:
+        """Take one reference off each of ``slots`` (distinct; NO_SLOT entries skipped). The
+        slots left without one that hold nothing go back to the free list; returns those that
+        hold a cached block, last listed first (how a released block table enters the queue:
+        tail first). One pass over the table."""
+        ref, run_at = self.ref, self.run_at
+        cached: list[int] = []
+        free = self.free
+        for s in reversed(slots):
+            if s == NO_SLOT:
+                continue
+            left = ref[s] - 1
+            ref[s] = left
+            if not left:
+                if run_at[s] is None:
+                    free.append(s)
+                else:
+                    cached.append(s)
+        return cached
 
     # ---------------------------------------------------------------- back-pointers
 

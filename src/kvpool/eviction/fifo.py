@@ -115,15 +115,35 @@ def live_slots(fifo: Fifo, stamp: list[int]) -> list[int]:
 
 
 def compact(fifos: Sequence[Fifo], stamp: list[int]) -> None:
-    """Drop every dead entry (batches keep their stamps; emptied ones go)."""
+    """Drop every dead entry (batches keep their stamps; emptied ones go).
+
+    Only the FIFOs holding dead entries are rebuilt, and only up to their last dead entry:
+    a batch is checked in one C call (its stamps counted), so the cost is per batch, not per
+    entry, and a FIFO of live entries costs nothing however long it is."""
     for fifo in fifos:
-        batches: deque[tuple[int, list[int]]] = deque()
+        dead = fifo.dead
+        old = fifo.batches
         h = fifo.head
-        for b, sl in fifo.batches:
-            live = [s for s in (sl[h:] if h else sl) if stamp[s] == b]
-            if live:
-                batches.append((b, live))
-            h = 0
+        if not dead:
+            if h:  # only the oldest batch's consumed entries go
+                b, sl = old[0]
+                old[0] = (b, sl[h:])
+                fifo.head = 0
+            continue
+        batches: deque[tuple[int, list[int]]] = deque()
+        while dead and old:
+            b, sl = old.popleft()
+            if h:
+                sl = sl[h:]
+                h = 0
+            n = len(sl)
+            live = itemgetter(*sl)(stamp).count(b) if n > 1 else int(stamp[sl[0]] == b)
+            if live == n:
+                batches.append((b, sl))
+            elif live:
+                batches.append((b, [s for s in sl if stamp[s] == b]))
+            dead -= n - live
+        batches += old  # past the last dead entry every entry is live
         fifo.batches = batches
         fifo.head = 0
         fifo.dead = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 
 from kvpool.eviction.fifo import NOT_QUEUED, live_slots, take, take_one
 from kvpool.eviction.queue import Level, LevelQueue, check_gate
@@ -50,13 +49,22 @@ class PrioritizedLRU(LevelQueue):
                 self._expires.pop(slot, None)
 
     def pop_many(self, n: int) -> list[tuple[int, int]]:
+        victims, priorities = self._pop_n(n)
+        return list(zip(victims, priorities, strict=True))
+
+    def pop_slots(self, n: int) -> list[int]:
+        return self._pop_n(n)[0]
+
+    def _pop_n(self, n: int) -> tuple[list[int], list[int]]:
+        """The next n victims and their priorities (lowest level first, oldest first)."""
         if self._expiry:
             self._expire()
         if n > self._len:
             raise IndexError(f"pop of {n} from an eviction queue of {self._len}")
-        out: list[tuple[int, int]] = []
+        out: list[int] = []
+        priorities: list[int] = []
         if n <= 0:
-            return out
+            return out, priorities
         stamp = self._stamp
         for lvl in self._ranked:
             fifo = lvl.recent
@@ -75,16 +83,18 @@ class PrioritizedLRU(LevelQueue):
                     fifo.head = 0
                 self._stored -= len(got)
                 fifo.live -= len(got)
-                out += zip(got, repeat(fifo.priority))
+                out += got
+                priorities += [fifo.priority] * len(got)
                 break
             got, used = take(fifo, n - len(out), stamp)
             self._stored -= used
             fifo.live -= len(got)
-            out += zip(got, repeat(fifo.priority))
+            out += got
+            priorities += [fifo.priority] * len(got)
             if len(out) == n:
                 break
         self._len -= n
-        return out
+        return out, priorities
 
     def pop(self) -> tuple[int, int]:
         if self._expiry:

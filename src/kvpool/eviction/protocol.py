@@ -43,6 +43,10 @@ class EvictionPolicy(Protocol):
     def pop_many(self, n: int) -> list[tuple[int, int]]:
         """The next ``n`` victims, as ``n`` calls of ``pop`` would give them (n <= len)."""
 
+    def pop_slots(self, n: int) -> list[int]:
+        """``pop_many(n)``'s slots without their priorities (a one-tier pool drops its
+        victims whatever their priority: no pair per victim)."""
+
     def peek_order(self) -> list[int]:
         """Every queued slot in victim order (the manager's consistency check; O(n))."""
 

@@ -55,7 +55,7 @@ class LevelQueue:
     Counts: ``Fifo.live`` slots queued in each FIFO, ``_len`` in all, ``_stored``
     entries live and dead. Slots are pool indices (ints >= 0); the stamp list grows on demand
     past the pool size given. Subclasses define ``push``, ``push_many``, ``pop``,
-    ``pop_many``, ``should_offload`` and ``_level_order``.
+    ``pop_many``, ``pop_slots``, ``should_offload`` and ``_level_order``.
     """
 
     __slots__ = (

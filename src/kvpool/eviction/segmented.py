@@ -167,30 +167,37 @@ class SegmentedPolicy(LevelQueue):
                 self.remove(slot)
 
     def pop_many(self, n: int) -> list[tuple[int, int]]:
-        # n victims as ``pop`` gives them: runs of them from one segment at a time, then
-        # every victim's key joins the history, in victim order
+        victims, priorities = self._pop_n(n)
+        return list(zip(victims, priorities, strict=True))
+
+    def pop_slots(self, n: int) -> list[int]:
+        return self._pop_n(n)[0]
+
+    def _pop_n(self, n: int) -> tuple[list[int], list[int]]:
+        """n victims as ``pop`` gives them, and their priorities: runs of them from one
+        segment at a time, then every victim's key joins the history, in victim order."""
         if n > self._len:
             raise IndexError(f"pop of {n} from an eviction queue of {self._len}")
         if self._expiry:
             self._expire()
-        out: list[tuple[int, int]] = []
+        victims: list[int] = []
+        priorities: list[int] = []
         if n <= 0:
-            return out
+            return victims, priorities
         share = self._history.share
         stamp = self._stamp
-        victims: list[int] = []
         values: list[int] = []  # the victims' history values, min(count, 255)
-        while len(out) < n:
+        while len(victims) < n:
             lvl = self._lowest_level()
             recent, frequent = lvl.recent, lvl.frequent
             nr, nf = recent.live, frequent.live
-            run = recent_run(nr, nf, share, n - len(out))
+            run = recent_run(nr, nf, share, n - len(victims))
             if run:
                 got, used = take(recent, run, stamp)
                 recent.live = nr - run
                 values += [1] * run
             else:
-                run = frequent_run(nr, nf, share, n - len(out))
+                run = frequent_run(nr, nf, share, n - len(victims))
                 got, used = (self._take_laps(frequent, run) if self.MAX_LAPS
                              else take(frequent, run, stamp))
                 frequent.live = nf - run
@@ -198,11 +205,11 @@ class SegmentedPolicy(LevelQueue):
                 values += counts if max(counts) < 255 else [c if c < 255 else 255 for c in counts]
             self._stored -= used
             victims += got
-            out += zip(got, repeat(lvl.priority))
+            priorities += [lvl.priority] * run
         self._len -= n
         self._forget(victims, values)
         self._last_slot, self._last_count = victims[-1], values[-1]
-        return out
+        return victims, priorities
 
     def pop(self) -> tuple[int, int]:
         # pop_many(1) without its batching (the tiered path takes victims one at a time)
@@ -304,7 +311,7 @@ class SegmentedPolicy(LevelQueue):
                                    new_keys)
             if j < n:
                 cs = self._claimed_counts(slots[j:], stamps[j:], recent, frequent)
-                if cs != sorted(cs):
+                if cs.count(cs[0]) != len(cs) and cs != sorted(cs):  # (equal: a prefix)
                     chain_floor(cs)
                 self._append_frequent(lvl.frequent, list(slots[j:]), None, cs)
             return
@@ -334,6 +341,8 @@ class SegmentedPolicy(LevelQueue):
         counts = self._counts
         got = itemgetter(*slots)(counts) if len(slots) > 1 else (counts[slots[0]],)
         if not recent:
+            if got.count(got[0]) == len(got):  # a prefix claimed and released together
+                return [got[0] + 1] * len(got)
             return [c + 1 for c in got]
         return [c + 1 if v == CLAIMED_FREQUENT else 2 for c, v in zip(got, stamps, strict=True)]
 
