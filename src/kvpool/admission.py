@@ -29,7 +29,7 @@ from kvpool.config import SequenceRequest
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
 from kvpool.groups import CrossAttention
 from kvpool.hashing import BlockKey
-from kvpool.radix import NO_SLOT, Run, Segment, common_prefix, first_token, match_full
+from kvpool.radix import NO_SLOT, Run, Segment, SlotId, common_prefix, first_token, match_full
 from kvpool.views import PlanView
 
 Block = tuple[Run, int]
@@ -64,7 +64,7 @@ class RequestPlan:
 
     def __init__(self, request: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                  num_matched: int, partial: Block | None, partial_tokens: int,
-                 claim_slots: dict[int, list[int]], tpb: int, groups: range) -> None:
+                 claim_slots: dict[int, list[SlotId]], tpb: int, groups: range) -> None:
         n = len(request.tokens)
         self.request = request
         self.seq_id: int | str = request.seq_id
@@ -85,7 +85,7 @@ class RequestPlan:
         self.partial_loc: dict[int, tuple[int, int]] = {}  # (tier, slot) per group
         # group -> claimed GPU slots that were queued (unreferenced) when planned, for the
         # batch's first request whose claims the execution starts with (later ones recount)
-        self.queued: dict[int, list[int]] = {}
+        self.queued: dict[int, list[SlotId]] = {}
         self._blocks: list[Block] | None = None
 
     def blocks(self) -> list[Block]:
@@ -156,11 +156,19 @@ def flat_blocks(segments: list[Segment]) -> list[Block]:
     return [(run, i) for run, a, b in segments for i in range(a, b)]
 
 
-def flat(segments: list[Segment], g: int, tiers: bool = False) -> list[int]:
-    """Slots (or tiers) of layer group g along ``segments``, block by block."""
+def flat(segments: list[Segment], g: int) -> list[SlotId]:
+    """Slots of layer group g along ``segments``, block by block."""
+    out: list[SlotId] = []
+    for run, a, b in segments:
+        out += run.slot[g][a:b]
+    return out
+
+
+def flat_tiers(segments: list[Segment], g: int) -> list[int]:
+    """Tiers of layer group g along ``segments``, block by block."""
     out: list[int] = []
     for run, a, b in segments:
-        out += (run.tier if tiers else run.slot)[g][a:b]
+        out += run.tier[g][a:b]
     return out
 
 
@@ -239,7 +247,7 @@ def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
 
 
 def walk(view: PlanView, request: SequenceRequest) -> tuple[
-    BlockKey, list[Segment], Block | None, int, dict[int, list[int]]
+    BlockKey, list[Segment], Block | None, int, dict[int, list[SlotId]]
 ]:
     """Find a request's reuse: the longest prefix valid in every self-attention layer group.
 
@@ -347,7 +355,7 @@ class _BatchClaims:
             else [set() for _ in range(groups)]
         self.onboarded: set[tuple[int, int, int]] | None = None
 
-    def claim(self, g: int, slots: list[int]) -> None:
+    def claim(self, g: int, slots: list[SlotId]) -> None:
         """The batch takes queued GPU slots ``slots`` of group g (distinct within a request)."""
         if self.evictable is None:
             self.count[g] += len(slots)
@@ -398,7 +406,7 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
         else:
             claims.evictable[g].update(queued)
         return fresh + copies
-    tiers = flat(p._matched, g, tiers=True)
+    tiers = flat_tiers(p._matched, g)
     if len(idxs) != d:
         tiers = [tiers[i] for i in idxs]
         slots = p.claim_slots[g] = [slots[i] for i in idxs]

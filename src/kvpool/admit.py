@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvpool.admission import BatchPlan, PartialMode, RequestPlan
 from kvpool.allocator import alloc_n, onboard, release_partials, take_over
 from kvpool.hashing import BlockKey
-from kvpool.radix import NO_SLOT, Run, Segment
+from kvpool.radix import NO_SLOT, Run, Segment, SlotId
 from kvpool.sequence import Sequence as Seq
 from kvpool.state import CacheState, SeqId
 from kvpool.stats import RequestStats
@@ -33,7 +33,7 @@ class AdmitResult:
 
     seq_id: SeqId
     reused_tokens: int
-    block_ids: list[list[list[int]]]
+    block_ids: list[list[list[SlotId]]]
     new_blocks: dict[int, int]
     stats: RequestStats
 
@@ -100,7 +100,7 @@ def allocate(st: CacheState, p: RequestPlan) -> AdmitResult:
     beams = r.beam_width
     stats = RequestStats()
     before = list(st.new_count)
-    tables: list[list[list[int]]] = []
+    tables: list[list[list[SlotId]]] = []
     for g in range(st.num_groups):
         if st.kinds[g].cross:
             enc = r.encoder_tokens or []
@@ -122,7 +122,7 @@ def allocate(st: CacheState, p: RequestPlan) -> AdmitResult:
     return _admitted(st, p, tables, new, stats)
 
 
-def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats) -> list[int]:
+def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats) -> list[SlotId]:
     """The matched part of group g's table: claimed slots (onboarded if colder), NO_SLOT for
     the matched blocks the group does not claim."""
     d = p.num_matched
@@ -153,7 +153,7 @@ def _shared_matches(st: CacheState, p: RequestPlan, g: int, stats: RequestStats)
 
 
 def _self_tables(st: CacheState, p: RequestPlan, g: int,
-                 stats: RequestStats) -> list[list[int]]:
+                 stats: RequestStats) -> list[list[SlotId]]:
     """Group g's block table per beam: matches, the partial block, then fresh blocks (the
     last one per beam when the beams' last blocks differ)."""
     beams = p.request.beam_width
@@ -163,11 +163,11 @@ def _self_tables(st: CacheState, p: RequestPlan, g: int,
     shared = _shared_matches(st, p, g, stats)
     last = p.num_blocks - 1
     per_beam_last = not p.last_shared
-    per_beam: list[list[int]] = [[]] if beams == 1 else [[] for _ in range(beams)]
+    per_beam: list[list[SlotId]] = [[]] if beams == 1 else [[] for _ in range(beams)]
     if p._partial is not None:
         on_last = per_beam_last and d == last
         copies = beams if on_last else 1
-        targets: list[int] = []
+        targets: list[SlotId] = []
         if p.partial_mode is PartialMode.TAKEOVER:
             targets.append(take_over(st, *p._partial, g, beams))
             copies -= 1
@@ -204,7 +204,7 @@ def _self_tables(st: CacheState, p: RequestPlan, g: int,
     return [shared + per_beam[b] for b in range(beams)]
 
 
-def _admitted(st: CacheState, p: RequestPlan, tables: list[list[list[int]]],
+def _admitted(st: CacheState, p: RequestPlan, tables: list[list[list[SlotId]]],
               new: dict[int, int], rs: RequestStats) -> AdmitResult:
     """Register an admitted request's sequence and count it in the stats."""
     r = p.request
@@ -236,7 +236,7 @@ def _admitted(st: CacheState, p: RequestPlan, tables: list[list[list[int]]],
     )
 
 
-def _copy_tables(tables: list[list[list[int]]]) -> list[list[list[int]]]:
+def _copy_tables(tables: list[list[list[SlotId]]]) -> list[list[list[SlotId]]]:
     """The caller's copy of the block tables (the sequence keeps its own)."""
     out = []
     for t in tables:

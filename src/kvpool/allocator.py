@@ -15,29 +15,30 @@ block table enters the queue - a run at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 from kvpool.config import DEFAULT_PRIORITY
 from kvpool.hashing import BlockKey
-from kvpool.radix import NO_SLOT, Run, detach, prune
+from kvpool.radix import NO_SLOT, Run, SlotId, detach, prune
 from kvpool.state import CacheState
 from kvpool.storage import BlockCopy
 
 # ------------------------------------------------------------------ taking slots
 
 
-def alloc(st: CacheState, g: int) -> int:
+def alloc(st: CacheState, g: int) -> SlotId:
     """A GPU slot of group g (free first, else the policy's victim, evicted)."""
     st.new_count[g] += 1
     pool = st.gpu[g]
     if pool.free:
         return pool.free.pop()
-    s, prio = pool.queue.pop()
+    s, prio = cast("tuple[SlotId, int]", pool.queue.pop())
     evict(st, 0, g, s, prio)
     return s
 
 
-def alloc_n(st: CacheState, g: int, n: int) -> list[int]:
+def alloc_n(st: CacheState, g: int, n: int) -> list[SlotId]:
     """``n`` GPU slots of group g (free ones first, then evicted victims)."""
     if n <= 0:
         return []
@@ -48,7 +49,7 @@ def alloc_n(st: CacheState, g: int, n: int) -> list[int]:
         return out
     if st.tiers > 1 or st.copies or st.remote is not None:  # remote: evict() sees each block
         free = pool.free
-        pop = pool.queue.pop
+        pop = cast("Callable[[], tuple[SlotId, int]]", pool.queue.pop)
         while len(out) < n:
             if free:  # an eviction's cascade freed its descendants' slots
                 out.append(free.pop())
@@ -57,13 +58,13 @@ def alloc_n(st: CacheState, g: int, n: int) -> list[int]:
             evict(st, 0, g, s, prio)
             out.append(s)
         return out
-    victims = pool.queue.pop_slots(n - len(out))
+    victims = cast("list[SlotId]", pool.queue.pop_slots(n - len(out)))
     _drop_victims(st, g, victims)
     out += victims
     return out
 
 
-def _drop_victims(st: CacheState, g: int, slots: list[int]) -> None:
+def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
     """Drop the blocks of GPU victims ``slots`` (one tier, no copy in flight: a victim's
     priority cannot send it down a tier).
 
@@ -125,7 +126,7 @@ def _drop_victims(st: CacheState, g: int, slots: list[int]) -> None:
 
 
 def leaf_tails(run_at: list[Run | None], idx_at: list[int], g: int,
-               slots: list[int]) -> list[tuple[Run, int]] | None:
+               slots: list[SlotId]) -> list[tuple[Run, int]] | None:
     """If victims ``slots`` (one layer group in all) are, stretch after stretch, the tails of
     leaf runs, tail first (how a released block table leaves the queue): each run with the
     length it keeps. Else None (nothing changed)."""
@@ -182,14 +183,14 @@ def cut_runs(cut: dict[Run, int]) -> None:
                 prune(run)
 
 
-def lower_slot(st: CacheState, t: int, g: int) -> int | None:
+def lower_slot(st: CacheState, t: int, g: int) -> SlotId | None:
     """A slot on colder tier t for an offloaded block, or None if none can be had."""
     pool = st.pools[t][g]
     if pool.free:
         return pool.free.pop()
     if not len(pool.queue):
         return None
-    s, prio = pool.queue.pop()
+    s, prio = cast("tuple[SlotId, int]", pool.queue.pop())
     evict(st, t, g, s, prio)
     return s
 
@@ -197,7 +198,7 @@ def lower_slot(st: CacheState, t: int, g: int) -> int | None:
 # ------------------------------------------------------------------ eviction
 
 
-def evict(st: CacheState, t: int, g: int, slot: int, priority: int, *,
+def evict(st: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
           offload: bool = True) -> None:
     """The block at (t, g, slot) leaves that slot: offloaded one tier down, or dropped."""
     pool = st.pools[t][g]
@@ -290,7 +291,7 @@ def clear_queues(st: CacheState) -> None:
         for g, pool in enumerate(tier):
             q = pool.queue
             while len(q):
-                s, prio = q.pop()
+                s, prio = cast("tuple[SlotId, int]", q.pop())
                 evict(st, t, g, s, prio, offload=False)
                 pool.free.append(s)
 
@@ -322,7 +323,7 @@ def onboard(st: CacheState, run: Run, i: int, g: int, refs: int) -> int:
     return 1
 
 
-def take_over(st: CacheState, run: Run, i: int, g: int, refs: int) -> int:
+def take_over(st: CacheState, run: Run, i: int, g: int, refs: int) -> SlotId:
     """The request adopts an unreferenced leaf's slot in place; the block leaves the tree."""
     s = run.slot[g][i]
     pool = st.gpu[g]
@@ -354,7 +355,7 @@ def release_partials(st: CacheState, release: list[tuple[Run, int]]) -> None:
 # ------------------------------------------------------------------ releasing references
 
 
-def unref(st: CacheState, g: int, s: int) -> None:
+def unref(st: CacheState, g: int, s: SlotId) -> None:
     """Drop one reference on GPU slot s of group g; at zero it is queued (cached) or freed."""
     pool = st.gpu[g]
     ref = pool.ref
@@ -371,7 +372,7 @@ def unref(st: CacheState, g: int, s: int) -> None:
             pool.queue.push(s, run.priority(i), expires, run.keys[i])
 
 
-def unref_many(st: CacheState, g: int, slots: list[int]) -> None:
+def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
     """Drop one reference on each slot of a block table (NO_SLOT entries skipped).
 
     Cached blocks whose last reference goes join the eviction queue tail first, so that within
@@ -401,7 +402,7 @@ def unref_many(st: CacheState, g: int, slots: list[int]) -> None:
         else:
             queue.push_many(gone, DEFAULT_PRIORITY)
         return
-    batch: list[int] = []
+    batch: list[SlotId] = []
     batch_keys: list[BlockKey] = []
     batch_prio = -1
     for s, run in zip(gone, cached, strict=True):

@@ -15,7 +15,7 @@ gain a slot are reported as stored events, a chain per layer group.
 from __future__ import annotations
 
 from kvpool.hashing import BlockHasher, BlockKey
-from kvpool.radix import NO_SLOT, Run, Segment, match_full, prune
+from kvpool.radix import NO_SLOT, Run, Segment, SlotId, match_full, prune
 from kvpool.sequence import Sequence as Seq
 from kvpool.state import CacheState
 
@@ -68,7 +68,7 @@ def _walk_path(st: CacheState, seq: Seq, blocks: int, rebuild: bool) -> tuple[Ru
 
 
 def new_run(st: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
-            slots: list[list[int]], keys: list[BlockKey] | None = None,
+            slots: list[list[SlotId]], keys: list[BlockKey] | None = None,
             raw: bytes | None = None) -> Run:
     """Blocks [first, upto) of ``seq`` (keys known, or given) as a new run after block n - 1
     of ``run`` (split there if needed), holding ``slots`` per group (GPU). ``raw``: the
@@ -184,7 +184,7 @@ def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int,
     new_keys = st.hasher(seq).keys_after(keys[:first] if first < len(keys) else keys,
                                          raw[first * step:upto * step])
     keys.extend(new_keys)
-    slots: list[list[int]] = []
+    slots: list[list[SlotId]] = []
     for g in range(st.num_groups):
         if st.kinds[g].cross:
             slots.append([NO_SLOT] * k)
@@ -215,7 +215,7 @@ def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int,
     return run, base + k
 
 
-def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: list[int],
+def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: list[SlotId],
                      chains: dict[int, list[Segment]], events: bool) -> None:
     """Point new blocks' slots at ``run`` (from block ``base``) and extend group g's stored
     chain with them; a block without a slot ends the chain (its event is sent)."""
@@ -256,7 +256,7 @@ def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
     if n == len(run.keys) and tk in run.children:
         return
     stored = []
-    slots: list[list[int]] = []
+    slots: list[list[SlotId]] = []
     for g in range(st.num_groups):
         s = NO_SLOT
         if g in st.self_groups:

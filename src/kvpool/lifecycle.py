@@ -19,7 +19,7 @@ from kvpool.errors import (
     SequenceStateError,
 )
 from kvpool.hashing import tokens_to_u32
-from kvpool.radix import NO_SLOT
+from kvpool.radix import NO_SLOT, SlotId
 from kvpool.sequence import Sequence as Seq
 from kvpool.state import CacheState, SeqId
 from kvpool.storage import BlockCopy
@@ -203,7 +203,7 @@ def suspend(st: CacheState, seq_id: SeqId) -> dict[int, int]:
 def _offload_own(st: CacheState, seq: Seq, g: int) -> int:
     """Move group g's blocks only this sequence holds to the host tier, held there; returns
     how many GPU slots that freed."""
-    positions: dict[int, list[tuple[int, int]]] = {}
+    positions: dict[SlotId, list[tuple[int, int]]] = {}
     for b, tb in enumerate(seq.tables[g]):
         for i, s in enumerate(tb):
             if s != NO_SLOT:
@@ -262,7 +262,7 @@ def resume(st: CacheState, seq_id: SeqId) -> None:
     st.finish_call()
 
 
-def _move_tree_entry(st: CacheState, g: int, t: int, s: int, dt: int, ds: int) -> None:
+def _move_tree_entry(st: CacheState, g: int, t: int, s: SlotId, dt: int, ds: SlotId) -> None:
     """The tree block held in slot ``s`` of tier ``t`` (if one is) now lives in slot ``ds`` of
     tier ``dt``: the run, both pools' back-pointers and an updated event follow."""
     src = st.pools[t][g]

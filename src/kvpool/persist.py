@@ -65,7 +65,7 @@ from kvpool.config import DEFAULT_PRIORITY
 from kvpool.errors import InvalidArgumentError, ManifestError, StorageError
 from kvpool.hashing import BlockKey
 from kvpool.manifest import Manifest, ManifestEntry, OnDamage
-from kvpool.radix import NO_SLOT, Run
+from kvpool.radix import NO_SLOT, Run, SlotId
 from kvpool.remote.namespace import RemoteNamespace
 from kvpool.storage import BlockCopy, Tier
 
@@ -124,7 +124,7 @@ class _Block:
     parent: BlockKey | None
     scope: Scope
     order: int
-    slots: dict[int, int] = field(default_factory=dict)
+    slots: dict[int, SlotId] = field(default_factory=dict)
 
 
 def _path_entry(key: BlockKey, b: _Block) -> ManifestEntry:
@@ -203,10 +203,10 @@ class PersistentDisk:
         sync interval has passed)."""
         if self._closed:
             return
-        written: dict[int, list[int]] = {}
+        written: dict[int, list[SlotId]] = {}
         for c in copies:
             if c.dst_tier == _DISK:
-                written.setdefault(c.layer_group, []).append(c.dst_slot)
+                written.setdefault(c.layer_group, []).append(SlotId(c.dst_slot))
         puts: list[ManifestEntry] = []
         paths: dict[BlockKey, ManifestEntry] = {}
         pools = self._st.pools[_DISK]
@@ -328,7 +328,7 @@ class PersistentDisk:
                 for g in m.self_groups
                 for recorded in [{slot for group, slot in entries if group == g}]}
         copies: list[BlockCopy] = []
-        spilled: list[tuple[int, int, Run, int]] = []
+        spilled: list[tuple[int, SlotId, Run, int]] = []
         for root in m.roots.values():
             stack = list(root.children.values())
             while stack:
@@ -362,8 +362,9 @@ class PersistentDisk:
         kept = self._build(blocks)
         self._enqueue(kept, blocks)
         entries, paths = self.manifest.entries, self.manifest.paths
-        placed = [(g, run.slot[g][j]) for run, _ in kept for j in range(len(run.keys))
-                  for g in range(len(run.slot)) if run.slot[g][j] != NO_SLOT]
+        placed: list[tuple[int, int]] = [
+            (g, run.slot[g][j]) for run, _ in kept for j in range(len(run.keys))
+            for g in range(len(run.slot)) if run.slot[g][j] != NO_SLOT]
         ordered = {key: entries[key] for key in placed}
         entries.clear()
         entries.update(ordered)
@@ -414,7 +415,7 @@ class PersistentDisk:
                 if g in b.slots:
                     self.restored.invalid += 1  # the same block twice in one group: keep one
                     continue
-                b.slots[g] = e.slot
+                b.slots[g] = SlotId(e.slot)
         for e in self.manifest.paths.values():
             block(e)
         for key in bad:
@@ -475,7 +476,7 @@ class PersistentDisk:
         the free lists and announce the blocks as stored on the disk tier."""
         m = self._st
         pools = m.pools[_DISK]
-        queued: list[tuple[int, int, int, BlockKey]] = []
+        queued: list[tuple[int, int, SlotId, BlockKey]] = []
         for run, scope in kept:
             for g, row in enumerate(run.slot):
                 start = None
@@ -488,7 +489,7 @@ class PersistentDisk:
                         m.emit.stored(g, [(run, start, j)], scope[0])
                         start = None
         queued.sort(key=lambda item: item[0])
-        used: dict[int, set[int]] = {}
+        used: dict[int, set[SlotId]] = {}
         for _, g, s, key in queued:
             pools[g].queue.push(s, DEFAULT_PRIORITY, key=key)
             used.setdefault(g, set()).add(s)

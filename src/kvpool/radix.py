@@ -33,12 +33,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from types import MappingProxyType
-from typing import cast
+from typing import Final, NewType, cast
 
 from kvpool.config import DEFAULT_PRIORITY
 from kvpool.hashing import BlockKey
 
-NO_SLOT = -1
+SlotId = NewType("SlotId", int)
+"""A slot number in one (tier, layer group) pool: an index into that pool's arrays."""
+NO_SLOT: Final = SlotId(-1)
+"""A block table's or a run's entry for a block without a slot in that layer group."""
 _U32 = struct.Struct("=I")  # one token as the tree stores it (native uint32, like array("I"))
 _NO_CHILDREN = cast("dict[bytes, Run]", MappingProxyType({}))
 
@@ -62,7 +65,7 @@ class Run:
     )
 
     def __init__(self, parent: Run | None, tkey: bytes, ckey: bytes, keys: list[BlockKey],
-                 slot: list[list[int]], tier: list[list[int]]) -> None:
+                 slot: list[list[SlotId]], tier: list[list[int]]) -> None:
         self.parent = parent
         self.tkey = tkey
         self.ckey = ckey  # the first block's bytes: what the parent indexes this run by
@@ -119,7 +122,7 @@ class Run:
         self.prio[i] = priority
         self.dur[i] = duration
 
-    def extend(self, tkey: bytes, keys: list[BlockKey], slot: list[list[int]],
+    def extend(self, tkey: bytes, keys: list[BlockKey], slot: list[list[SlotId]],
                tier: list[list[int]], step: int) -> None:
         """Append blocks (the run must be a leaf of full blocks)."""
         self.tkey = self.live_tkey(step) + tkey

@@ -6,7 +6,7 @@ from array import array
 
 from kvpool.config import RetentionConfig
 from kvpool.hashing import BlockKey
-from kvpool.radix import Run
+from kvpool.radix import Run, SlotId
 
 
 class Sequence:
@@ -31,7 +31,7 @@ class Sequence:
         keys: list[BlockKey],
         root: Run,
         root_key: BlockKey,
-        tables: list[list[list[int]]],
+        tables: list[list[list[SlotId]]],
         *,
         lora_id: int | None,
         cache_salt: str | None,
@@ -60,7 +60,7 @@ class Sequence:
         self.committed_floor = len(tokens)  # rewind_tokens never goes below this
         self.suspended = False
         # while suspended: (group, old GPU slot) -> (tier, slot, table positions (beam, index))
-        self.moved: dict[tuple[int, int], tuple[int, int, list[tuple[int, int]]]] = {}
+        self.moved: dict[tuple[int, SlotId], tuple[int, SlotId, list[tuple[int, int]]]] = {}
 
     @property
     def num_tokens(self) -> int:

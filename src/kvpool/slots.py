@@ -19,9 +19,9 @@ whatever the number of slots.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, cast
 
-from kvpool.radix import NO_SLOT
+from kvpool.radix import NO_SLOT, SlotId
 
 B = TypeVar("B")
 """What a cached slot points back to (the manager's tree run)."""
@@ -45,16 +45,16 @@ class SlotPool(Generic[B, Q]):
 
     def __init__(self, size: int, queue: Q) -> None:
         self.size = size
-        self.free: list[int] = list(range(size - 1, -1, -1))
+        self.free = cast("list[SlotId]", list(range(size - 1, -1, -1)))
         self.queue = queue
         self.ref: list[int] = [0] * size
         self.run_at: list[B | None] = [None] * size
         self.idx_at: list[int] = [0] * size
-        self.held: set[int] = set()
+        self.held: set[SlotId] = set()
 
     # ---------------------------------------------------------------- free list
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int) -> list[SlotId]:
         """Up to ``n`` free slots, lowest numbers first (fewer when fewer are free)."""
         free = self.free
         if n <= 0:
@@ -68,7 +68,7 @@ class SlotPool(Generic[B, Q]):
         out.reverse()
         return out
 
-    def give(self, slots: Iterable[int]) -> None:
+    def give(self, slots: Iterable[SlotId]) -> None:
         """Slots that hold nothing any more go back to the free list."""
         self.free.extend(slots)
 
@@ -78,19 +78,19 @@ class SlotPool(Generic[B, Q]):
 
     # ---------------------------------------------------------------- references
 
-    def hold(self, slots: Sequence[int], refs: int = 1) -> None:
+    def hold(self, slots: Sequence[SlotId], refs: int = 1) -> None:
         """Add ``refs`` references to each slot of ``slots`` (a slot listed twice gets both)."""
         ref = self.ref
         for s in slots:
             ref[s] += refs
 
-    def release(self, slots: Sequence[int]) -> list[int]:
+    def release(self, slots: Sequence[SlotId]) -> list[SlotId]:
         """Take one reference off each of ``slots`` (distinct; NO_SLOT entries skipped). The
         slots left without one that hold nothing go back to the free list; returns those that
         hold a cached block, last listed first (how a released block table enters the queue:
         tail first). One pass over the table."""
         ref, run_at = self.ref, self.run_at
-        cached: list[int] = []
+        cached: list[SlotId] = []
         free = self.free
         for s in reversed(slots):
             if s == NO_SLOT:
@@ -106,12 +106,12 @@ class SlotPool(Generic[B, Q]):
 
     # ---------------------------------------------------------------- back-pointers
 
-    def place(self, slot: int, block: B, i: int) -> None:
+    def place(self, slot: SlotId, block: B, i: int) -> None:
         """Slot ``slot`` holds block ``i`` of ``block``."""
         self.run_at[slot] = block
         self.idx_at[slot] = i
 
-    def place_all(self, slots: Sequence[int], block: B, first: int = 0) -> None:
+    def place_all(self, slots: Sequence[SlotId], block: B, first: int = 0) -> None:
         """Slots ``slots`` hold blocks ``first``, ``first + 1``, ... of ``block`` (NO_SLOT
         entries are skipped)."""
         run_at, idx_at = self.run_at, self.idx_at
@@ -120,18 +120,18 @@ class SlotPool(Generic[B, Q]):
                 run_at[s] = block
                 idx_at[s] = j
 
-    def clear(self, slot: int) -> None:
+    def clear(self, slot: SlotId) -> None:
         """Slot ``slot`` no longer holds a cached block."""
         self.run_at[slot] = None
 
-    def owner(self, slot: int) -> tuple[B, int] | None:
+    def owner(self, slot: SlotId) -> tuple[B, int] | None:
         """(block, index) that ``slot`` holds, or None."""
         b = self.run_at[slot]
         return None if b is None else (b, self.idx_at[slot])
 
     # ---------------------------------------------------------------- checks
 
-    def state_of(self, slot: int) -> str:
+    def state_of(self, slot: SlotId) -> str:
         """'free', 'queued', 'referenced', 'held' or 'claimed' (none of these: a colder slot
         claimed during a call); for checks and tests."""
         if self.ref[slot]:

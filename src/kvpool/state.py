@@ -31,7 +31,7 @@ from kvpool.errors import SequenceStateError, StorageError, UnknownSequenceError
 from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.groups import GroupKind, group_kinds
 from kvpool.hashing import BlockHasher
-from kvpool.radix import Run
+from kvpool.radix import Run, SlotId
 from kvpool.sequence import Sequence as Seq
 from kvpool.slots import SlotPool
 from kvpool.stats import CacheStats
@@ -109,7 +109,7 @@ class CacheState:
         self.storage = storage
         self.emit = Emitter(config, events)
         self.copies = CopyPlan()  # the copies of the call in progress
-        self.pending_free: list[tuple[int, int, int]] = []  # (tier, group, slot) at call end
+        self.pending_free: list[tuple[int, int, SlotId]] = []  # (tier, group, slot) at call end
         self.new_count = [0] * self.num_groups  # GPU slots taken per group during the call
         self.retention_seen = False  # has any block had a retention priority set?
         self.copy_failure: str | None = None  # what made a copy fail after the checks

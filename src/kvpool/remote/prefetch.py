@@ -34,7 +34,7 @@ from kvpool.commit import reindex
 from kvpool.config import SequenceRequest
 from kvpool.errors import InvalidArgumentError, RemoteTierError
 from kvpool.hashing import BlockHasher, BlockKey
-from kvpool.radix import NO_SLOT, Run, Segment, match_full
+from kvpool.radix import NO_SLOT, Run, Segment, SlotId, match_full
 from kvpool.remote.hooks import write_block
 
 if TYPE_CHECKING:
@@ -145,10 +145,10 @@ def _valid(st: CacheState, blocks: list[list[memoryview]],
     return blocks
 
 
-def _claim(st: CacheState, t: int, groups: list[int], n: int) -> dict[int, list[int]]:
+def _claim(st: CacheState, t: int, groups: list[int], n: int) -> dict[int, list[SlotId]]:
     """Up to ``n`` slots of tier t per group (free first, else evicted victims); the
     evictions' copies run before this returns."""
-    claimed: dict[int, list[int]] = {}
+    claimed: dict[int, list[SlotId]] = {}
     for g in groups:
         got = claimed[g] = []
         for _ in range(n):
@@ -206,7 +206,7 @@ def _install(st: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _P
     return max(0, after - plan.local)
 
 
-def _put(st: CacheState, t: int, g: int, s: int, run: Run, j: int,
+def _put(st: CacheState, t: int, g: int, s: SlotId, run: Run, j: int,
          payload: memoryview) -> None:
     write_block(st.storage, t, g, s, payload)
     run.slot[g][j] = s
@@ -216,7 +216,7 @@ def _put(st: CacheState, t: int, g: int, s: int, run: Run, j: int,
     pool.queue.push(s, run.priority(j), key=run.keys[j])
 
 
-def _new_run(st: CacheState, t: int, groups: list[int], claimed: dict[int, list[int]],
+def _new_run(st: CacheState, t: int, groups: list[int], claimed: dict[int, list[SlotId]],
              parent: Run, plan: _Plan, d: int, end: int,
              blocks: list[list[memoryview]], placed: dict[int, list[tuple[Run, int]]]) -> None:
     """Blocks [d, end) of the request as a new run under the last block of ``parent``."""
