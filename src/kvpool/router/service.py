@@ -47,6 +47,7 @@ import hmac
 import itertools
 import logging
 import os
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -66,7 +67,9 @@ from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpool.router.scoring import Router
 
-__all__ = ["RouterService", "parse_finished_body", "parse_route_body", "serve"]
+__all__ = [
+    "RouterService", "parse_finished_body", "parse_route_body", "serve", "token_array",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,19 @@ def _parse(decoder: msgspec.json.Decoder[_T], raw: bytes, what: str) -> _T:
         return decoder.decode(raw)
     except INPUT_FAULTS as exc:
         raise InvalidArgumentError(f"bad {what} body ({type(exc).__name__}): {exc}") from None
+
+
+def token_array(token_ids: list[int]) -> array[int] | list[int]:
+    """A decoded body's token ids as u32 (the decoder let only ints through, no bools): one C
+    pass, after which the router's validation is a copy and a scan of the top bytes, not a
+    conversion and a scan for bools. Ids out of u32 range stay a list, for the router to name
+    the bad one."""
+    out = array("I")
+    try:
+        out.fromlist(token_ids)
+    except OverflowError:
+        return token_ids
+    return out
 
 
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -283,7 +299,7 @@ class RouterService:
             return _error(400, str(exc))
         try:
             decision = self.router.route(
-                body.token_ids,
+                token_array(body.token_ids),
                 cache_salt=body.cache_salt,
                 request_id=body.request_id,
                 prefill_tokens=body.prefill_tokens,
