@@ -648,6 +648,9 @@ def test_bad_bodies_limits_and_errors_are_json(monkeypatch: pytest.MonkeyPatch) 
                 big = json.dumps({"token_ids": list(range(2000))}).encode()
                 status, err = await call("POST", "/route", big, auth)
                 assert status == 413 and "max_body_bytes (4096" in err["error"]
+                for size in (4097, 4096):  # just over the limit (one segment), just at it
+                    status, err = await call("POST", "/route", b" " * (size - 2) + b"{}", auth)
+                    assert status == (413 if size > 4096 else 400), err
                 status, err = await call("GET", "/nowhere", headers=auth)
                 assert status == 404 and err["error"]
                 status, err = await call("GET", "/route", headers=auth)
