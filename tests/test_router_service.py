@@ -225,8 +225,9 @@ def test_route_finished_workers_metrics_and_health_over_http() -> None:
                 assert (await post(s, f"{base}/finished", {"request_id": "r1"}))[1][
                     "finished"] is False
 
-                for bad in ({"token_ids": [1, -5]}, {"token_ids": [1, 2**31]}, {"token_ids": [2**32]},
-                            {"token_ids": [True]}, {"token_ids": "abc"}, {"tokens": [1]}, []):
+                for bad in ({"token_ids": [1, -5]}, {"token_ids": [1, 2**31]},
+                            {"token_ids": [2**32]}, {"token_ids": [True]}, {"token_ids": "abc"},
+                            {"tokens": [1]}, []):
                     status, err = await post(s, f"{base}/route", bad)
                     assert status == 400 and err["error"]
                 assert (await get_json(s, f"{base}/health"))[0] == 200

@@ -112,8 +112,8 @@ def v2_request_keys(
     parent = _root(cache_salt_id(cache_salt) if cache_salt is not None else None)
     step = 4 * tokens_per_block
     n_full = len(raw) // step
-    # whole blocks cut in C, the trailing partial block (if any) after them
-    chunks: list[bytes] = [c for (c,) in struct.iter_unpack(f"{step}s", raw[: n_full * step])]
+    # the whole blocks cut in one C call, then the trailing partial block (if any)
+    chunks = list(_blocks(step, n_full)(raw[: n_full * step]))
     if len(raw) > n_full * step:
         chunks.append(raw[n_full * step:])
     digests: list[bytes] = []
@@ -154,6 +154,12 @@ def v2_request_keys(
 @lru_cache(maxsize=64)
 def _root(salt_id: int | None) -> bytes:
     return v2_root_key(salt_id=salt_id)
+
+
+@lru_cache(maxsize=256)
+def _blocks(step: int, n: int) -> Callable[[bytes], tuple[bytes, ...]]:
+    """Cuts ``n * step`` bytes into ``n`` blocks in one C call."""
+    return struct.Struct(f"{step}s" * n).unpack
 
 
 @lru_cache(maxsize=256)
