@@ -1,4 +1,5 @@
-"""The router's v2 request keys: the memoized chain gives the keys of the plain one."""
+"""The router's v2 request keys: with a memo of known chains they are the keys of the plain
+chain, whatever the memo holds."""
 
 from __future__ import annotations
 
@@ -9,29 +10,30 @@ from hypothesis import strategies as st
 from kvpool.hashing import HashAlgo, request_block_hashes, tokens_to_u32
 from kvpool.router.request_keys import ChainMemo, request_keys, v2_request_keys
 
-_prefixes = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+_ids = st.integers(0, 2**31 - 1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    prefixes=st.lists(_prefixes, min_size=1, max_size=3),
+    prefixes=st.lists(st.lists(_ids, max_size=40), min_size=1, max_size=3),
     requests=st.lists(
-        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 2**31 - 1), max_size=20),
-                  st.sampled_from([None, "", "salt"])),
+        st.tuples(st.integers(0, 2), st.lists(_ids, max_size=20),
+                  st.sampled_from([None, "", "salt"]), st.sampled_from([1, 3, 4, 8, 16])),
         min_size=1, max_size=12,
     ),
-    tpb=st.sampled_from([1, 3, 4, 16]),
-    steps=st.integers(1, 40),
-    learn=st.integers(0, 5),
+    chains=st.integers(1, 4),
+    blocks=st.integers(1, 12),
+    max_bytes=st.integers(1, 200),
 )
 def test_memoized_keys_equal_the_published_hashes(
-    prefixes: list[list[int]], requests: list[tuple[int, list[int], str | None]], tpb: int,
-    steps: int, learn: int,
+    prefixes: list[list[int]], requests: list[tuple[int, list[int], str | None, int]],
+    chains: int, blocks: int, max_bytes: int,
 ) -> None:
-    """Requests sharing prefixes (some salted) through one small memo (generations rotate
-    often): every request's keys equal request_block_hashes', and the memo stays bounded."""
-    memo = ChainMemo(steps, learn)
-    for which, tail, salt in requests:
+    """Requests sharing prefixes (salted or not, of several block sizes) through one small
+    memo (generations rotate, chains are cut short): every request's keys equal
+    request_block_hashes', and the memo keeps its bounds."""
+    memo = ChainMemo(chains, blocks, max_bytes)
+    for which, tail, salt, tpb in requests:
         tokens = prefixes[which % len(prefixes)] + tail
         if not tokens:
             continue
@@ -40,30 +42,33 @@ def test_memoized_keys_equal_the_published_hashes(
         assert v2_request_keys(toks, tpb, salt, memo) == expected
         assert v2_request_keys(toks, tpb, salt) == expected
         assert request_keys("v2", tpb, toks, salt, memo) == expected
-        assert len(memo.young) < steps + max(learn, 1) + len(tokens) // tpb + 1
-        assert len(memo.old) < steps + max(learn, 1) + 64
+        assert len(memo.young) < chains and len(memo.old) <= chains
+        for (step, _), (raw, digests) in [*memo.young.items(), *memo.old.items()]:
+            assert len(digests) <= min(blocks, max(max_bytes // step, 1))
+            assert len(raw) <= len(digests) * step
 
 
-def test_a_shared_prefix_is_learned_a_few_steps_per_request() -> None:
-    """A request remembers ``learn`` steps past its known prefix: the 8-block prefix of
-    repeated prompts is known after two of them, an unshared tail adds at most ``learn``."""
-    memo = ChainMemo(1000, learn=4)
-    prefix = list(range(8 * 4))
-    for tail, size in (([100], 4), ([200], 8), ([300], 9)):  # 8 shared blocks, a partial one
-        toks = tokens_to_u32(prefix + tail + [7])  # the last token is not hashed
-        v2_request_keys(toks, 4, None, memo)
-        assert len(memo) == size
-    keys = set(memo.young)
-    v2_request_keys(tokens_to_u32([*prefix, 999, 7]), 4, None, memo)
-    assert set(memo.young) - keys and len(memo.young) == len(keys) + 1
+def test_a_request_takes_the_blocks_it_shares_with_the_last_chain_of_its_first_block() -> None:
+    memo = ChainMemo()
+    prefix = list(range(40))  # 10 blocks of 4
+    v2_request_keys(tokens_to_u32([*prefix, 1, 2, 3, 4, 5, 9]), 4, None, memo)
+    (first, (_, digests)), = memo.young.items()
+    assert len(digests) == 12  # 11 whole blocks and a partial one
+    raw = tokens_to_u32([*prefix, 1, 2, 3, 7, 8]).tobytes()
+    assert len(memo.known(first, raw, 12)) == 10  # block 11 differs in its last token
+    assert len(memo.known(first, raw[:12], 1)) == 0  # a partial first block is another block
+    assert len(memo.known(first, raw[:16], 1)) == 1
+    assert memo.known((first[0] * 2, first[1]), raw, 12) == []  # another block size
+    v2_request_keys(tokens_to_u32([*prefix, 1, 2, 3, 7, 8]), 4, None, memo)
+    assert len(memo.young) == 1 and len(memo.young[first][1]) == 11  # the newest chain
 
 
 def test_generations_rotate_and_bound_the_memo() -> None:
-    memo = ChainMemo(steps=5, learn=3)
-    for i in range(20):
-        v2_request_keys(tokens_to_u32([i] * 17), 4, None, memo)  # 4 blocks, 3 remembered
-        assert len(memo.young) < 5 + 3 and len(memo.old) < 5 + 3
-    with pytest.raises(ValueError):
-        ChainMemo(0)
-    with pytest.raises(ValueError):
-        ChainMemo(4, learn=-1)
+    memo = ChainMemo(chains=3, blocks=2, max_bytes=1000)
+    for i in range(10):
+        v2_request_keys(tokens_to_u32([i] * 17), 4, None, memo)  # 4 blocks, 2 kept
+        assert len(memo.young) < 3 and len(memo.old) <= 3
+        assert all(len(d) == 2 and len(r) == 32 for r, d in memo.young.values())
+    for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
+        with pytest.raises(ValueError):
+            ChainMemo(*bad)

@@ -2,10 +2,9 @@
 
 ``v2`` keys (TensorRT-LLM V2's sha256 chain) are computed here from the request's u32 bytes,
 the tokens validated once by the router (not again by :func:`kvpool.hashing.request_block_hashes`),
-with a bounded memo of chain steps (:class:`ChainMemo`): a block whose parent digest and tokens
-were hashed before takes one dict lookup instead of a sha256. Prompts share prefixes (system
-prompts, the earlier turns of a conversation), so most requests find their first blocks there;
-the walk of a chain stops looking at its first unknown block (every later parent is new too).
+with a bounded memo of known chains (:class:`ChainMemo`): prompts share prefixes (system
+prompts, the earlier turns of a conversation), and the blocks a request shares with the last
+chain that began with its first block take a byte comparison instead of a sha256 each.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id
 from kvpool.router.index import token_chain_keys, token_chain_root
 
 __all__ = [
-    "DEFAULT_LEARN_STEPS", "DEFAULT_MEMO_STEPS", "ChainMemo", "request_keys", "v2_request_keys",
+    "DEFAULT_MEMO_BLOCKS", "DEFAULT_MEMO_BYTES", "DEFAULT_MEMO_CHAINS", "ChainMemo",
+    "request_keys", "v2_request_keys",
 ]
 
 _SCHEME_ALGO: Final = {
@@ -31,43 +31,77 @@ _SCHEME_ALGO: Final = {
     "vllm": HashAlgo.VLLM_SHA256_CBOR,
 }
 
-DEFAULT_MEMO_STEPS: Final = 16384
-"""Chain steps a :class:`ChainMemo` generation holds (two generations: about twice this, some
-250 bytes a step)."""
-
-DEFAULT_LEARN_STEPS: Final = 8
-"""New chain steps a request adds to a :class:`ChainMemo` (after its known prefix)."""
+DEFAULT_MEMO_CHAINS: Final = 128
+"""Chains a :class:`ChainMemo` generation holds (two generations)."""
+DEFAULT_MEMO_BLOCKS: Final = 256
+"""Blocks a :class:`ChainMemo` keeps of a chain ..."""
+DEFAULT_MEMO_BYTES: Final = 16384
+"""... and token bytes (4,096 tokens): a chain costs at most about 41 KB (256 blocks of 16
+tokens: 16 KiB of tokens, 256 digests), a memo about 10 MB."""
 
 # A fresh sha256 object by copying an empty one skips OpenSSL's per-call algorithm lookup.
 _SHA256_NEW: Final = hashlib.sha256().copy
 
 
 class ChainMemo:
-    """Known v2 chain steps, ``parent digest + block bytes -> digest``, in two generations:
-    new steps and steps found in the old generation go to the young one; when the young one
-    holds ``steps`` it becomes the old one (the previous old one is dropped). Steps used at
-    least once per generation stay; the memory is bounded by about ``2 * steps`` entries.
+    """Known v2 chains by their first block: ``(block bytes, root + first block's bytes) ->
+    (the chain's token bytes, its digests)``, the chain of the last request that began with
+    that block (its first ``min(blocks, bytes // block bytes)`` blocks). Two generations:
+    chains are stored in the young one; when it holds ``chains`` it becomes the old one (the
+    previous old one is dropped), so a first block used at least once a generation stays.
 
-    A request remembers at most ``learn`` new steps, those right after its known prefix: a
-    prefix many requests share (a system prompt) is learned in a few of them, while the
-    unshared rest of each prompt (most of the steps a router sees) neither costs an insertion
-    per block nor pushes the shared steps out (measured: remembering every step cost as much
-    as the sha256 calls the memo saves)."""
+    A request's blocks equal to the stored chain's (a binary search of byte comparisons over
+    whole-block prefixes) take their digests from it; the rest are hashed and the request's
+    chain replaces the stored one. Per-step memos (parent digest + block -> digest) measured
+    slower: a dict lookup of a 96-byte key per known block, and every new step an insertion.
+    """
 
-    def __init__(self, steps: int = DEFAULT_MEMO_STEPS, learn: int = DEFAULT_LEARN_STEPS) -> None:
-        if steps < 1 or learn < 0:
-            raise ValueError(f"steps must be >= 1 and learn >= 0, got {steps} and {learn}")
-        self.steps = steps
-        self.learn = learn
-        self.young: dict[bytes, bytes] = {}
-        self.old: dict[bytes, bytes] = {}
+    def __init__(
+        self, chains: int = DEFAULT_MEMO_CHAINS, blocks: int = DEFAULT_MEMO_BLOCKS,
+        max_bytes: int = DEFAULT_MEMO_BYTES,
+    ) -> None:
+        if chains < 1 or blocks < 1 or max_bytes < 1:
+            raise ValueError(
+                f"chains, blocks and max_bytes must be >= 1, got {chains}, {blocks}, {max_bytes}"
+            )
+        self.chains = chains
+        self.blocks = blocks
+        self.max_bytes = max_bytes
+        self.young: dict[tuple[int, bytes], tuple[bytes, list[bytes]]] = {}
+        self.old: dict[tuple[int, bytes], tuple[bytes, list[bytes]]] = {}
 
     def __len__(self) -> int:
+        """Chains held (a first block in both generations counts twice)."""
         return len(self.young) + len(self.old)
 
-    def _rotate(self) -> None:
-        if len(self.young) >= self.steps:
-            self.old = self.young
+    def known(self, first: tuple[int, bytes], raw: bytes, n_blocks: int) -> list[bytes]:
+        """The digests of the longest prefix of whole blocks (at most ``n_blocks``) that
+        ``raw`` shares with the chain stored for ``first``."""
+        chain = self.young.get(first) or self.old.get(first)
+        if chain is None:
+            return []
+        step = first[0]
+        kraw, kdig = chain
+        hi = min(n_blocks, len(kdig))
+        if raw[:hi * step] == kraw[:hi * step]:
+            return kdig[:hi]
+        lo = 0  # lo blocks are equal, hi are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if raw[:mid * step] == kraw[:mid * step]:
+                lo = mid
+            else:
+                hi = mid
+        return kdig[:lo]
+
+    def store(self, first: tuple[int, bytes], raw: bytes, digests: list[bytes]) -> None:
+        """``raw``'s chain (``digests``) is the one known for ``first`` now."""
+        step = first[0]
+        n = min(self.blocks, max(self.max_bytes // step, 1))
+        young = self.young
+        young[first] = (raw, digests) if len(digests) <= n else (raw[:n * step], digests[:n])
+        if len(young) >= self.chains:
+            self.old = young
             self.young = {}
 
 
@@ -116,38 +150,20 @@ def v2_request_keys(
     chunks = list(_blocks(step, n_full)(raw[: n_full * step]))
     if len(raw) > n_full * step:
         chunks.append(raw[n_full * step:])
-    digests: list[bytes] = []
+    first = (step, parent + chunks[0])
+    digests = memo.known(first, raw, len(chunks)) if memo is not None else []
+    n = len(digests)
+    if n:
+        parent = digests[-1]
     append = digests.append
-    i = 0
-    if memo is not None:
-        young = memo.young
-        young_get, old_get = young.get, memo.old.get
-        for chunk in chunks:  # known steps
-            k = parent + chunk
-            d = young_get(k)
-            if d is None:
-                d = old_get(k)
-                if d is None:
-                    break
-                young[k] = d
-            append(d)
-            parent = d
-            i += 1
-        learn = min(len(chunks), i + memo.learn)
-        for chunk in chunks[i:learn]:  # the first new steps, remembered
-            k = parent + chunk
-            h = _SHA256_NEW()
-            h.update(k)
-            parent = young[k] = h.digest()
-            append(parent)
-        i = learn
-        memo._rotate()
     new = _SHA256_NEW
-    for chunk in chunks[i:] if i else chunks:
+    for chunk in chunks[n:] if n else chunks:
         h = new()
         h.update(parent + chunk)
         parent = h.digest()
         append(parent)
+    if memo is not None:
+        memo.store(first, raw, digests)
     return list(_digest_heads(len(digests))(b"".join(digests)))
 
 
