@@ -72,3 +72,14 @@ def test_generations_rotate_and_bound_the_memo() -> None:
     for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
         with pytest.raises(ValueError):
             ChainMemo(*bad)
+
+
+def test_long_requests_past_the_cached_structs() -> None:
+    """Over 256 blocks the blocks are cut and read in a loop; the memo keeps 256 of them."""
+    memo = ChainMemo()
+    tokens = list(range(1000, 1600))
+    expected = request_block_hashes(tokens, 1, HashAlgo.V2_SHA256_64)
+    assert len(expected) == 599
+    for _ in range(2):
+        assert v2_request_keys(tokens_to_u32(tokens), 1, None, memo) == expected
+    assert [len(d) for _, d in memo.young.values()] == [256]

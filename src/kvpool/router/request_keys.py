@@ -39,6 +39,11 @@ DEFAULT_MEMO_BYTES: Final = 16384
 """... and token bytes (4,096 tokens): a chain costs at most about 41 KB (256 blocks of 16
 tokens: 16 KiB of tokens, 256 digests), a memo about 10 MB."""
 
+_STRUCT_MAX_BLOCKS: Final = 256
+"""Requests of up to this many blocks are cut and read by cached :class:`struct.Struct`
+objects (one code per block: at most 256 x 512 codes cached); longer ones in a loop, whose
+cost per block is small beside a sha256."""
+
 # A fresh sha256 object by copying an empty one skips OpenSSL's per-call algorithm lookup.
 _SHA256_NEW: Final = hashlib.sha256().copy
 
@@ -147,7 +152,10 @@ def v2_request_keys(
     step = 4 * tokens_per_block
     n_full = len(raw) // step
     # the whole blocks cut in one C call, then the trailing partial block (if any)
-    chunks = list(_blocks(step, n_full)(raw[: n_full * step]))
+    if n_full <= _STRUCT_MAX_BLOCKS:
+        chunks = list(_blocks(step, n_full)(raw[: n_full * step]))
+    else:
+        chunks = [raw[i:i + step] for i in range(0, n_full * step, step)]
     if len(raw) > n_full * step:
         chunks.append(raw[n_full * step:])
     first = (step, parent + chunks[0])
@@ -164,7 +172,9 @@ def v2_request_keys(
         append(parent)
     if memo is not None:
         memo.store(first, raw, digests)
-    return list(_digest_heads(len(digests))(b"".join(digests)))
+    if len(digests) <= _STRUCT_MAX_BLOCKS:
+        return list(_digest_heads(len(digests))(b"".join(digests)))
+    return [int.from_bytes(d[:8], "big") for d in digests]
 
 
 @lru_cache(maxsize=64)
