@@ -43,24 +43,26 @@ def test_memoized_keys_equal_the_published_hashes(
         assert v2_request_keys(toks, tpb, salt) == expected
         assert request_keys("v2", tpb, toks, salt, memo) == expected
         assert len(memo.young) < chains and len(memo.old) <= chains
-        for (step, _), (raw, digests) in [*memo.young.items(), *memo.old.items()]:
+        for (step, _), (raw, digests, keys) in [*memo.young.items(), *memo.old.items()]:
             assert len(digests) <= min(blocks, max(max_bytes // step, 1))
             assert len(raw) <= len(digests) * step
+            assert keys == [int.from_bytes(d[:8], "big") for d in digests]
 
 
 def test_a_request_takes_the_blocks_it_shares_with_the_last_chain_of_its_first_block() -> None:
     memo = ChainMemo()
     prefix = list(range(40))  # 10 blocks of 4
     v2_request_keys(tokens_to_u32([*prefix, 1, 2, 3, 4, 5, 9]), 4, None, memo)
-    (first, (_, digests)), = memo.young.items()
+    (first, (_, digests, keys)), = memo.young.items()
     assert len(digests) == 12  # 11 whole blocks and a partial one
     raw = tokens_to_u32([*prefix, 1, 2, 3, 7, 8]).tobytes()
-    assert len(memo.known(first, raw, 12)) == 10  # block 11 differs in its last token
-    assert len(memo.known(first, raw[:12], 1)) == 0  # a partial first block is another block
-    assert len(memo.known(first, raw[:16], 1)) == 1
-    assert memo.known((first[0] * 2, first[1]), raw, 12) == []  # another block size
-    v2_request_keys(tokens_to_u32([*prefix, 1, 2, 3, 7, 8]), 4, None, memo)
+    assert memo.known(first, raw, 12) == (digests[:10], keys[:10])  # block 11 differs
+    assert memo.known(first, raw[:12], 1) == ([], [])  # a partial first block is another block
+    assert memo.known(first, raw[:16], 1) == (digests[:1], keys[:1])
+    assert memo.known((first[0] * 2, first[1]), raw, 12) == ([], [])  # another block size
+    again = v2_request_keys(tokens_to_u32([*prefix, 1, 2, 3, 7, 8]), 4, None, memo)
     assert len(memo.young) == 1 and len(memo.young[first][1]) == 11  # the newest chain
+    assert all(a is b for a, b in zip(again[:10], keys, strict=False))  # the same int objects
 
 
 def test_generations_rotate_and_bound_the_memo() -> None:
@@ -68,7 +70,7 @@ def test_generations_rotate_and_bound_the_memo() -> None:
     for i in range(10):
         v2_request_keys(tokens_to_u32([i] * 17), 4, None, memo)  # 4 blocks, 2 kept
         assert len(memo.young) < 3 and len(memo.old) <= 3
-        assert all(len(d) == 2 and len(r) == 32 for r, d in memo.young.values())
+        assert all(len(d) == 2 == len(k) and len(r) == 32 for r, d, k in memo.young.values())
     for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
         with pytest.raises(ValueError):
             ChainMemo(*bad)
@@ -82,4 +84,4 @@ def test_long_requests_past_the_cached_structs() -> None:
     assert len(expected) == 599
     for _ in range(2):
         assert v2_request_keys(tokens_to_u32(tokens), 1, None, memo) == expected
-    assert [len(d) for _, d in memo.young.values()] == [256]
+    assert [(len(d), len(k)) for _, d, k in memo.young.values()] == [(256, 256)]
