@@ -18,6 +18,7 @@ from kvpool.errors import (
 )
 from kvpool.events.model import KVCacheEvent, Stored, StoredBlock
 from kvpool.hashing import request_block_hashes
+from kvpool.router.decision import LATENCY_BUCKETS_S, RouterStats
 from kvpool.router.index import KvIndex
 from kvpool.router.scoring import RouteDecision, Router
 
@@ -467,3 +468,19 @@ class LoadMachine(RuleBasedStateMachine):
 
 
 TestLoadMachine = LoadMachine.TestCase
+
+
+@given(st.floats(0.0, 2 * LATENCY_BUCKETS_S[-1], allow_nan=False))
+def test_a_decision_latency_counts_in_the_first_bucket_bounding_it(elapsed: float) -> None:
+    """Prometheus ``le`` buckets: a latency equal to a bound counts in that bound's bucket,
+    one past every bound in the last (overflow) one."""
+    stats = RouterStats()
+    stats.count_latency(elapsed)
+    b = stats.latency_buckets.index(1)
+    assert sum(stats.latency_buckets) == 1 and stats.latency_sum_s == elapsed
+    assert b == len(LATENCY_BUCKETS_S) or elapsed <= LATENCY_BUCKETS_S[b]
+    assert b == 0 or elapsed > LATENCY_BUCKETS_S[b - 1]
+    for bound in LATENCY_BUCKETS_S[:2]:
+        at = RouterStats()
+        at.count_latency(bound)
+        assert at.latency_buckets[LATENCY_BUCKETS_S.index(bound)] == 1

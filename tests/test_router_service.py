@@ -225,7 +225,9 @@ def test_route_finished_workers_metrics_and_health_over_http() -> None:
                 assert (await post(s, f"{base}/finished", {"request_id": "r1"}))[1][
                     "finished"] is False
 
-                for bad in ({"token_ids": [1, -5]}, {"token_ids": "abc"}, {"tokens": [1]}, []):
+                for bad in ({"token_ids": [1, -5]}, {"token_ids": [1, 2**31]},
+                            {"token_ids": [2**32]}, {"token_ids": [True]}, {"token_ids": "abc"},
+                            {"tokens": [1]}, []):
                     status, err = await post(s, f"{base}/route", bad)
                     assert status == 400 and err["error"]
                 assert (await get_json(s, f"{base}/health"))[0] == 200
@@ -647,6 +649,9 @@ def test_bad_bodies_limits_and_errors_are_json(monkeypatch: pytest.MonkeyPatch) 
                 big = json.dumps({"token_ids": list(range(2000))}).encode()
                 status, err = await call("POST", "/route", big, auth)
                 assert status == 413 and "max_body_bytes (4096" in err["error"]
+                for size in (4097, 4096):  # just over the limit (one segment), just at it
+                    status, err = await call("POST", "/route", b" " * (size - 2) + b"{}", auth)
+                    assert status == (413 if size > 4096 else 400), err
                 status, err = await call("GET", "/nowhere", headers=auth)
                 assert status == 404 and err["error"]
                 status, err = await call("GET", "/route", headers=auth)

@@ -3,6 +3,7 @@ and the router's counters (:class:`~kvpool.router.scoring.Router`)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -82,7 +83,4 @@ class RouterStats:
     def count_latency(self, elapsed: float) -> None:
         """One decision that took ``elapsed`` seconds."""
         self.latency_sum_s += elapsed
-        b = 0
-        while b < len(LATENCY_BUCKETS_S) and elapsed > LATENCY_BUCKETS_S[b]:
-            b += 1
-        self.latency_buckets[b] += 1
+        self.latency_buckets[bisect_left(LATENCY_BUCKETS_S, elapsed)] += 1  # first bound >= it

@@ -17,32 +17,45 @@ __all__ = ["Predictions"]
 
 class Predictions:
     """Predicted GPU blocks: ``masks[key]`` has bit ``slot`` set while a request routed to
-    ``slot`` predicts ``key`` (the index's tier-0 bit positions)."""
+    ``slot`` predicts ``key`` (the index's tier-0 bit positions).
+
+    References: the bit itself stands for the first request predicting ``key`` on ``slot``;
+    the others are counted in ``_extra[slot][key]``. Most keys are predicted by one request
+    (the unshared part of each prompt), so adding or removing them touches one dict, the one
+    every walk reads, and the per-slot counts hold only shared prefixes. With the router's
+    live predictions in the hundreds of thousands (every route's blocks, for the requests in
+    prefill and ``ttl_s`` after), a key's cost is mostly the cache misses of its dict slots:
+    one dict instead of two measured 1.8x faster (add and remove, 560,000 live keys). C-level
+    passes (``map``, ``compress``, ``dict.update``) measured no faster than these loops.
+    """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.masks: dict[int, int] = {}
-        self._refs: dict[int, dict[int, int]] = {}  # slot -> {key: references} (no tuples)
+        self._extra: dict[int, dict[int, int]] = {}  # slot -> {key: references beyond one}
         # (expiry, slot, keys) in expiry order: a constant TTL keeps appends sorted
         self._queue: deque[tuple[float, int, list[int]]] = deque()
 
     def __len__(self) -> int:
         """Distinct (key, slot) predictions."""
-        return sum(map(len, self._refs.values()))
+        return sum(m.bit_count() for m in self.masks.values())
 
     def add(self, slot: int, keys: list[int]) -> None:
         """A request with block ``keys`` was routed to ``slot``: predicted until :meth:`start`
         and ``ttl_s`` after it."""
         bit = 1 << slot
         masks = self.masks
-        refs = self._refs.get(slot)
-        if refs is None:
-            refs = self._refs[slot] = {}
+        extra = self._extra.get(slot)
+        if extra is None:
+            extra = self._extra[slot] = {}
         for h in keys:
-            c = refs.get(h, 0)
-            refs[h] = c + 1
-            if c == 0:
-                masks[h] = masks.get(h, 0) | bit
+            m = masks.get(h, 0)
+            if m & bit:  # another request (or this one) predicts it already
+                extra[h] = extra.get(h, 0) + 1
+            else:
+                masks[h] = m | bit
+        if not extra:
+            del self._extra[slot]
 
     def start(self, slot: int, keys: list[int], now: float) -> None:
         """The request's prefill is done at ``now``: its prediction ends ``ttl_s`` later."""
@@ -59,20 +72,23 @@ class Predictions:
         """One request's prediction of ``keys`` on ``slot`` ends."""
         clear = ~(1 << slot)
         masks = self.masks
-        refs = self._refs[slot]
+        extra = self._extra.get(slot)
+        if extra is None:
+            extra = {}
         for h in keys:
-            c = refs[h]
-            if c > 1:
-                refs[h] = c - 1
-                continue
-            del refs[h]
-            m = masks[h] & clear
-            if m:
-                masks[h] = m
+            c = extra.get(h)
+            if c is None:  # the last reference: the bit goes
+                m = masks[h] & clear
+                if m:
+                    masks[h] = m
+                else:
+                    del masks[h]
+            elif c > 1:
+                extra[h] = c - 1
             else:
-                del masks[h]
-        if not refs:
-            del self._refs[slot]
+                del extra[h]
+        if not extra:
+            self._extra.pop(slot, None)
 
     def drop_slot(self, slot: int) -> None:
         """The worker's cache is gone: the queued predictions of ``slot`` end now (those of

@@ -108,7 +108,7 @@ from kvpool.router.decision import (
 from kvpool.router.index import TIERS, GroupKey, KvIndex
 from kvpool.router.load import Active, Loads
 from kvpool.router.predictions import Predictions
-from kvpool.router.request_keys import request_keys
+from kvpool.router.request_keys import ChainMemo, request_keys
 from kvpool.router.shared_tier import (
     DEFAULT_SHARED_TIER_BLOCKS,
     DEFAULT_SHARED_TIER_WEIGHT,
@@ -220,6 +220,7 @@ class Router:
         self._auto_id = 0
         self._loads = Loads()
         self._pred = Predictions(self.prediction_ttl_s)
+        self._memo = ChainMemo()  # known v2 chain steps (request_keys)
         index.add_reset_listener(self._on_reset)
 
     def predict_cache(self, worker_id: str, capacity_blocks: Sequence[int] | None = None) -> None:
@@ -380,7 +381,7 @@ class Router:
             if not alive:
                 continue
             scheme, tpb = gkey
-            keys = request_keys(scheme, tpb, toks, cache_salt)
+            keys = request_keys(scheme, tpb, toks, cache_salt, self._memo)
             group_keys[gkey] = keys
             walked = walk(keys, alive, index.stride, index.masks, self._pred.masks,
                           self.approx, shared)

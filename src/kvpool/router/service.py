@@ -47,6 +47,7 @@ import hmac
 import itertools
 import logging
 import os
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -66,7 +67,9 @@ from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpool.router.scoring import Router
 
-__all__ = ["RouterService", "parse_finished_body", "parse_route_body", "serve"]
+__all__ = [
+    "RouterService", "parse_finished_body", "parse_route_body", "serve", "token_array",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,19 @@ def _parse(decoder: msgspec.json.Decoder[_T], raw: bytes, what: str) -> _T:
         return decoder.decode(raw)
     except INPUT_FAULTS as exc:
         raise InvalidArgumentError(f"bad {what} body ({type(exc).__name__}): {exc}") from None
+
+
+def token_array(token_ids: list[int]) -> array[int] | list[int]:
+    """A decoded body's token ids as u32 (the decoder let only ints through, no bools): one C
+    pass, after which the router's validation is a copy and a scan of the top bytes, not a
+    conversion and a scan for bools. Ids out of u32 range stay a list, for the router to name
+    the bad one."""
+    out = array("I")
+    try:
+        out.fromlist(token_ids)
+    except OverflowError:
+        return token_ids
+    return out
 
 
 _Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -276,14 +292,28 @@ class RouterService:
         return _error(413, f"request body is over listen.max_body_bytes "
                            f"({self.config.listen.max_body_bytes} bytes)")
 
+    async def _body(self, request: web.BaseRequest) -> bytes:
+        """The request's body. When all of it has arrived (nearly always: a route body comes
+        in the segments of its head), it is taken from the payload's buffer in one call, not
+        through :meth:`~aiohttp.web.BaseRequest.read`'s read loop (measured 5-13 us less per
+        request); over ``listen.max_body_bytes`` it is a 413 either way."""
+        content = request.content
+        if not content.is_eof():
+            return await request.read()
+        raw = content.read_nowait()
+        limit = self.config.listen.max_body_bytes
+        if len(raw) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+        return raw
+
     async def _route(self, request: web.BaseRequest) -> web.Response:
         try:
-            body = parse_route_body(await request.read())
+            body = parse_route_body(await self._body(request))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
         try:
             decision = self.router.route(
-                body.token_ids,
+                token_array(body.token_ids),
                 cache_salt=body.cache_salt,
                 request_id=body.request_id,
                 prefill_tokens=body.prefill_tokens,
@@ -296,7 +326,7 @@ class RouterService:
 
     async def _finished(self, request: web.BaseRequest) -> web.Response:
         try:
-            body = parse_finished_body(await request.read())
+            body = parse_finished_body(await self._body(request))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
         done = self.router.request_finished(body.request_id)
