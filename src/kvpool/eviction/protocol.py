@@ -40,12 +40,11 @@ class EvictionPolicy(Protocol):
     def pop(self) -> tuple[int, int]:
         """Take the next victim: (slot, its expiry-adjusted priority). Must not be empty."""
 
-    def pop_many(self, n: int) -> list[tuple[int, int]]:
-        """The next ``n`` victims, as ``n`` calls of ``pop`` would give them (n <= len)."""
-
     def pop_slots(self, n: int) -> list[int]:
-        """``pop_many(n)``'s slots without their priorities (a one-tier pool drops its
-        victims whatever their priority: no pair per victim)."""
+        """The slots of the next ``n`` victims, as ``n`` calls of ``pop`` would give them
+        (n <= len), without their priorities: a one-tier pool drops its victims whatever their
+        priority. (The policies also offer ``pop_many``, the same victims with priorities; the
+        manager does not use it.)"""
 
     def peek_order(self) -> list[int]:
         """Every queued slot in victim order (the manager's consistency check; O(n))."""
