@@ -5,6 +5,7 @@ logs progress lines."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from kvpool.cli import main
 from kvpool.commands import replay as replay_command
-from kvpool.commands.router import loop_factory
+from kvpool.commands.router import GC_THRESHOLDS, loop_factory, settle_gc
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "router-vllm.yaml")
 # A synthetic workload and cluster that replay in well under a second.
@@ -241,3 +242,20 @@ def test_router_event_loop_choice(capsys: pytest.CaptureFixture[str]) -> None:
             assert type(loop).__module__.startswith("uvloop")
         finally:
             loop.close()
+
+
+def test_router_settles_the_collector_once_listening() -> None:
+    """What exists once the router listens is frozen, and the collector runs on the
+    router's thresholds (young generation well above Python's 700)."""
+    before = gc.get_threshold()
+    gc.unfreeze()
+    try:
+        obj = [object()]
+        settle_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS != before
+        assert GC_THRESHOLDS[0] > 700
+        assert gc.get_freeze_count() > 0
+        assert gc.is_tracked(obj) and all(o is not obj for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
