@@ -34,12 +34,10 @@ installed. ``benchmarks/bench_hashing.py`` measures them.
 from __future__ import annotations
 
 import hashlib
-import struct
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from enum import StrEnum
-from functools import lru_cache
 from typing import cast
 
 import numpy as np
@@ -56,7 +54,7 @@ from kvpool.hash_inputs import (
     validate_tokens,
 )
 from kvpool.hash_v1 import v1_block_key, v1_block_keys, v1_keys
-from kvpool.hash_v2 import le_bytes, v2_block_key, v2_chain, v2_root_key
+from kvpool.hash_v2 import le_bytes, v2_block_key, v2_chain, v2_heads, v2_root_key
 from kvpool.hash_vllm import (
     VLLM_NONE_HASH,
     vllm_chain,
@@ -355,11 +353,4 @@ def request_block_hashes(
     digests = v2_chain(le_bytes(body), 4 * tpb, v2_root_key(lora_id=lora_id, salt_id=salt_id))
     if a is HashAlgo.V2_SHA256:
         return [d.hex() for d in digests]
-    return list(_digest_heads(len(digests))(b"".join(digests)))
-
-
-@lru_cache(maxsize=256)
-def _digest_heads(n: int) -> Callable[[bytes], tuple[int, ...]]:
-    """Reads the first 8 bytes (big-endian) of each of ``n`` joined sha256 digests, in one C
-    call: the v2 digests' ints (the router hashes every request this way)."""
-    return struct.Struct(">" + "Q24x" * n).unpack
+    return cast(list[int | str], v2_heads(digests))

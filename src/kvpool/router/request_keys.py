@@ -9,14 +9,11 @@ chain that began with its first block take a byte comparison instead of a sha256
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from array import array
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Final
 
-from kvpool.hash_v2 import le_bytes, v2_root_key
+from kvpool.hash_v2 import le_bytes, v2_chain, v2_heads, v2_root_key
 from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id
 from kvpool.router.index import token_chain_keys, token_chain_root
 
@@ -39,15 +36,7 @@ DEFAULT_MEMO_BYTES: Final = 16384
 """... and token bytes (4,096 tokens): a chain costs at most about 41 KB (256 blocks of 16
 tokens: 16 KiB of tokens, 256 digests), a memo about 10 MB."""
 
-_STRUCT_MAX_BLOCKS: Final = 256
-"""Requests of up to this many blocks are cut and read by cached :class:`struct.Struct`
-objects (one code per block: at most 256 x 512 codes cached); longer ones in a loop, whose
-cost per block is small beside a sha256."""
-
 _Chain = tuple[bytes, list[bytes], list[int]]  # token bytes, digests, keys
-
-# A fresh sha256 object by copying an empty one skips OpenSSL's per-call algorithm lookup.
-_SHA256_NEW: Final = hashlib.sha256().copy
 
 
 class ChainMemo:
@@ -154,55 +143,25 @@ def v2_request_keys(
 ) -> list[int]:
     """``v2`` keys of a request (validated u32 ``tokens``): the first 8 bytes (big-endian) of
     each block's digest, as :func:`kvpool.hashing.request_block_hashes` with
-    ``v2_sha256_64`` gives them."""
+    ``v2_sha256_64`` gives them. With a ``memo``, only the blocks past the prefix shared with
+    the known chain of the request's first block are hashed."""
     raw = le_bytes(tokens)[:-4]  # the prompt minus its last token
     if not raw:
         return []
     parent = _root(cache_salt_id(cache_salt) if cache_salt is not None else None)
     step = 4 * tokens_per_block
-    n_full = len(raw) // step
-    # the whole blocks cut in one C call, then the trailing partial block (if any)
-    if n_full <= _STRUCT_MAX_BLOCKS:
-        chunks = list(_blocks(step, n_full)(raw[: n_full * step]))
-    else:
-        chunks = [raw[i:i + step] for i in range(0, n_full * step, step)]
-    if len(raw) > n_full * step:
-        chunks.append(raw[n_full * step:])
-    first = (step, parent + chunks[0])
-    digests, keys = memo.known(first, raw, len(chunks)) if memo is not None else ([], [])
+    if memo is None:
+        return v2_heads(v2_chain(raw, step, parent))
+    first = (step, parent + raw[:step])
+    digests, keys = memo.known(first, raw, -(-len(raw) // step))
     n = len(digests)
-    if n:
-        parent = digests[-1]
-    append = digests.append
-    new = _SHA256_NEW
-    for chunk in chunks[n:] if n else chunks:
-        h = new()
-        h.update(parent + chunk)
-        parent = h.digest()
-        append(parent)
-    new_digests = digests[n:] if n else digests
-    if len(new_digests) <= _STRUCT_MAX_BLOCKS:
-        keys += _digest_heads(len(new_digests))(b"".join(new_digests))
-    else:
-        keys += [int.from_bytes(d[:8], "big") for d in new_digests]
-    if memo is not None:
-        memo.store(first, raw, digests, keys)
+    new = v2_chain(raw[n * step:] if n else raw, step, digests[-1] if n else parent)
+    digests += new
+    keys += v2_heads(new)
+    memo.store(first, raw, digests, keys)
     return keys
 
 
 @lru_cache(maxsize=64)
 def _root(salt_id: int | None) -> bytes:
     return v2_root_key(salt_id=salt_id)
-
-
-@lru_cache(maxsize=256)
-def _blocks(step: int, n: int) -> Callable[[bytes], tuple[bytes, ...]]:
-    """Cuts ``n * step`` bytes into ``n`` blocks in one C call."""
-    return struct.Struct(f"{step}s" * n).unpack
-
-
-@lru_cache(maxsize=256)
-def _digest_heads(n: int) -> Callable[[bytes], tuple[int, ...]]:
-    """Reads the first 8 bytes (big-endian) of each of ``n`` joined sha256 digests, in one C
-    call."""
-    return struct.Struct(">" + "Q24x" * n).unpack
