@@ -57,9 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
-from kvpool.hashing import BlockHasher, HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import BlockHasher, HashAlgo
 from kvpool.replay.workloads import builtin_trace
 
 TPB = 32

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
-from kvpool.storage import BlockCopy, GroupGeometry, Tier, TorchStorage
+from kvpool.tiers.storage import BlockCopy, GroupGeometry, Tier
+from kvpool.tiers.torch_storage import TorchStorage
 
 TPB = 16
 GEOMETRY = GroupGeometry(num_layers=4, kv_heads=8, head_dim=128, dtype="float16")  # 256 KiB

@@ -67,6 +67,7 @@ import numpy as np
 
 from common import report
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.events import (
     EventManager,
     KVCacheEvent,
@@ -78,7 +79,6 @@ from kvpool.events import (
     decode_vllm_batch,
     encode_vllm_batch,
 )
-from kvpool.manager import KVCacheManager
 
 M64 = (1 << 64) - 1
 

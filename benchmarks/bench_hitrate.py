@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, report
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.eviction import POLICIES
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo
 from kvpool.replay.bounds import (
     BlockStream,
     belady_hit_rate,

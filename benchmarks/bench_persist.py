@@ -23,7 +23,7 @@ import torch
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool import CacheConfig, KVCacheManager, SequenceRequest
-from kvpool.storage import GroupGeometry
+from kvpool.tiers.storage import GroupGeometry
 
 TPB = 16
 GEOMETRY = GroupGeometry(num_layers=2, kv_heads=8, head_dim=64, dtype="float16")  # 64 KiB

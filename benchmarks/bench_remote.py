@@ -42,11 +42,11 @@ import redis
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool import CacheConfig, KVCacheManager, SequenceRequest
-from kvpool.hashing import BlockHasher
-from kvpool.remote.codec import ValueCodec
-from kvpool.remote.store import DEFAULT_BATCH_BYTES, RemoteStore
-from kvpool.remote.writer import RemoteWriter
-from kvpool.storage import GroupGeometry
+from kvpool.hashing.keys import BlockHasher
+from kvpool.tiers.remote.codec import ValueCodec
+from kvpool.tiers.remote.store import DEFAULT_BATCH_BYTES, RemoteStore
+from kvpool.tiers.remote.writer import RemoteWriter
+from kvpool.tiers.storage import GroupGeometry
 
 NS = bytes(range(16))
 MiB = 1 << 20

@@ -50,7 +50,7 @@ from common import report  # benchmarks/ is on sys.path when this file runs as a
 from kvpool.events.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvpool.events.trtllm_json import to_trtllm_json
 from kvpool.events.vllm_msgpack import encode_vllm_batch
-from kvpool.hashing import HashAlgo, request_block_hashes
+from kvpool.hashing.keys import HashAlgo, request_block_hashes
 from kvpool.router.config import WorkerConfig, WorkerKind
 from kvpool.router.index import KvIndex, token_chain_keys
 from kvpool.router.ingest import Ingest

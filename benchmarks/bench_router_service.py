@@ -1,6 +1,6 @@
 """The router service end to end: real HTTP, real ZeroMQ workers, concurrent clients.
 
-``--workers`` kvpool workers (default 4: a real :class:`~kvpool.manager.KVCacheManager` each,
+``--workers`` kvpool workers (default 4: a real :class:`~kvpool.core.manager.KVCacheManager` each,
 publishing its events over ZeroMQ with snapshots) keep serving prompts while the router runs as
 its own process (``kvpool router --config``, as an operator starts it). ``--clients`` concurrent
 HTTP clients (default 32) send ``--routes`` ``POST /route`` requests (default 20,000) of
@@ -45,12 +45,12 @@ import msgspec
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool.commands.router import EVENT_LOOPS, loop_factory
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo
 
 TPB = 16
 ALGO = HashAlgo.V2_SHA256_64

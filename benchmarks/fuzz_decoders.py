@@ -30,7 +30,6 @@ from typing import Any
 import msgspec
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
-from kvpool import jit
 from kvpool.errors import EventFormatError, InvalidArgumentError
 from kvpool.events.model import (
     AllCleared,
@@ -43,6 +42,7 @@ from kvpool.events.model import (
 )
 from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys, to_trtllm_json
 from kvpool.events.vllm_msgpack import decode_vllm_batch, decode_vllm_keys, encode_vllm_batch
+from kvpool.hashing import jit
 from kvpool.router.service import parse_route_body
 
 Decoder = Callable[[bytes], object]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
-from kvpool.planner import ModelSpec
+from kvpool.planner.capacity import ModelSpec
 from kvpool.replay.cluster import ClusterConfig, planned_cache, replay_policy
 from kvpool.replay.engine_sim import SchedulerConfig
 from kvpool.replay.report import summarize

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import CapacityError
-from kvpool.planner import ModelSpec, plan_pools, presets
+from kvpool.planner.capacity import ModelSpec, plan_pools, presets
 
 
 def kvpool(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,4 @@
-"""The disk tier's files (kvpool.diskfile) without torch: locks, reclaim, checks, SIGTERM."""
+"""The disk tier's files (kvpool.tiers.diskfile) without torch: locks, reclaim, checks, SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvpool.diskfile import (
+from kvpool.errors import StorageError
+from kvpool.tiers.diskfile import (
     close_pools,
     create_pools,
     open_persistent_pools,
     persistent_name,
     reclaim,
 )
-from kvpool.errors import StorageError
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -93,7 +93,7 @@ def test_a_full_or_missing_directory_is_refused_before_any_file(tmp_path: Path) 
 
 GRACEFUL = """
 import os, signal, sys
-from kvpool.diskfile import create_pools
+from kvpool.tiers.diskfile import create_pools
 stopped = []
 signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
 pools = create_pools(sys.argv[1], {0: (2, 8)})
@@ -155,7 +155,7 @@ def test_persistent_pools_keep_their_name_and_bytes_and_are_never_removed(
 
 PERSISTENT_SIGTERM = """
 import os, signal, sys
-from kvpool.diskfile import create_pools, open_persistent_pools
+from kvpool.tiers.diskfile import create_pools, open_persistent_pools
 kept = open_persistent_pools(sys.argv[1], {0: (2, 8)})
 gone = create_pools(sys.argv[1], {0: (2, 8)})
 print(kept[0].path, gone[0].path, flush=True)

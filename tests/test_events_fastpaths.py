@@ -428,8 +428,8 @@ def test_token_ids_encode_as_the_tuples_of_the_same_ids(
     for the kernel and shorter ones; runs of several tiers and LoRA ids included."""
     from array import array
 
-    from kvpool import jit
     from kvpool.events import TokenIds
+    from kvpool.hashing import jit
 
     def batch(make: Any) -> bytes:
         chain = tuple(StoredBlock(i + 1, make(t), level, 35, lora)
@@ -475,7 +475,7 @@ def test_msgpack_token_kernel_writes_what_msgspec_writes(ids: list[int]) -> None
     array header for any length (fixarray, array 16, array 32) as msgspec does."""
     from array import array
 
-    from kvpool import jit
+    from kvpool.hashing import jit
 
     if jit.backend() == "python":
         pytest.skip("the jit extra is not installed")

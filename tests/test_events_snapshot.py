@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
 from kvpool.events.model import AllCleared, KVCacheEvent, Stored, StoredBlock
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo
 
 TPB = 4
 OPS = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6), st.booleans()),

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
 from kvpool.events.model import KVCacheEvent, Stored, StoredBlock
 from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
 from kvpool.events.vllm_stream import VllmStreamEncoder
-from kvpool.manager import KVCacheManager
 
 TPB = 4
 ALGO = "v1_block_key"

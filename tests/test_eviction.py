@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 )
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import InvalidArgumentError
 from kvpool.eviction import (
     ARC,
@@ -36,7 +37,6 @@ from kvpool.eviction import (
     queue,
 )
 from kvpool.eviction.segmented import frequent_run, recent_run
-from kvpool.manager import KVCacheManager
 
 SEGMENTED = sorted(n for n, c in POLICIES.items() if issubclass(c, SegmentedPolicy))
 
@@ -376,7 +376,9 @@ def test_tiers_share_counts() -> None:
     clock = Clock()
     cfg = CacheConfig(tokens_per_block=1, gpu_blocks=4, host_blocks=4, eviction_policy="2q",
                       offload_gate="reused", eviction_history_multiple=2, clock=clock)
-    (gpu,), (host,) = make_policies(cfg, clock)
+    (gpu,), (host,) = make_policies(
+        cfg.eviction_policy, cfg.slots, clock, offload_gate=cfg.offload_gate,
+        history_multiple=cfg.eviction_history_multiple)
     assert isinstance(gpu, SegmentedPolicy) and isinstance(host, SegmentedPolicy)
     assert gpu.history is host.history
     assert gpu.history.bound == 2 * (4 + 4)

@@ -1,4 +1,4 @@
-"""Tests of kvpool.hashing: golden vectors, an independent reference, properties, errors.
+"""Tests of kvpool.hashing.keys: golden vectors, an independent reference, properties, errors.
 
 The reference below is written from the pseudo-code of COMPATIBILITY.md §1 with plain loops,
 ``struct`` and ``hashlib``; its CBOR is encoded by hand (RFC 8949 heads), so nothing here calls
@@ -31,14 +31,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvpool import jit
 from kvpool.errors import (
     InvalidArgumentError,
     InvalidTokenError,
     KVPoolError,
     UnknownHashAlgorithmError,
 )
-from kvpool.hashing import (
+from kvpool.hashing import jit
+from kvpool.hashing.keys import (
     BlockHasher,
     HashAlgo,
     cache_salt_id,

@@ -10,13 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
 from kvpool.events.model import Removed, Stored
 from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
-from kvpool.hashing import HashAlgo, request_block_hashes, v1_block_key
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo, request_block_hashes, v1_block_key
 
 
 def workload_step(m: KVCacheManager, rng: random.Random, live: list[int], sid: int) -> None:

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import KVPoolError, OutOfBlocksError
 from kvpool.events.index import EventIndex
 from kvpool.eviction import POLICIES
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo
 
 PREFIXES = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.admission import PartialMode
 from kvpool.config import CacheConfig, RetentionConfig, SequenceRequest, TokenRangeRetention
+from kvpool.core.manager import KVCacheManager
+from kvpool.core.plan import PartialMode
+from kvpool.core.radix import NO_SLOT
 from kvpool.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
@@ -15,9 +17,7 @@ from kvpool.errors import (
     RewindError,
     UnknownSequenceError,
 )
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
-from kvpool.radix import NO_SLOT
+from kvpool.hashing.keys import HashAlgo
 
 
 def cached(m: KVCacheManager, seq_id: int, tokens: list[int], **kw: object) -> None:
@@ -338,7 +338,8 @@ def test_reuse_scopes_never_share_blocks_whatever_the_hash_algorithm(algo: str) 
 
 def test_bad_constructor_arguments_are_typed_errors() -> None:
     from kvpool.errors import GeometryError, StorageError
-    from kvpool.storage import GroupGeometry, MetadataStorage, TorchStorage
+    from kvpool.tiers.storage import GroupGeometry, MetadataStorage
+    from kvpool.tiers.torch_storage import TorchStorage
 
     cfg = CacheConfig(tokens_per_block=4, gpu_blocks=8)
     with pytest.raises(InvalidArgumentError, match=r"events .* lacks on_all_cleared"):

@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import KVPoolError, StorageError
 from kvpool.events.index import EventIndex
-from kvpool.manager import KVCacheManager
-from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage
+from kvpool.tiers.storage import BlockCopy, GroupGeometry, MetadataStorage
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -510,7 +510,8 @@ print(json.dumps(out))
 
 FULL_DISK_CHILD = """
 import torch
-from kvpool.storage import BlockCopy, TorchStorage
+from kvpool.tiers.storage import BlockCopy
+from kvpool.tiers.torch_storage import TorchStorage
 disk = sys.argv[1]
 out = {}
 geometry = GroupGeometry(1, 1, 256, "float32")  # 8 KiB blocks (4 tokens)

@@ -19,10 +19,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 torch = pytest.importorskip("torch")
 
 from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
+from kvpool.core.manager import KVCacheManager  # noqa: E402
+from kvpool.core.radix import NO_SLOT  # noqa: E402
 from kvpool.errors import OutOfBlocksError, StorageError  # noqa: E402
-from kvpool.manager import KVCacheManager  # noqa: E402
-from kvpool.radix import NO_SLOT  # noqa: E402
-from kvpool.storage import GroupGeometry  # noqa: E402
+from kvpool.tiers.storage import GroupGeometry  # noqa: E402
 
 GEOM = GroupGeometry(num_layers=1, kv_heads=1, head_dim=2, dtype="float32")
 

@@ -1,4 +1,4 @@
-"""The persistent disk tier's manifest (kvpool.manifest): crash-safe, validated on read."""
+"""The persistent disk tier's manifest (kvpool.tiers.manifest): crash-safe, validated on read."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from kvpool import CacheConfig
 from kvpool.errors import InvalidArgumentError, ManifestError
-from kvpool.hashing import HashAlgo
-from kvpool.manifest import Manifest, ManifestEntry
-from kvpool.remote.namespace import RemoteNamespace
-from kvpool.storage import GroupGeometry
+from kvpool.hashing.keys import HashAlgo
+from kvpool.tiers.manifest import Manifest, ManifestEntry
+from kvpool.tiers.remote.namespace import RemoteNamespace
+from kvpool.tiers.storage import GroupGeometry
 
 
 def _ns(algo: HashAlgo = HashAlgo.V2_SHA256, model: str = "m") -> RemoteNamespace:
@@ -180,7 +180,7 @@ def test_records_survive_sigkill(tmp_path: Path) -> None:
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_manifest import _entry, _ns
-        from kvpool.manifest import Manifest
+        from kvpool.tiers.manifest import Manifest
         m = Manifest({str(path)!r}, _ns())
         for i in range(500):
             m.append_put(_entry(_ns().algo, 0, i, i))

@@ -1,4 +1,4 @@
-"""Persistent disk tier and warm restart (kvpool.persist) with real torch storage.
+"""Persistent disk tier and warm restart (kvpool.core.persist) with real torch storage.
 
 An engine stand-in writes into every block it computes bytes that are a function of the token
 prefix the block ends (as real KV is): after a restart, each block the new manager serves can be
@@ -30,14 +30,14 @@ from hypothesis.stateful import initialize, precondition, rule
 torch = pytest.importorskip("torch")
 
 from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
-from kvpool.diskfile import close_pools, persistent_name  # noqa: E402
+from kvpool.core.manager import KVCacheManager  # noqa: E402
+from kvpool.core.persist import MANIFEST_NAME  # noqa: E402
 from kvpool.errors import InvalidArgumentError, ManifestError, StorageError  # noqa: E402
 from kvpool.events.model import Stored  # noqa: E402
-from kvpool.manager import KVCacheManager  # noqa: E402
-from kvpool.manifest import Manifest  # noqa: E402
-from kvpool.persist import MANIFEST_NAME  # noqa: E402
-from kvpool.storage import GroupGeometry, Tier  # noqa: E402
-from kvpool.torch_storage import TorchStorage  # noqa: E402
+from kvpool.tiers.diskfile import close_pools, persistent_name  # noqa: E402
+from kvpool.tiers.manifest import Manifest  # noqa: E402
+from kvpool.tiers.storage import GroupGeometry, Tier  # noqa: E402
+from kvpool.tiers.torch_storage import TorchStorage  # noqa: E402
 from test_manager_tiers import GEOM as TIERS_GEOM  # noqa: E402
 from test_manager_tiers import DataPlaneMachine  # noqa: E402
 
@@ -133,7 +133,7 @@ CHILD = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_persist import config, serve, workload
-from kvpool.manager import KVCacheManager
+from kvpool.core.manager import KVCacheManager
 m = KVCacheManager(config({path!r}))
 prompts = workload({seed}, {n})
 for k, tokens in enumerate(prompts):
@@ -477,7 +477,7 @@ def test_the_log_is_compacted_without_a_sync_interval(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With disk_sync_interval_s=None the manifest is still compacted as calls go (here from
     its first byte on): it never grows past twice its live records plus one call's."""
-    monkeypatch.setattr("kvpool.manifest._COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr("kvpool.tiers.manifest._COMPACT_MIN_BYTES", 0)
     compactions = []
     compact = Manifest.compact
     monkeypatch.setattr(Manifest, "compact", lambda self: compactions.append(1) or compact(self))

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.errors import CapacityError, InvalidArgumentError
-from kvpool.planner import (
+from kvpool.planner.capacity import (
     KVCacheDesc,
     LayerSpec,
     ModelSpec,

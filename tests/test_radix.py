@@ -1,4 +1,4 @@
-"""The prefix tree of runs alone (kvpool.radix), against a reference model: the set of block
+"""The prefix tree of runs alone (kvpool.core.radix), against a reference model: the set of block
 paths present. Random inserts (walk, split, new run), tail evictions of leaf runs (slots cleared,
 ``prune``) and lookups: ``match_full`` must find the longest present path, and every run must be
 indexed by its parent under its first block's bytes."""
@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvpool.hashing import BlockKey
-from kvpool.radix import NO_SLOT, Run, match_full, prune
+from kvpool.core.radix import NO_SLOT, Run, match_full, prune
+from kvpool.hashing.keys import BlockKey
 
 TPB = 2
 STEP = 4 * TPB

@@ -1,4 +1,4 @@
-"""Remote namespaces, keys and the verified value format (kvpool.remote.namespace, .codec)."""
+"""Remote namespaces, keys and the verified value format (kvpool.tiers.remote.namespace, .codec)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 from kvpool import CacheConfig
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import BlockHasher, HashAlgo
-from kvpool.remote.codec import HEADER, ValueCodec
-from kvpool.remote.namespace import RemoteNamespace, key_bytes
-from kvpool.storage import GroupGeometry
+from kvpool.hashing.keys import BlockHasher, HashAlgo
+from kvpool.tiers.remote.codec import HEADER, ValueCodec
+from kvpool.tiers.remote.namespace import RemoteNamespace, key_bytes
+from kvpool.tiers.storage import GroupGeometry
 
 GEO = [GroupGeometry(num_layers=2, kv_heads=2, head_dim=8)]
 

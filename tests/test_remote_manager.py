@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from kvpool import CacheConfig, KVCacheManager, SequenceRequest
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool.events import REMOTE_CACHE_LEVEL, Stored
-from kvpool.remote.memory import MemoryStore
-from kvpool.remote.store import RemoteStore
-from kvpool.storage import GroupGeometry
+from kvpool.tiers.remote.memory import MemoryStore
+from kvpool.tiers.remote.store import RemoteStore
+from kvpool.tiers.storage import GroupGeometry
 from redis_server import RedisServer
 
 TPB = 4
@@ -325,7 +325,7 @@ def test_faults_with_a_real_server_are_misses_or_counted_errors(
 
 
 def _chain_keys(m: KVCacheManager, tokens: list[int]) -> list[Any]:
-    from kvpool.hashing import BlockHasher
+    from kvpool.hashing.keys import BlockHasher
 
     return BlockHasher(m.config.hash_algo, TPB).extend(tokens)
 

@@ -1,4 +1,4 @@
-"""The MGET reply reader (kvpool.remote.resp) over a real socket pair, the reply cut anywhere."""
+"""The MGET reply reader (kvpool.tiers.remote.resp) over a real socket pair, cut anywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from kvpool.remote.resp import read_mget_reply
+from kvpool.tiers.remote.resp import read_mget_reply
 
 
 def _reply(values: list[bytes | None]) -> bytes:

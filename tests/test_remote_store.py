@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from kvpool.errors import InvalidArgumentError, RemoteTierError, StorageError
-from kvpool.remote.codec import ValueCodec
-from kvpool.remote.store import RemoteStore
+from kvpool.tiers.remote.codec import ValueCodec
+from kvpool.tiers.remote.store import RemoteStore
 from redis_server import RedisServer
 
 NS = b"N" * 16

@@ -1,4 +1,4 @@
-"""RemoteTier (kvpool.remote.tier): offload through write-behind, the longest resident
+"""RemoteTier (kvpool.tiers.remote.tier): offload through write-behind, the longest resident
 continuation back, over a real redis-server and the in-process store."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from kvpool import CacheConfig
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import BlockHasher
-from kvpool.remote.memory import MemoryStore
-from kvpool.remote.namespace import RemoteNamespace
-from kvpool.remote.store import RemoteStore
-from kvpool.remote.tier import RemoteTier
-from kvpool.remote.writer import RemoteWriter
-from kvpool.storage import GroupGeometry
+from kvpool.hashing.keys import BlockHasher
+from kvpool.tiers.remote.memory import MemoryStore
+from kvpool.tiers.remote.namespace import RemoteNamespace
+from kvpool.tiers.remote.store import RemoteStore
+from kvpool.tiers.remote.tier import RemoteTier
+from kvpool.tiers.remote.writer import RemoteWriter
+from kvpool.tiers.storage import GroupGeometry
 from redis_server import RedisServer
 
 CFG = CacheConfig(tokens_per_block=4, gpu_blocks=8, window_sizes=[None, 8],

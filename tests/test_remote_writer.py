@@ -1,4 +1,4 @@
-"""Write-behind (kvpool.remote.writer) and the in-process LRU store (kvpool.remote.memory)."""
+"""Write-behind (kvpool.tiers.remote.writer) and the in-process LRU store (.memory)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.remote.codec import ValueCodec
-from kvpool.remote.memory import MemoryStore
-from kvpool.remote.store import Item, RemoteStore
-from kvpool.remote.writer import RemoteWriter
+from kvpool.tiers.remote.codec import ValueCodec
+from kvpool.tiers.remote.memory import MemoryStore
+from kvpool.tiers.remote.store import Item, RemoteStore
+from kvpool.tiers.remote.writer import RemoteWriter
 from redis_server import RedisServer
 
 NS = b"W" * 16
@@ -130,17 +130,17 @@ def test_a_bad_item_fails_its_batch_and_the_thread_carries_on() -> None:
 
 
 def test_everything_but_remote_store_works_without_redis_py() -> None:
-    """The remote extra is optional: kvpool.remote and kvpool.manifest import without it."""
+    """The remote extra is optional: tiers.remote and tiers.manifest import without it."""
     script = textwrap.dedent("""
         import sys
         sys.modules["redis"] = None  # as if redis-py were not installed
-        import kvpool.manifest, kvpool.remote
+        import kvpool.tiers.manifest, kvpool.tiers.remote
         from kvpool.errors import StorageError
-        from kvpool.remote import MemoryStore, RemoteWriter
+        from kvpool.tiers.remote import MemoryStore, RemoteWriter
         with RemoteWriter(MemoryStore(1000)) as w:
             w.put(b"N" * 16, b"k", b"v")
         try:
-            kvpool.remote.RemoteStore("redis://127.0.0.1:1")
+            kvpool.tiers.remote.RemoteStore("redis://127.0.0.1:1")
         except StorageError as e:
             assert "remote" in str(e)
         else:

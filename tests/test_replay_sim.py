@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import HashAlgo
+from kvpool.hashing.keys import HashAlgo
 from kvpool.replay.bounds import belady_hit_rate
 from kvpool.replay.cluster import (
     POLICIES,

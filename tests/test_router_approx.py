@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.events.model import KVCacheEvent, Stored, StoredBlock
-from kvpool.hashing import request_block_hashes
+from kvpool.hashing.keys import request_block_hashes
 from kvpool.router.approx import ApproxCaches
 from kvpool.router.index import KvIndex
 from kvpool.router.scoring import Router

@@ -28,7 +28,7 @@ from kvpool.events.model import (
     StoredBlock,
     Updated,
 )
-from kvpool.hashing import (
+from kvpool.hashing.keys import (
     BlockHasher,
     HashAlgo,
     event_hash,

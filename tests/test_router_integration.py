@@ -17,10 +17,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo
 from test_router_service import FakeTrtllm, eventually, get_json, post, run, workers_by_id
 
 TPB = 16

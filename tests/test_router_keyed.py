@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool import jit
 from kvpool.errors import EventFormatError
 from kvpool.events.keyed import (
     KeyedEvent,
@@ -32,6 +31,7 @@ from kvpool.events.keyed import (
 from kvpool.events.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvpool.events.trtllm_json import parse_trtllm_dicts, parse_trtllm_json, parse_trtllm_keys
 from kvpool.events.vllm_msgpack import decode_vllm_batch, decode_vllm_keys
+from kvpool.hashing import jit
 from kvpool.router.config import WorkerConfig, WorkerKind
 from kvpool.router.index import TIERS, KvIndex
 from kvpool.router.ingest import Ingest

@@ -15,12 +15,12 @@ import aiohttp
 from aiohttp import web
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.events.keyed import normalize_hash
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
-from kvpool.hashing import HashAlgo
-from kvpool.manager import KVCacheManager
+from kvpool.hashing.keys import HashAlgo
 from kvpool.router import zmq_reader
 from kvpool.router.service import RouterService
 from test_router_service import (

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.hashing import HashAlgo, request_block_hashes, tokens_to_u32
+from kvpool.hashing.keys import HashAlgo, request_block_hashes, tokens_to_u32
 from kvpool.router.request_keys import ChainMemo, request_keys, v2_request_keys
 
 _ids = st.integers(0, 2**31 - 1)

@@ -17,7 +17,7 @@ from kvpool.errors import (
     UnknownWorkerError,
 )
 from kvpool.events.model import KVCacheEvent, Stored, StoredBlock
-from kvpool.hashing import request_block_hashes
+from kvpool.hashing.keys import request_block_hashes
 from kvpool.router.decision import LATENCY_BUCKETS_S, RouterStats
 from kvpool.router.index import KvIndex
 from kvpool.router.scoring import RouteDecision, Router

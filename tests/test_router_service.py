@@ -22,7 +22,7 @@ from kvpool.events.model import Created, KVCacheEvent, Removed, Stored, StoredBl
 from kvpool.events.trtllm_json import to_trtllm_json
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
-from kvpool.hashing import request_block_hashes
+from kvpool.hashing.keys import request_block_hashes
 from kvpool.router.config import ServiceConfig, load_config, parse_config
 from kvpool.router.service import RouterService
 

@@ -22,7 +22,7 @@ from kvpool.events.model import (
     StoredBlock,
     Updated,
 )
-from kvpool.hashing import request_block_hashes
+from kvpool.hashing.keys import request_block_hashes
 from kvpool.router.config import parse_config
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import Ingest

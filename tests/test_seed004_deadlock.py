@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
-from kvpool.manager import KVCacheManager
-from kvpool.planner import (
+from kvpool.planner.capacity import (
     KVCacheDesc,
     LayerSpec,
     ModelSpec,

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.radix import NO_SLOT
-from kvpool.slots import SlotPool
+from kvpool.core.radix import NO_SLOT
+from kvpool.core.slots import SlotPool
 
 
 class Queue:

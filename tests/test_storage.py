@@ -1,4 +1,4 @@
-"""kvpool.storage: geometry, validation, byte accounting and bit-exact tier round trips."""
+"""kvpool.tiers.storage: geometry, validation, byte accounting and bit-exact tier round trips."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from kvpool.errors import (
     InvalidArgumentError,
     StorageError,
 )
-from kvpool.storage import (
+from kvpool.tiers.storage import (
     DTYPE_ITEMSIZE,
     BlockCopy,
     GroupGeometry,
@@ -33,8 +33,8 @@ from kvpool.storage import (
     Storage,
     StorageStats,
     Tier,
-    TorchStorage,
 )
+from kvpool.tiers.torch_storage import TorchStorage
 
 GPU, HOST, DISK = Tier.GPU, Tier.HOST, Tier.DISK
 CUDA = torch.cuda.is_available()
@@ -672,7 +672,8 @@ def test_metadata_storage_counts_what_torch_storage_moves(copies: list[BlockCopy
 def test_importing_storage_does_not_need_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from kvpool.storage import MetadataStorage, BlockCopy, GroupGeometry, TorchStorage\n"
+        "from kvpool.tiers.storage import MetadataStorage, BlockCopy, GroupGeometry\n"
+        "from kvpool.tiers.torch_storage import TorchStorage\n"
         "m = MetadataStorage(16, [GroupGeometry(4, 8, 128).block_bytes(16)])\n"
         "m.copy_blocks([BlockCopy(0, 1, 1, 2, 0)])\n"
         "print(m.stats().total_bytes)\n"

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvpool.admission import BatchPlan, PartialClaimTracker, PartialMode, RequestPlan
 from kvpool.config import CacheConfig, RetentionConfig, SequenceRequest, TokenRangeRetention
+from kvpool.core.manager import AdmitResult, KVCacheManager
+from kvpool.core.plan import BatchPlan, PartialClaimTracker, PartialMode, RequestPlan
+from kvpool.core.stats import CacheStats, RequestStats
 from kvpool.errors import (
     CapacityError,
     DuplicateSequenceError,
@@ -25,7 +27,7 @@ from kvpool.errors import (
     UnknownSequenceError,
 )
 from kvpool.events.manager import EventManager
-from kvpool.hashing import (
+from kvpool.hashing.keys import (
     BlockHasher,
     HashAlgo,
     cache_salt_id,
@@ -37,11 +39,9 @@ from kvpool.hashing import (
     vllm_none_hash,
     vllm_sha256_cbor_block_hash,
 )
-from kvpool.manager import AdmitResult, KVCacheManager
-from kvpool.planner import KVCacheDesc, LayerSpec, ModelSpec, PoolPlan, plan_pools
-from kvpool.stats import CacheStats, RequestStats
-from kvpool.storage import BlockCopy, GroupGeometry, MetadataStorage
-from kvpool.torch_storage import TorchStorage
+from kvpool.planner.capacity import KVCacheDesc, LayerSpec, ModelSpec, PoolPlan, plan_pools
+from kvpool.tiers.storage import BlockCopy, GroupGeometry, MetadataStorage
+from kvpool.tiers.torch_storage import TorchStorage
 
 __all__ = [
     "AdmitResult",

@@ -13,24 +13,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import HashAlgo, hash_algo, tokens_to_u32
+from kvpool.eviction.policies import EVICTION_POLICIES
+from kvpool.eviction.priority import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    OFFLOAD_GATES,
+)
+from kvpool.hashing.keys import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:
-    from kvpool.planner import PoolPlan
-    from kvpool.remote.store import BlockStore
-    from kvpool.storage import GroupGeometry
+    from kvpool.planner.capacity import PoolPlan
+    from kvpool.tiers.remote.store import BlockStore
+    from kvpool.tiers.storage import GroupGeometry
 
-DEFAULT_PRIORITY = 35
-MIN_PRIORITY = 0
-MAX_PRIORITY = 100
 DEFAULT_MAX_SEQ_LEN = 131_072
-OFFLOAD_GATES: tuple[str, ...] = ("all", "reused")
-"""``CacheConfig.offload_gate`` values: every victim may go down a tier, or only reused ones."""
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "2q", "s3fifo", "arc")
 DISK_MANIFEST_DAMAGED: tuple[str, ...] = ("refuse", "keep_prefix", "discard")
 """``CacheConfig.disk_manifest_damaged`` values: what a persistent disk tier does with a damaged
-or foreign manifest (``kvpool.persist``)."""
-"""``CacheConfig.eviction_policy`` values (``kvpool.eviction.POLICIES`` maps each to its class)."""
+or foreign manifest (``kvpool.core.persist``)."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -172,8 +172,8 @@ _STORE_METHODS = ("get_many", "put_many", "exists_many", "delete_many", "close")
 
 def _check_remote(config: CacheConfig) -> None:
     """The remote-tier fields (``remote_url`` or ``remote_store``, and their settings)."""
-    from kvpool.remote.store import split_url
-    from kvpool.remote.writer import REMOTE_WRITE_MODES
+    from kvpool.tiers.remote.store import split_url
+    from kvpool.tiers.remote.writer import REMOTE_WRITE_MODES
 
     if config.remote_url is not None and config.remote_store is not None:
         raise InvalidArgumentError("give remote_url or remote_store, not both")
@@ -224,7 +224,7 @@ class CacheConfig:
     ``disk_persistent=True`` keeps the disk tier and a manifest of its blocks in ``disk_path``
     when the manager ends (killed or closed); a manager started later on the same
     ``disk_path`` with the same namespace (``model_id``, geometry, block size, hash
-    algorithm) finds those blocks again (:mod:`kvpool.persist`). A damaged or foreign manifest
+    algorithm) finds those blocks again (:mod:`kvpool.core.persist`). A damaged or foreign manifest
     is refused (``disk_manifest_damaged="refuse"``: :class:`ManifestError`), cut to its intact
     records (``"keep_prefix"``; a foreign namespace is still refused) or discarded
     (``"discard"``: an empty disk tier). The manifest and the disk files are fsynced every
@@ -233,8 +233,8 @@ class CacheConfig:
 
     ``remote_url`` (``redis://host:port/db``, ``rediss://``, ``unix://``, ``valkey://``, or
     ``redis+cluster://`` for a cluster) or ``remote_store`` (an in-process
-    :class:`~kvpool.remote.MemoryStore` shared by managers) adds the shared remote tier below
-    the local ones (:mod:`kvpool.remote`, ``KVCacheManager.prefetch``).
+    :class:`~kvpool.tiers.remote.MemoryStore` shared by managers) adds the shared remote tier below
+    the local ones (:mod:`kvpool.tiers.remote`, ``KVCacheManager.prefetch``).
     """
 
     tokens_per_block: int
@@ -269,7 +269,7 @@ class CacheConfig:
     layer_geometry: Sequence[GroupGeometry] | None = None
     device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
-    # the shared remote tier (kvpool.remote; README "Remote tier"): a server's URL, or an
+    # the shared remote tier (kvpool.tiers.remote; README "Remote tier"): a server's URL, or an
     # in-process store object shared by several managers (a MemoryStore), not both
     remote_url: str | None = None
     remote_store: BlockStore | None = field(default=None, compare=False)
@@ -320,7 +320,7 @@ class CacheConfig:
         _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
         self._normalise_hash_algos()
         if self.layer_geometry is not None:
-            from kvpool.storage import GroupGeometry
+            from kvpool.tiers.storage import GroupGeometry
 
             geoms = _as_tuple("layer_geometry", self.layer_geometry)
             if len(geoms) != groups or not all(isinstance(x, GroupGeometry) for x in geoms):
@@ -402,7 +402,7 @@ class CacheConfig:
 
     @classmethod
     def from_plan(cls, plan: PoolPlan, **overrides: Any) -> CacheConfig:
-        """A config whose pools are the planner's (``kvpool.planner.plan_pools``)."""
+        """A config whose pools are the planner's (``kvpool.planner.capacity.plan_pools``)."""
         kwargs: dict[str, Any] = dict(plan.cache_config_kwargs())
         kwargs.update(overrides)
         return cls(**kwargs)

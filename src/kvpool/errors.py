@@ -21,7 +21,7 @@ class InvalidTokenError(InvalidArgumentError):
 
 
 class UnknownHashAlgorithmError(InvalidArgumentError):
-    """A hash algorithm name is not one of :class:`kvpool.hashing.HashAlgo`."""
+    """A hash algorithm name is not one of :class:`kvpool.hashing.keys.HashAlgo`."""
 
 
 class UnknownSequenceError(KVPoolError, KeyError):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.planner import parse_size
+from kvpool.planner.capacity import parse_size
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

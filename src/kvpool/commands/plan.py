@@ -19,7 +19,7 @@ from rich.table import Table
 
 from kvpool.commands._args import check_writable, positive, size, warn
 from kvpool.errors import InvalidArgumentError, KVPoolError
-from kvpool.planner import (
+from kvpool.planner.capacity import (
     GroupPlan,
     ModelSpec,
     PoolPlan,

@@ -34,7 +34,7 @@ from kvpool.commands._args import (
 )
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError, KVPoolError
-from kvpool.planner import ModelSpec, format_size
+from kvpool.planner.capacity import ModelSpec, format_size
 from kvpool.replay.cluster import (
     POLICIES,
     TRANSPORTS,

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvpool.commands._args import cancel_on_signals
 from kvpool.errors import InvalidArgumentError
-from kvpool.planner import parse_size
+from kvpool.planner.capacity import parse_size
 
 EVENT_HASH_ALGO = "v2_sha256_64"
 _EVENT_BUFFER = 100_000

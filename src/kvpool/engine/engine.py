@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
+from kvpool.core.manager import KVCacheManager
 from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, ScheduledSeq, StepBatch, register
 from kvpool.engine.layout import ModelLayout, cache_config, model_layout, text_config
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
 from kvpool.errors import CapacityError, InvalidArgumentError
-from kvpool.manager import KVCacheManager
 
 
 @dataclass(slots=True)

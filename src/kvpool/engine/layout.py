@@ -2,7 +2,8 @@
 
 Each decoder layer is full attention or a sliding window of W tokens (``config.layer_types``
 when the config has it, else ``config.sliding_window`` for every layer). Layers with the same
-window form one kvpool layer group, numbered by first layer as :mod:`kvpool.planner` numbers
+window form one kvpool layer group, numbered by first layer as :mod:`~kvpool.planner.capacity`
+numbers
 them, so a plan's pools and the engine's groups agree.
 """
 
@@ -16,8 +17,8 @@ import torch
 
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
-from kvpool.planner import LayerSpec, ModelSpec, parse_size, plan_pools
-from kvpool.storage import GroupGeometry
+from kvpool.planner.capacity import LayerSpec, ModelSpec, parse_size, plan_pools
+from kvpool.tiers.storage import GroupGeometry
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ENGINE_DECIDES = ("window_sizes", "layer_geometry", "sink_tokens", "device")

@@ -24,9 +24,9 @@ from enum import Enum
 import torch
 
 from kvpool.config import SequenceRequest
+from kvpool.core.manager import KVCacheManager
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import OutOfBlocksError
-from kvpool.manager import KVCacheManager
 
 
 class Status(Enum):

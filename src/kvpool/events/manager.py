@@ -53,8 +53,8 @@ from kvpool.events.model import (
     StoredBlock,
     Updated,
 )
-from kvpool.hashing import HashAlgo
-from kvpool.hashing import hash_algo as parse_hash_algo
+from kvpool.hashing.keys import HashAlgo
+from kvpool.hashing.keys import hash_algo as parse_hash_algo
 
 __all__ = ["AttentionDpGather", "EventManager"]
 

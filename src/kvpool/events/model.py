@@ -19,12 +19,12 @@ from typing import Any
 
 import msgspec
 
-from kvpool.config import DEFAULT_PRIORITY as DEFAULT_PRIORITY  # re-exported: defined once, there
+from kvpool.eviction.priority import DEFAULT_PRIORITY as DEFAULT_PRIORITY  # defined once, there
 
 BlockHash = int | str
 
 REMOTE_CACHE_LEVEL = 3
-"""The cache level of a block held in the shared remote tier (:mod:`kvpool.remote`), below
+"""The cache level of a block held in the shared remote tier (:mod:`kvpool.tiers.remote`), below
 GPU (0), host (1) and disk (2) whatever tiers a manager has locally: TensorRT-LLM's
 ``cache_level`` 3."""
 REMOTE_MEDIUM = "REMOTE"

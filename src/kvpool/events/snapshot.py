@@ -48,7 +48,7 @@ from kvpool.events.model import (
     StoredBlock,
     Updated,
 )
-from kvpool.hashing import HashAlgo
+from kvpool.hashing.keys import HashAlgo
 
 __all__ = ["PublishedState"]
 

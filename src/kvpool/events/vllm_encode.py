@@ -14,7 +14,6 @@ from typing import Final
 
 import msgspec
 
-from kvpool import jit
 from kvpool.errors import InvalidArgumentError
 from kvpool.events.model import (
     AllCleared,
@@ -35,6 +34,7 @@ from kvpool.events.vllm_wire import (
     OutStored,
     WireHash,
 )
+from kvpool.hashing import jit
 
 __all__ = ["encode_vllm_batch", "whole_blocks"]
 

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpool import jit
 from kvpool.errors import EventFormatError
 from kvpool.events.decoding import format_errors
 from kvpool.events.keyed import KeyedEvent
@@ -66,7 +65,8 @@ from kvpool.events.vllm_wire import (
     InStored,
     InStoredNoTokens,
 )
-from kvpool.hashing import HashAlgo
+from kvpool.hashing import jit
+from kvpool.hashing.keys import HashAlgo
 
 __all__ = [
     "MEDIUM_OF_TIER",
@@ -190,7 +190,8 @@ def _decode_keys_reading_tokens(
     payload: bytes, hash_algo: str, first_event_id: int
 ) -> list[KeyedEvent] | None:
     """``decode_vllm_keys(tokens=True)`` with the token ids read from their msgpack bytes by a
-    compiled kernel (:func:`kvpool.jit.msgpack_token_arrays`) instead of one Python int each;
+    compiled kernel (:func:`~kvpool.hashing.jit.msgpack_token_arrays`) instead of one Python int
+    each;
     None when the kernel is not available or the batch needs the other paths (a shape the
     typed decoder does not take, or token ids that are not all ints in ``[0, 2**32)``: those
     paths then decode, or reject, it exactly as without the kernel)."""

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from kvpool.events.model import REMOTE_CACHE_LEVEL, REMOTE_MEDIUM
-from kvpool.hashing import HashAlgo
+from kvpool.hashing.keys import HashAlgo
 
 __all__ = [
     "M64",

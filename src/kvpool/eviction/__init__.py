@@ -16,7 +16,7 @@ Rules every policy keeps:
   changes; ``remove`` needs a queued slot (``KeyError`` otherwise, nothing changed); ``pop``
   on an empty queue raises :class:`IndexError`.
 
-Policies (``POLICIES``, named in ``config.EVICTION_POLICIES``, chosen by
+Policies (``POLICIES``, named in ``EVICTION_POLICIES``, chosen by
 ``CacheConfig(eviction_policy=...)``):
 
 ``lru``

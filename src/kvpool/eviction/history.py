@@ -8,7 +8,7 @@ from itertools import count as counter
 from itertools import islice, repeat
 from operator import lshift, or_
 
-from kvpool.hashing import BlockKey
+from kvpool.hashing.keys import BlockKey
 
 DEFAULT_GHOST_MULTIPLE = 4.0
 """Default bound of a standalone history-keeping policy's history, x its pool size."""

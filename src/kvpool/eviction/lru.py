@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from kvpool.eviction.fifo import NOT_QUEUED, live_slots, take, take_one
 from kvpool.eviction.queue import Level, LevelQueue, check_gate
-from kvpool.hashing import BlockKey
+from kvpool.hashing.keys import BlockKey
 
 
 class PrioritizedLRU(LevelQueue):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvpool.config import EVICTION_POLICIES, CacheConfig
 from kvpool.errors import InvalidArgumentError
 from kvpool.eviction.history import KeyHistory
 from kvpool.eviction.lru import PrioritizedLRU
@@ -92,10 +91,13 @@ class ARC(SegmentedPolicy):
         history.share = share
 
 
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "2q", "s3fifo", "arc")
+"""``CacheConfig.eviction_policy`` values (:data:`POLICIES` maps each to its class)."""
+
 POLICIES: dict[str, type[PrioritizedLRU] | type[SegmentedPolicy]] = dict(
     zip(EVICTION_POLICIES, (PrioritizedLRU, TwoQueue, S3FIFO, ARC), strict=True)
 )
-"""Eviction policies by ``CacheConfig.eviction_policy`` name (``config.EVICTION_POLICIES``)."""
+"""Eviction policies by ``CacheConfig.eviction_policy`` name (:data:`EVICTION_POLICIES`)."""
 
 
 def _factory(name: str) -> type[PrioritizedLRU] | type[SegmentedPolicy]:
@@ -118,23 +120,24 @@ def make_policy(name: str, clock: Callable[[], float], *, capacity: int | None =
     return _factory(name)(clock, capacity=capacity, offload_gate=offload_gate)
 
 
-def make_policies(config: CacheConfig, clock: Callable[[], float]) -> list[list[EvictionPolicy]]:
-    """A manager's free queues, ``[tier][layer group]``, one per pool of ``config.slots``.
+def make_policies(name: str, slots: Sequence[Sequence[int]], clock: Callable[[], float], *,
+                  offload_gate: str = "all", history_multiple: float = 4.0,
+                  ) -> list[list[EvictionPolicy]]:
+    """A manager's free queues, ``[tier][layer group]``, one per pool of ``slots[tier][group]``.
 
-    The policy is ``config.eviction_policy`` with ``config.offload_gate``. The tiers of one
-    layer group share one :class:`KeyHistory`, bounded to ``config.eviction_history_multiple
-    x`` the group's slots on all tiers, so counts follow blocks between tiers.
+    The policy is ``name`` with ``offload_gate``. The tiers of one layer group share one
+    :class:`KeyHistory`, bounded to ``history_multiple x`` the group's slots on all tiers, so
+    counts follow blocks between tiers.
     """
-    factory = _factory(config.eviction_policy)
-    gate = config.offload_gate
-    slots = config.slots
+    factory = _factory(name)
+    gate = offload_gate
     if not issubclass(factory, SegmentedPolicy):
         return [[factory(clock, capacity=n, offload_gate=gate) for n in tier] for tier in slots]
-    multiple = config.eviction_history_multiple
+    multiple = history_multiple
     histories = [
         KeyHistory(int(multiple * sum(tier[g] for tier in slots)), factory.RECENT_SHARE,
                    count_ghosts=factory.COUNT_GHOSTS)
-        for g in range(config.num_groups)
+        for g in range(len(slots[0]))
     ]
     return [
         [factory(clock, capacity=n, offload_gate=gate, ghost_multiple=multiple, tier=t,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvpool.hashing import BlockKey
+from kvpool.hashing.keys import BlockKey
 
 
 class EvictionPolicy(Protocol):

@@ -20,7 +20,6 @@ import heapq
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
-from kvpool.config import DEFAULT_PRIORITY, OFFLOAD_GATES
 from kvpool.errors import InvalidArgumentError
 from kvpool.eviction.fifo import (
     CLAIMED,
@@ -33,6 +32,7 @@ from kvpool.eviction.fifo import (
     cut_tail,
     stamp_of,
 )
+from kvpool.eviction.priority import DEFAULT_PRIORITY, OFFLOAD_GATES
 
 SLACK = 1024
 """Dead entries tolerated beyond the live ones before a compaction."""

@@ -23,7 +23,7 @@ from kvpool.eviction.fifo import (
 )
 from kvpool.eviction.history import DEFAULT_GHOST_MULTIPLE, KeyHistory
 from kvpool.eviction.queue import Level, LevelQueue, check_gate
-from kvpool.hashing import BlockKey
+from kvpool.hashing.keys import BlockKey
 
 
 class SegmentedPolicy(LevelQueue):

@@ -1,4 +1,4 @@
-"""One simulated engine of a replay: a real :class:`~kvpool.manager.KVCacheManager` behind a
+"""One simulated engine of a replay: a real :class:`~kvpool.core.manager.KVCacheManager` behind a
 continuous-batching scheduler and a roofline time model (ARCHITECTURE §6).
 
 Nothing here sleeps or computes KV: the manager runs with metadata-only storage, the scheduler
@@ -52,11 +52,11 @@ from array import array
 from collections import deque
 from typing import Final
 
-from kvpool.admission import RequestPlan
 from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
+from kvpool.core.plan import RequestPlan
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool.events.manager import EventManager
-from kvpool.manager import KVCacheManager
 from kvpool.replay.simmodel import (
     RequestRecord,
     SchedulerConfig,

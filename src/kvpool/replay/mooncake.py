@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.errors import InvalidArgumentError, TraceFormatError
-from kvpool.hashing import M64, MAX_TOKEN_ID
+from kvpool.hashing.keys import M64, MAX_TOKEN_ID
 from kvpool.replay.requests import DEFAULT_VOCAB_SIZE, Request, Workload, check_int
 
 __all__ = [

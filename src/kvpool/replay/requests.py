@@ -15,7 +15,7 @@ from typing import Final
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import MAX_TOKEN_ID, tokens_to_u32
+from kvpool.hashing.keys import MAX_TOKEN_ID, tokens_to_u32
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "Request", "Workload", "check_float", "check_int"]
 

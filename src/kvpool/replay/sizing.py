@@ -3,7 +3,7 @@
 :func:`planned_cache` sizes a worker's pools with the planner for a model and byte budgets,
 :func:`block_cache` by block counts; :class:`ClusterConfig` is the whole cluster, including
 the optional shared remote tier (:func:`shared_store`: one in-process
-:class:`~kvpool.remote.MemoryStore` for every worker, with a server's LRU by bytes).
+:class:`~kvpool.tiers.remote.MemoryStore` for every worker, with a server's LRU by bytes).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Final
 
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import HashAlgo
-from kvpool.planner import ModelSpec, PoolPlan, plan_pools
-from kvpool.remote.memory import MemoryStore
+from kvpool.hashing.keys import HashAlgo
+from kvpool.planner.capacity import ModelSpec, PoolPlan, plan_pools
 from kvpool.replay.engine_sim import SchedulerConfig, TimeModel, reference_group
+from kvpool.tiers.remote.memory import MemoryStore
 
 __all__ = [
     "HASH_ALGO",
@@ -115,7 +115,7 @@ class ClusterConfig:
     ``approx`` policies (e.g. ``load_weight``), for sensitivity sweeps."""
     remote_bytes: int = 0
     """A shared remote tier of this many bytes for the whole cluster (0: none): one
-    in-process :class:`~kvpool.remote.MemoryStore` with a server's LRU, every worker writing
+    in-process :class:`~kvpool.tiers.remote.MemoryStore` with a server's LRU, every worker writing
     the blocks leaving its local tiers and prefetching before admission."""
     remote_block_bytes: tuple[int, ...] = ()
     """Bytes one block of each layer group takes in the shared tier (the planner's

@@ -12,7 +12,7 @@ from typing import Final
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import M64, MAX_TOKEN_ID
+from kvpool.hashing.keys import M64, MAX_TOKEN_ID
 from kvpool.replay.requests import (
     DEFAULT_VOCAB_SIZE,
     Request,

@@ -63,7 +63,7 @@ import msgspec
 import yaml
 
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
-from kvpool.hashing import hash_algo as parse_hash_algo
+from kvpool.hashing.keys import hash_algo as parse_hash_algo
 from kvpool.router.scoring import DEFAULT_LOAD_WEIGHT, DEFAULT_TIER_WEIGHTS
 from kvpool.router.shared_tier import DEFAULT_SHARED_TIER_BLOCKS, DEFAULT_SHARED_TIER_WEIGHT
 

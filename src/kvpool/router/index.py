@@ -73,8 +73,8 @@ from kvpool.events.model import (
     StoredBlock,
     Updated,
 )
-from kvpool.hashing import HashAlgo
-from kvpool.hashing import hash_algo as parse_hash_algo
+from kvpool.hashing.keys import HashAlgo
+from kvpool.hashing.keys import hash_algo as parse_hash_algo
 from kvpool.router.counts import M64, BlockCounts
 from kvpool.router.ledger import HOLE_WINDOW, MAX_LEDGER, EventStream
 from kvpool.router.token_keys import (

@@ -52,12 +52,12 @@ from typing import Any, Final
 
 import aiohttp
 
-from kvpool import jit
 from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
 from kvpool.events.keyed import KeyedEvent
 from kvpool.events.model import KVCacheEvent
 from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
-from kvpool.hashing import HashAlgo
+from kvpool.hashing import jit
+from kvpool.hashing.keys import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 from kvpool.router.index import HOLE_WINDOW, KvIndex
 from kvpool.router.shared_tier import SharedTiers
@@ -164,7 +164,7 @@ class Ingest:
         """Ingest ``worker``'s events once started (it must be registered in the index).
 
         For a worker the index matches by tokens, the compiled token reader
-        (:mod:`kvpool.jit`) is loaded now (about half a second, once per process), not while
+        (:mod:`kvpool.hashing.jit`) is loaded now (about half a second, once per process), not while
         the worker's first batch waits."""
         if not self.index.has_worker(worker.id):
             raise UnknownWorkerError(f"worker {worker.id!r} is not registered in the index")

@@ -1,7 +1,8 @@
 """A request's block keys per hashing group, as the router's index keys them.
 
 ``v2`` keys (TensorRT-LLM V2's sha256 chain) are computed here from the request's u32 bytes,
-the tokens validated once by the router (not again by :func:`kvpool.hashing.request_block_hashes`),
+the tokens validated once by the router (not again by
+:func:`~kvpool.hashing.keys.request_block_hashes`),
 with a bounded memo of known chains (:class:`ChainMemo`): prompts share prefixes (system
 prompts, the earlier turns of a conversation), and the blocks a request shares with the last
 chain that began with its first block take a byte comparison instead of a sha256 each.
@@ -13,8 +14,8 @@ from array import array
 from functools import lru_cache
 from typing import Final
 
-from kvpool.hash_v2 import le_bytes, v2_chain, v2_heads, v2_root_key
-from kvpool.hashing import BlockHasher, HashAlgo, cache_salt_id
+from kvpool.hashing.keys import BlockHasher, HashAlgo, cache_salt_id
+from kvpool.hashing.v2 import le_bytes, v2_chain, v2_heads, v2_root_key
 from kvpool.router.index import token_chain_keys, token_chain_root
 
 __all__ = [
@@ -142,7 +143,7 @@ def v2_request_keys(
     memo: ChainMemo | None = None,
 ) -> list[int]:
     """``v2`` keys of a request (validated u32 ``tokens``): the first 8 bytes (big-endian) of
-    each block's digest, as :func:`kvpool.hashing.request_block_hashes` with
+    each block's digest, as :func:`kvpool.hashing.keys.request_block_hashes` with
     ``v2_sha256_64`` gives them. With a ``memo``, only the blocks past the prefix shared with
     the known chain of the request's first block are hashed."""
     raw = le_bytes(tokens)[:-4]  # the prompt minus its last token

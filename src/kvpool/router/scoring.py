@@ -96,7 +96,7 @@ from typing import Final
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
-from kvpool.hashing import tokens_to_u32
+from kvpool.hashing.keys import tokens_to_u32
 from kvpool.router.approx import DEFAULT_APPROX_TTL_S, ApproxCaches
 from kvpool.router.decision import (
     LATENCY_BUCKETS_S,

@@ -1,6 +1,6 @@
 """Blocks held in shared remote tiers, credited to every worker configured with the tier.
 
-A remote tier (a Redis/Valkey store several engines read and write, :mod:`kvpool.remote`)
+A remote tier (a Redis/Valkey store several engines read and write, :mod:`kvpool.tiers.remote`)
 holds blocks under the same chained keys on every engine of one model, hash and block size:
 a block one worker wrote there can be read by every other worker configured with that store.
 Engines announce it on its own cache level, :data:`REMOTE_CACHE_LEVEL` (3: TensorRT-LLM's cache

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing import HashAlgo
+from kvpool.hashing.keys import HashAlgo
 from kvpool.router.ledger import EventStream, LedgerEntry
 
 TIERS: Final = 3

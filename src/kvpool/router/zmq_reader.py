@@ -35,7 +35,7 @@ from kvpool.errors import EventFormatError
 from kvpool.events.keyed import KeyedEvent
 from kvpool.events.vllm_msgpack import decode_vllm_keys
 from kvpool.events.zmq import SubscribedBatch, ZmqEventSubscriber
-from kvpool.hashing import HashAlgo
+from kvpool.hashing.keys import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 
 __all__ = ["MAX_BACKOFF_S", "Delivery", "ReaderSink", "ZmqReader", "decode_vllm", "next_backoff"]

@@ -1,0 +1,206 @@
+"""CacheState: what one manager's calls read and change, shared by the modules that change it.
+
+The manager (:mod:`kvpool.core.manager`) orchestrates; the work is done by modules that each own
+one concept and operate on this state:
+
+- :mod:`kvpool.core.allocator`: taking GPU and colder-tier slots, eviction (offload or drop),
+  onboarding, and releasing references (the pools' bulk operations plus the tree surgery an
+  eviction needs);
+- :mod:`kvpool.core.commit`: inserting a sequence's blocks into the prefix tree;
+- :mod:`kvpool.core.execute`: executing an admission plan (claim, then allocate);
+- :mod:`kvpool.core.lifecycle`: growth, rewind, suspend/resume and removal of a sequence;
+- :mod:`kvpool.core.introspect`: read-only views for tests and debugging.
+
+The slots themselves live in :class:`~kvpool.core.slots.SlotPool` objects, one per (tier, layer
+group); the state holds those pools, the reuse trees (one root per scope), the sequences, the
+call's pending copies and frees, the stats and the event emitter. A mutating call starts with
+:meth:`CacheState.begin_call` and ends with :meth:`CacheState.finish_call`, which frees the
+colder slots onboarded during the call and runs the call's copies, batched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvpool.config import CacheConfig
+from kvpool.core.emit import Emitter, EventSink
+from kvpool.core.groups import GroupKind, group_kinds
+from kvpool.core.radix import Run, SlotId
+from kvpool.core.sequence import Sequence as Seq
+from kvpool.core.slots import SlotPool
+from kvpool.core.stats import CacheStats
+from kvpool.core.views import PlanView, Scope
+from kvpool.errors import SequenceStateError, StorageError, UnknownSequenceError
+from kvpool.eviction import EvictionPolicy, make_policies
+from kvpool.hashing.keys import BlockHasher
+from kvpool.tiers.copies import CopyPlan
+from kvpool.tiers.storage import BlockCopy, Storage
+
+SeqId = int | str
+"""A sequence id, as the engine chose it."""
+
+Pool = SlotPool[Run, EvictionPolicy]
+"""A pool whose cached slots point back to prefix-tree runs."""
+
+
+class CopyObserver(Protocol):
+    """Told about each call's copies around running them (a persistent disk tier's manifest,
+    :mod:`kvpool.core.persist`)."""
+
+    def before_copy(self, copies: Sequence[BlockCopy]) -> None: ...
+
+    def after_copy(self, copies: Sequence[BlockCopy]) -> None: ...
+
+
+class RemoteObserver(Protocol):
+    """Told which blocks leave the local tiers or are committed, and when the call's copies
+    are about to run (the shared remote tier's write-behind, :mod:`kvpool.core.remote_hooks`)."""
+
+    def dropped(self, t: int, g: int, slot: int, run: Run, i: int) -> None: ...
+
+    def stored(self, seq: Seq, start: int, upto: int) -> None: ...
+
+    def before_copies(self) -> None: ...
+
+
+class CacheState:
+    """The state one manager's calls share (see the module docstring)."""
+
+    __slots__ = (
+        "_hashers", "clock", "config", "copies", "copy_failure", "emit", "full_attention_only",
+        "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools", "remote",
+        "retention_seen", "roots", "self_groups", "sequences", "stats", "step", "storage",
+        "tiers", "tpb", "view",
+    )
+
+    def __init__(self, config: CacheConfig, storage: Storage, events: EventSink | None) -> None:
+        self.config = config
+        self.tpb = config.tokens_per_block
+        self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
+        self.clock: Callable[[], float] = config.clock or time.monotonic
+        self.num_groups = config.num_groups
+        self.tiers = config.num_tiers
+        self.self_groups: tuple[int, ...] = tuple(
+            g for g in range(self.num_groups) if g not in config.cross_attention_groups
+        )
+        self.kinds: tuple[GroupKind, ...] = group_kinds(config)  # what each group needs
+        # no sliding window: a sequence's self-attention tables all have the same length,
+        # and decode growth within its last block changes nothing but its tokens
+        self.full_attention_only = all(
+            config.window_sizes[g] is None for g in self.self_groups
+        )
+        queues: list[list[EvictionPolicy]] = make_policies(
+            config.eviction_policy, config.slots, self.clock, offload_gate=config.offload_gate,
+            history_multiple=config.eviction_history_multiple)
+        self.pools: list[list[Pool]] = [
+            [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
+            for t in range(self.tiers)
+        ]
+        self.gpu = self.pools[0]
+        # one tree per reuse scope (LoRA id, cache salt): scopes never share a root, whatever
+        # the hash algorithm (v1 and vLLM mix the scope into the first block's key, so their
+        # root keys are equal across scopes)
+        self.roots: dict[Scope, Run] = {}
+        self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
+        self.sequences: dict[SeqId, Seq] = {}
+        gpu = self.gpu
+        self.view = PlanView(config, self.roots, self.sequences, [p.ref for p in gpu],
+                             [p.free for p in gpu], [p.queue for p in gpu])
+        self.storage = storage
+        self.emit = Emitter(config, events)
+        self.copies = CopyPlan()  # the copies of the call in progress
+        self.pending_free: list[tuple[int, int, SlotId]] = []  # (tier, group, slot) at call end
+        self.new_count = [0] * self.num_groups  # GPU slots taken per group during the call
+        self.retention_seen = False  # has any block had a retention priority set?
+        self.copy_failure: str | None = None  # what made a copy fail after the checks
+        self.stats = CacheStats()
+        self.persist: CopyObserver | None = None  # persist hook: set by the manager
+        self.remote: RemoteObserver | None = None  # the shared remote tier (kvpool.tiers.remote)
+
+    # ---------------------------------------------------------------- lookups
+
+    def root(self, scope: Scope) -> Run:
+        """The root of a reuse scope's tree (created on first use)."""
+        root = self.roots.get(scope)
+        if root is None:
+            root = self.roots[scope] = Run.root(self.num_groups)
+        return root
+
+    def hasher(self, seq: Seq) -> BlockHasher:
+        """An unfed hasher of the sequence's reuse scope (resume it after some keys)."""
+        scope = (seq.lora_id, seq.cache_salt)
+        proto = self._hashers.get(scope)
+        if proto is None:
+            proto = self._hashers[scope] = BlockHasher(
+                self.config.hash_algo, self.tpb, lora_id=seq.lora_id, cache_salt=seq.cache_salt,
+                root=seq.root_key)
+        return proto
+
+    def seq(self, seq_id: SeqId) -> Seq:
+        """The sequence ``seq_id``; :class:`UnknownSequenceError` if there is none."""
+        try:
+            return self.sequences[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r}") from None
+
+    def active(self, seq_id: SeqId) -> Seq:
+        """The sequence ``seq_id``, which must not be suspended."""
+        seq = self.seq(seq_id)
+        if seq.suspended:
+            raise SequenceStateError(f"sequence {seq_id!r} is suspended; resume it first")
+        return seq
+
+    # ---------------------------------------------------------------- calls and copies
+
+    def begin_call(self) -> None:
+        """A mutating call starts: no GPU slot taken yet."""
+        self.new_count = [0] * self.num_groups
+
+    def check_storage(self) -> None:
+        """Before changing anything in a call that may copy: raise StorageError if the copies
+        could not run (the storage closed, a disk file removed or truncated)."""
+        if self.copy_failure is not None:
+            raise StorageError(
+                f"an earlier copy failed ({self.copy_failure}); the blocks it was moving lost "
+                "their bytes, so this manager copies nothing more: build a new one"
+            )
+        check = getattr(self.storage, "check", None)  # a storage written before check() existed
+        if check is not None:
+            check()
+
+    def finish_call(self) -> None:
+        """End of a mutating call: free onboarded colder slots, flush the removed events, and
+        move the data of every copy the call made, batched per tier pair."""
+        if self.pending_free:
+            pools = self.pools
+            for t, g, s in self.pending_free:
+                pools[t][g].free.append(s)
+            self.pending_free.clear()
+        if self.emit.pending:  # an attribute test: most calls remove no block
+            self.emit.flush_removed()
+        if self.remote is not None:  # remote tier: snapshot what leaves, before the copies
+            self.remote.before_copies()
+        copies = self.copies.take()
+        if copies:
+            disk = self.persist  # persist hook: the manifest follows the disk tier's writes
+            if disk is not None:
+                disk.before_copy(copies)
+            self.copy(copies)
+            if disk is not None:
+                disk.after_copy(copies)
+
+    def copy(self, copies: list[BlockCopy]) -> None:
+        """Run a call's copies. The call checked the storage before changing anything, so a
+        failure here is one no check could see coming (a disk's I/O error, a file truncated
+        during the call): the call's bookkeeping is done but some blocks lack their bytes, so
+        every later call that may copy raises StorageError (no block whose bytes were lost is
+        ever served) and the engine builds a new manager."""
+        try:
+            self.storage.copy_blocks(copies)
+        except Exception as exc:
+            self.copy_failure = repr(exc)
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError(f"copying blocks failed: {exc!r}") from exc
