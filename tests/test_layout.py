@@ -68,16 +68,16 @@ def test_documented_layers_are_the_import_linter_contract() -> None:
     assert documented == contract["layers"]
 
 
-def _imports(path: Path, module: str) -> set[str]:
+def _imports(path: Path) -> set[str]:
     """Every kvpool module ``path`` imports, anywhere in it (functions, TYPE_CHECKING too)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("kvpool")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.startswith("kvpool"):
-                out.add(node.module)
-                out |= {f"{node.module}.{a.name}" for a in node.names}
+        elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+              and node.module.startswith("kvpool")):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
@@ -87,7 +87,7 @@ def _graph() -> dict[str, set[str]]:
         rel = path.relative_to(PKG.parent).with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         names[".".join(parts)] = path
-    return {m: {i for i in _imports(p, m) if i in names and i != m} for m, p in names.items()}
+    return {m: {i for i in _imports(p) if i in names and i != m} for m, p in names.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

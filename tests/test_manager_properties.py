@@ -47,7 +47,7 @@ def configs(draw: st.DrawFn, tiers: bool) -> CacheConfig:
         gpu_blocks=[draw(st.integers(2, 14)) for _ in range(groups)],
         window_sizes=windows,
         sink_tokens=sinks,
-        enable_block_reuse=draw(st.booleans()) or True,
+        enable_block_reuse=draw(st.booleans()),
         enable_partial_reuse=draw(st.booleans()),
         max_beam_width=draw(st.integers(1, 3)),
         host_blocks=host,
@@ -102,13 +102,13 @@ class ManagerMachine(RuleBasedStateMachine):
         return (ev.num_pending, ev.next_event_id)  # type: ignore[attr-defined]
 
     def _unchanged_on_failure(self, call: Any) -> bool:
-        before = self.mgr._debug_state()
+        before = self.mgr.debug_state()
         stats_before = self.mgr.stats()
         events_before = self._event_mark()
         try:
             call()
         except KVPoolError:
-            assert self.mgr._debug_state() == before, "a failed call changed the manager"
+            assert self.mgr.debug_state() == before, "a failed call changed the manager"
             assert self.mgr.stats() == stats_before
             assert self._event_mark() == events_before, "a failed call emitted events"
             return False
@@ -124,15 +124,15 @@ class ManagerMachine(RuleBasedStateMachine):
                                         cache_salt=salt, lora_id=lora))
             self.next_id += 1
         plan = self.mgr.plan_batch(reqs)
-        state = self.mgr._debug_state()
-        assert self.mgr._debug_state() == state  # planning is pure
+        state = self.mgr.debug_state()
+        assert self.mgr.debug_state() == state  # planning is pure
         events_before = self._event_mark()
         try:
             results = self.mgr.add_sequence_batch(reqs)
         except OutOfBlocksError as e:
             assert not plan.fits
             assert e.deficit == plan.deficit
-            assert self.mgr._debug_state() == state
+            assert self.mgr.debug_state() == state
             assert self._event_mark() == events_before
             return
         assert plan.fits

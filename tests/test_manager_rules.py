@@ -68,12 +68,12 @@ def test_batch_admission_keeps_every_promised_reuse() -> None:
 def test_out_of_blocks_names_deficit_and_changes_nothing() -> None:
     m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=4))
     m.add_sequence(SequenceRequest(0, list(range(9))))  # 3 blocks
-    before = m._debug_state()
+    before = m.debug_state()
     with pytest.raises(OutOfBlocksError) as info:
         m.add_sequence_batch([SequenceRequest(1, list(range(50, 59)))])
     assert info.value.deficit == {(0, 0): 2}
     assert "group 0: need 3, have 1" in str(info.value)
-    assert m._debug_state() == before
+    assert m.debug_state() == before
 
 
 # ---------------------------------------------------------------------------------- partial

@@ -235,11 +235,11 @@ def test_resume_fails_cleanly_when_the_gpu_is_full() -> None:
     m.add_sequence(SequenceRequest("a", [1, 2, 3, 4, 5]))  # 3 blocks
     assert m.suspend("a") == {0: 3}
     m.add_sequence(SequenceRequest("b", [7, 8, 9]))  # 2 of the 4 GPU slots
-    before = m._debug_state()
+    before = m.debug_state()
     with pytest.raises(OutOfBlocksError) as info:
         m.resume("a")
     assert info.value.deficit == {(0, 0): 1}
-    assert m._debug_state() == before
+    assert m.debug_state() == before
     m.remove_sequence("b")
     m.resume("a")
     assert len(m.block_ids("a")) == 3

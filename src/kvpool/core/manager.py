@@ -395,7 +395,6 @@ class KVCacheManager:
         with self._lock:
             return introspect.debug_state(self._st)
 
-    _debug_state = debug_state  # the name the existing tests call
 
     def check_invariants(self) -> None:
         """Assert ARCHITECTURE §7 (1-3) over the whole state; for tests. O(everything)."""

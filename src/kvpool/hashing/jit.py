@@ -141,9 +141,8 @@ def _compile() -> None:
     global _v1_kernel, _msgpack_kernel, _msgpack_writer, _backend
     import numba
 
-    from kvpool.hashing import (
-        kernels as _kernels,  # imports numba; defines the kernels at module level
-    )
+    # imports numba; defines the kernels at module level
+    from kvpool.hashing import kernels as _kernels
 
     # compile now (or load numba's cached machine code), not inside the first caller's timing
     _kernels.v1_chain(array("I", [1]), array("Q", (0, 1, 1)), 1, 3)
