@@ -904,7 +904,7 @@ def test_v1_chains_with_any_parent_and_scope_match_the_reference(
 @pytest.mark.parametrize("setting", ["0", "1"])
 def test_kvpool_jit_environment_variable(setting: str) -> None:
     """KVPOOL_JIT=0 keeps numba out of the process; the default loads it when installed."""
-    code = ("import sys; from kvpool import jit, hashing; "
+    code = ("import sys; from kvpool.hashing import jit, keys as hashing; "
             "hashing.v1_block_keys(list(range(64)), 32); "
             "print(jit.backend(), 'numba' in sys.modules)")
     env = {**os.environ, "KVPOOL_JIT": setting}
