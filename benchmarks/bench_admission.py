@@ -56,10 +56,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report
-from kvpool.config import CacheConfig, SequenceRequest
-from kvpool.core.manager import KVCacheManager
-from kvpool.errors import OutOfBlocksError
-from kvpool.hashing.keys import BlockHasher, HashAlgo
+
+# the public API only, so that --baseline can run a checkout with another module layout
+from kvpool import (
+    BlockHasher,
+    CacheConfig,
+    HashAlgo,
+    KVCacheManager,
+    OutOfBlocksError,
+    SequenceRequest,
+)
 from kvpool.replay.workloads import builtin_trace
 
 TPB = 32

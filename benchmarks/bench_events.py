@@ -66,8 +66,9 @@ from typing import Any
 import numpy as np
 
 from common import report
-from kvpool.config import CacheConfig, SequenceRequest
-from kvpool.core.manager import KVCacheManager
+
+# the public API only, so that --baseline can run a checkout with another module layout
+from kvpool import CacheConfig, KVCacheManager, SequenceRequest
 from kvpool.events import (
     EventManager,
     KVCacheEvent,
