@@ -502,3 +502,78 @@ def test_with_a_kvpool_replay_socket_the_publisher_tells_stale_from_restart() ->
         tap.close()
         relay.close()
         real.close()
+
+
+# ------------------------------------------------------------------- who can read the replay socket
+
+_AS_ANOTHER_USER = """
+import os, sys
+import zmq  # imported first: the interpreter's files may not be readable by that user
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)  # nobody
+dealer = zmq.Context().socket(zmq.DEALER)
+dealer.setsockopt(zmq.LINGER, 0)
+dealer.connect(sys.argv[1])
+dealer.send_multipart([b"", b"kvpool-snapshot"])
+print("ANSWERED" if dealer.poll(2000) else "SILENT")
+"""
+
+
+def _snapshot_as_another_user(endpoint: str) -> str:
+    done = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, endpoint],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_the_replay_socket_is_private_by_default() -> None:
+    """By default the replay socket (snapshots: every cached prompt's token ids) is an ipc
+    socket in a new 0700 directory: this user gets snapshots, another user (nobody) gets no
+    answer, while over tcp the same request is answered; the directory goes with close()."""
+    import os
+    import stat
+
+    snapshot = b"every cached prompt"
+    pub = ZmqEventPublisher(LOCAL, topic="kv", snapshot=lambda: snapshot)
+    tcp = ZmqEventPublisher(LOCAL, LOCAL, topic="kv", snapshot=lambda: snapshot)
+    try:
+        endpoint = pub.replay_endpoint
+        assert endpoint is not None and endpoint.startswith("ipc:///")
+        path = endpoint[len("ipc://"):]
+        directory = os.stat(os.path.dirname(path))
+        assert directory.st_uid == os.geteuid() and stat.S_IMODE(directory.st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        sub = ZmqEventSubscriber(pub.endpoint, endpoint, topic="kv")
+        try:
+            got = sub.snapshot()
+            assert got is not None and got.payload == snapshot
+        finally:
+            sub.close()
+        if os.geteuid() == 0:  # only root can become another user
+            assert _snapshot_as_another_user(tcp.replay_endpoint or "") == "ANSWERED"
+            assert _snapshot_as_another_user(endpoint) == "SILENT"
+    finally:
+        pub.close()
+        tcp.close()
+    assert not os.path.exists(os.path.dirname(path))
+
+
+def test_an_ipc_path_others_can_reach_is_refused_and_tcp_is_warned_about(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    os.chmod(shared, 0o1777)  # like /tmp
+    with pytest.raises(TransportError, match="open to other users"):
+        ZmqEventPublisher(LOCAL, f"ipc://{shared}/replay", topic="kv")
+    with pytest.raises(TransportError, match="open to other users"):
+        ZmqEventPublisher(f"ipc://{shared}/events", None, topic="kv")
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    with ZmqEventPublisher(LOCAL, f"ipc://{mine}/replay", topic="kv") as pub:
+        assert pub.replay_endpoint == f"ipc://{mine}/replay"
+    assert "to whoever can connect" not in caplog.text
+    with ZmqEventPublisher(LOCAL, LOCAL, topic="kv"):
+        assert "to whoever can connect" in caplog.text
