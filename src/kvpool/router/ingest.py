@@ -39,7 +39,8 @@ by :class:`~kvpool.events.zmq.ZmqEventSubscriber`; the index is left as it is an
 counted missed).
 
 Block size: a worker's tokens per block are configured, or learned from its first stored chain
-of more than one block (whose first block is full); a later batch holding a stored chain of
+whose first block is known to be full (more blocks follow it, or the event names its block
+size, as token-carrying vLLM records do); a later batch holding a stored chain of
 another block size (a full block of another size, or any block longer) is refused whole and
 counted (``block_size_refused``, ``last_error``), never applied: its blocks would match nothing.
 A worker whose index is reset (a restart) learns its block size again.
