@@ -368,7 +368,212 @@ def test_one_bogus_sequence_number_is_not_counted_as_missed_batches() -> None:
             seq += 1
             batches = collect(sub, 1)
             assert [(b.seq, b.payload, b.restart) for b in batches] == [(seq, b"next", False)]
-        assert (sub.missed, sub.restarts, sub.malformed) == (0, 0, 2)
+        assert (sub.missed, sub.restarts, sub.absurd, sub.malformed) == (0, 0, 2, 0)
     finally:
         sub.close()
         sock.close()
+
+
+# ------------------------------------------------------------------ seqs that go back: stale or not
+
+
+class RawPublisher:
+    """A test's own PUB end (an XPUB: it knows when the subscriber has joined, so not one
+    message is lost to the slow joiner and the counters are exact)."""
+
+    def __init__(self) -> None:
+        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+
+    def joined(self) -> None:
+        """Wait for the subscriber's subscription (its SUB socket is connected then)."""
+        assert self.sock.poll(10_000), "the subscriber never joined"
+        assert self.sock.recv()[:1] == b"\x01"
+
+    def send(self, seq: int, payload: bytes) -> None:
+        self.sock.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _drain(sub: ZmqEventSubscriber, until: int) -> list[tuple[int, bytes, bool]]:
+    """What the subscriber delivers up to and including batch ``until`` (bounded wait)."""
+    out: list[tuple[int, bytes, bool]] = []
+    deadline = time.monotonic() + 10
+    while not out or out[-1][0] != until:
+        assert time.monotonic() < deadline, out
+        out += [(b.seq, b.payload, b.restart) for b in sub.recv(0.05)]
+    return out
+
+
+def test_a_duplicate_or_late_seq_without_replay_is_stale_not_a_restart() -> None:
+    """A copy of a delivered batch, or an older seq that arrives late, is dropped and counted
+    stale: no restart, nothing counted missed (before: a restart, and 'missed' += its seq)."""
+    pub = RawPublisher()
+    sub = ZmqEventSubscriber(pub.endpoint, None, topic="kv", start_seq=0)
+    try:
+        pub.joined()
+        for seq in range(605):
+            pub.send(seq, b"b%d" % seq)
+        assert len(_drain(sub, 604)) == 605
+        pub.send(604, b"b604")  # a duplicate of the last batch
+        pub.send(600, b"b600")  # a duplicate of an older one
+        pub.send(3, b"late")  # a late batch that was never delivered as such
+        pub.send(605, b"b605")
+        pub.send(1, b"another late one")  # held: judged by the next message
+        pub.send(605, b"b605")  # a duplicate again: the held one went back alone
+        pub.send(606, b"b606")
+        assert _drain(sub, 606) == [(605, b"b605", False), (606, b"b606", False)]
+        assert (sub.stale, sub.restarts, sub.missed, sub.gaps) == (5, 0, 0, 0)
+        # garbage frames and an absurd seq are counted apart
+        pub.sock.send_multipart([b"kv", b"\x00" * 7, b"short seq"])
+        pub.sock.send_multipart([b"kv", b"two frames"])
+        pub.send((1 << 64) - 1, b"absurd")
+        pub.send(607, b"b607")
+        assert _drain(sub, 607) == [(607, b"b607", False)]
+        assert (sub.malformed, sub.absurd, sub.stale, sub.restarts) == (2, 1, 5, 0)
+        assert sub.missed == 0
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_restart_is_seq_zero_or_a_confirmed_run_back() -> None:
+    """Without replay: seq 0 after others is a restart at once; a run that goes back and goes
+    on (k, k + 1) is a restart whose first k batches were lost (counted missed, exactly)."""
+    pub = RawPublisher()
+    sub = ZmqEventSubscriber(pub.endpoint, None, topic="kv", start_seq=0)
+    try:
+        pub.joined()
+        for seq in range(50):
+            pub.send(seq, b"old-%d" % seq)
+        _drain(sub, 49)
+        pub.send(0, b"new-0")
+        pub.send(1, b"new-1")
+        assert _drain(sub, 1) == [(0, b"new-0", True), (1, b"new-1", False)]
+        assert (sub.restarts, sub.missed, sub.stale) == (1, 0, 0)
+        for seq in range(2, 40):
+            pub.send(seq, b"new-%d" % seq)
+        _drain(sub, 39)
+        # a second restart whose SUB socket missed its batches 0..6
+        pub.send(7, b"third-7")
+        pub.send(8, b"third-8")
+        assert _drain(sub, 8) == [(7, b"third-7", True), (8, b"third-8", False)]
+        assert (sub.restarts, sub.missed, sub.stale, sub.gaps) == (2, 7, 0, 1)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_with_a_kvpool_replay_socket_the_publisher_tells_stale_from_restart() -> None:
+    """A kvpool publisher's replay socket answers with its next seq and epoch: a seq that went
+    back on SUB while the publisher is ahead in the same epoch is stale at once; a restarted
+    publisher (new epoch) is a restart."""
+    real = ZmqEventPublisher(LOCAL, LOCAL, topic="kv")
+    relay = RawPublisher()  # the subscriber reads the publisher's batches through the test
+    tap = _raw_socket(zmq.SUB, real.endpoint)
+    tap.setsockopt(zmq.SUBSCRIBE, b"")
+    sub = ZmqEventSubscriber(relay.endpoint, real.replay_endpoint, topic="kv", start_seq=0)
+    try:
+        relay.joined()
+        deadline = time.monotonic() + 10
+        while not tap.poll(20):  # the tap's own slow join: warm-ups, then replay fills in
+            assert time.monotonic() < deadline
+            real.publish(b"warm-up")
+        for i in range(20):
+            real.publish(b"b%d" % i)
+        last = real.next_seq - 1
+        relayed = -1
+        while relayed < last:  # forward every batch the tap sees (replay repairs the rest)
+            topic, seq, payload = tap.recv_multipart()
+            relay.sock.send_multipart([topic, seq, payload])
+            relayed = int.from_bytes(seq, "big")
+        _drain(sub, last)
+        relay.send(last - 3, b"not what was published")  # stale: the publisher is ahead
+        real.publish(b"next")
+        relay.sock.send_multipart(tap.recv_multipart())
+        assert _drain(sub, last + 1) == [(last + 1, b"next", False)]
+        assert (sub.stale, sub.restarts, sub.missed) == (1, 0, 0)
+    finally:
+        sub.close()
+        tap.close()
+        relay.close()
+        real.close()
+
+
+# ------------------------------------------------------------------- who can read the replay socket
+
+_AS_ANOTHER_USER = """
+import os, sys
+import zmq  # imported first: the interpreter's files may not be readable by that user
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)  # nobody
+dealer = zmq.Context().socket(zmq.DEALER)
+dealer.setsockopt(zmq.LINGER, 0)
+dealer.connect(sys.argv[1])
+dealer.send_multipart([b"", b"kvpool-snapshot"])
+print("ANSWERED" if dealer.poll(2000) else "SILENT")
+"""
+
+
+def _snapshot_as_another_user(endpoint: str) -> str:
+    done = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, endpoint],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_the_replay_socket_is_private_by_default() -> None:
+    """By default the replay socket (snapshots: every cached prompt's token ids) is an ipc
+    socket in a new 0700 directory: this user gets snapshots, another user (nobody) gets no
+    answer, while over tcp the same request is answered; the directory goes with close()."""
+    import os
+    import stat
+
+    snapshot = b"every cached prompt"
+    pub = ZmqEventPublisher(LOCAL, topic="kv", snapshot=lambda: snapshot)
+    tcp = ZmqEventPublisher(LOCAL, LOCAL, topic="kv", snapshot=lambda: snapshot)
+    try:
+        endpoint = pub.replay_endpoint
+        assert endpoint is not None and endpoint.startswith("ipc:///")
+        path = endpoint[len("ipc://"):]
+        directory = os.stat(os.path.dirname(path))
+        assert directory.st_uid == os.geteuid() and stat.S_IMODE(directory.st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        sub = ZmqEventSubscriber(pub.endpoint, endpoint, topic="kv")
+        try:
+            got = sub.snapshot()
+            assert got is not None and got.payload == snapshot
+        finally:
+            sub.close()
+        if os.geteuid() == 0:  # only root can become another user
+            assert _snapshot_as_another_user(tcp.replay_endpoint or "") == "ANSWERED"
+            assert _snapshot_as_another_user(endpoint) == "SILENT"
+    finally:
+        pub.close()
+        tcp.close()
+    assert not os.path.exists(os.path.dirname(path))
+
+
+def test_an_ipc_path_others_can_reach_is_refused_and_tcp_is_warned_about(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    os.chmod(shared, 0o1777)  # like /tmp
+    with pytest.raises(TransportError, match="open to other users"):
+        ZmqEventPublisher(LOCAL, f"ipc://{shared}/replay", topic="kv")
+    with pytest.raises(TransportError, match="open to other users"):
+        ZmqEventPublisher(f"ipc://{shared}/events", None, topic="kv")
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    with ZmqEventPublisher(LOCAL, f"ipc://{mine}/replay", topic="kv") as pub:
+        assert pub.replay_endpoint == f"ipc://{mine}/replay"
+    assert "to whoever can connect" not in caplog.text
+    with ZmqEventPublisher(LOCAL, LOCAL, topic="kv"):
+        assert "to whoever can connect" in caplog.text

@@ -324,6 +324,40 @@ def test_faults_with_a_real_server_are_misses_or_counted_errors(
         m.close()
 
 
+def test_a_full_noeviction_server_refuses_writes_and_prefetch_keeps_hitting(
+        tmp_path: Path) -> None:
+    """A redis-server with a tiny maxmemory and noeviction answers OOM to the write-through of
+    new blocks: counted as refusals, and the same manager's prefetch of a resident prefix
+    keeps hitting (the clock never moves: a "server down" backoff would refuse every read)."""
+    server = RedisServer(tmp_path / "r", extra=("--maxmemory-policy", "noeviction")).start()
+    raw = redis.Redis.from_url(server.url)
+    try:
+        store = RemoteStore(server.url, clock=lambda: 0.0)
+        m = KVCacheManager(_cfg(remote_store=store, remote_write="store"))
+        _serve(m, "p", PREFIX)
+        assert m.flush_remote(10)
+        raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 8192)
+        reused, prefetched = [], []
+        for k in range(30):
+            _fill(m, 3, base=20_000 + 1000 * k)  # 24 new blocks: the prefix leaves GPU and host
+            assert m.flush_remote(10)  # a refused batch is settled too
+            got_reused, got = _serve(m, f"p{k}", [*PREFIX[:-1], k])
+            reused.append(got_reused)
+            prefetched.append(got)
+        st = m.remote_stats()
+        assert st is not None and st.write_refused > 0 and st.write_refused == st.write_failed
+        assert store.stats.write_refusals >= 1 and store.stats.errors == 0
+        assert store.stats.fast_failures == 0 and st.errors == 0
+        assert reused == [8 * TPB] * 30  # the prefix, local or prefetched, every time
+        assert all(p > 0 for p in prefetched)  # the fills pushed (part of) it out: prefetched
+        _check_bytes(m)
+        m.check_invariants()
+        m.close()
+    finally:
+        raw.close()
+        server.stop()
+
+
 def _chain_keys(m: KVCacheManager, tokens: list[int]) -> list[Any]:
     from kvpool.hashing.keys import BlockHasher
 

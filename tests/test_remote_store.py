@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvpool.errors import InvalidArgumentError, RemoteTierError, StorageError
+from kvpool.errors import (
+    InvalidArgumentError,
+    RemoteTierError,
+    RemoteWriteRefusedError,
+    StorageError,
+)
 from kvpool.tiers.remote.codec import ValueCodec
 from kvpool.tiers.remote.store import RemoteStore
 from redis_server import RedisServer
@@ -122,6 +127,92 @@ def test_slow_server_is_a_timeout_error(redis_server: RedisServer) -> None:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
         time.sleep(0.06)
         assert store.get_many([b"a"]) == [b"1"]
+
+
+def _used_memory(url: str) -> int:
+    raw = redis.Redis.from_url(url)
+    try:
+        return int(raw.info("memory")["used_memory"])
+    finally:
+        raw.close()
+
+
+def test_a_full_noeviction_server_refuses_writes_and_reads_go_on(tmp_path: Path) -> None:
+    """maxmemory + noeviction: the server answers OOM to SET. That is a refusal, not a server
+    down: no backoff for reads, the client is kept, only writes pause (doubling), counted."""
+    server = RedisServer(tmp_path / "r", extra=("--maxmemory-policy", "noeviction")).start()
+    now = [0.0]
+    store = RemoteStore(server.url, backoff_s=1.0, backoff_max_s=4.0, clock=lambda: now[0])
+    raw = redis.Redis.from_url(server.url)
+    try:
+        kept = [(b"kvp:kept:%d" % i, bytes([i]) * 4096) for i in range(8)]
+        store.put_many(kept)
+        raw.config_set("maxmemory", _used_memory(server.url) + 16384)  # a tiny headroom
+        refusal = None
+        for i in range(64):  # 16 KiB of headroom cannot take 64 values of 4 KiB
+            try:
+                store.put_many([(b"kvp:new:%d:%d" % (i, j), b"x" * 4096) for j in range(4)])
+            except RemoteWriteRefusedError as e:
+                refusal = e
+                break
+        assert refusal is not None and "OutOfMemoryError" in str(refusal)
+        assert refusal.retry_in_s == 1.0 and isinstance(refusal, RemoteTierError)
+        s = store.stats
+        assert (s.write_refusals, s.errors, s.fast_failures, s.connects) == (1, 0, 0, 1)
+        assert 1 <= s.values_refused <= 4
+        # reads go on, on the same connection, as often as asked
+        for _ in range(3):
+            assert store.get_many([k for k, _ in kept]) == [v for _, v in kept]
+        assert store.exists_many([kept[0][0]]) == [True]
+        assert (s.errors, s.fast_failures, s.connects) == (0, 0, 1)
+        # writes pause: skipped without a try, then tried again and refused again (doubling)
+        with pytest.raises(RemoteWriteRefusedError, match="skipping"):
+            store.put_many([(b"kvp:skipped", b"x")])
+        assert s.writes_skipped == 1
+        now[0] = 1.0
+        with pytest.raises(RemoteWriteRefusedError) as again:
+            store.put_many([(b"kvp:again", b"x" * 4096)])
+        assert again.value.retry_in_s == 2.0 and s.write_refusals == 2
+        # room again: after the pause a write is stored and the pause resets
+        raw.config_set("maxmemory", 0)
+        now[0] = 3.0
+        store.put_many([(b"kvp:after", b"y")])
+        assert store.get_many([b"kvp:after"]) == [b"y"]
+        raw.config_set("maxmemory", 1)
+        with pytest.raises(RemoteWriteRefusedError) as third:
+            store.put_many([(b"kvp:third", b"x")])
+        assert third.value.retry_in_s == 1.0
+        assert (s.errors, s.fast_failures, s.connects) == (0, 0, 1)
+    finally:
+        raw.close()
+        store.close()
+        server.stop()
+
+
+def test_a_read_only_replica_refuses_writes_and_serves_reads(tmp_path: Path) -> None:
+    """A replica (here of a master that never answers) serves reads and answers READONLY to
+    writes: a refusal; a server killed afterwards is a server down, with the backoff."""
+    replica = RedisServer(tmp_path / "replica", extra=("--replicaof", "127.0.0.1", "1")).start()
+    now = [0.0]
+    store = RemoteStore(replica.url, backoff_s=2.0, clock=lambda: now[0])
+    try:
+        with pytest.raises(RemoteWriteRefusedError, match="ReadOnlyError") as e:
+            store.put_many([(b"a", b"1"), (b"b", b"2")])
+        assert e.value.retry_in_s == 2.0
+        assert store.get_many([b"a"]) == [None]  # read from the replica, not refused
+        s = store.stats
+        assert (s.write_refusals, s.values_refused, s.values_written) == (1, 2, 0)
+        assert (s.errors, s.fast_failures) == (0, 0)
+        replica.kill()
+        with pytest.raises(RemoteTierError) as down:
+            store.get_many([b"a"])
+        assert not isinstance(down.value, RemoteWriteRefusedError) and s.errors == 1
+        with pytest.raises(RemoteTierError, match="unavailable"):
+            store.get_many([b"a"])
+        assert s.fast_failures == 1
+    finally:
+        store.close()
+        replica.stop()
 
 
 def test_bad_urls_and_sizes_are_refused() -> None:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import InvalidArgumentError, RemoteWriteRefusedError
 from kvpool.tiers.remote.codec import ValueCodec
 from kvpool.tiers.remote.memory import MemoryStore
 from kvpool.tiers.remote.store import Item, RemoteStore
@@ -111,10 +111,29 @@ def test_a_dead_server_fails_batches_and_drains(tmp_path: Path) -> None:
         writer.put(NS, b"k%d" % i, b"v")
     assert writer.flush(10)  # fails fast during the backoff: no stall
     stats = writer.stats
-    assert stats.failed == 30 and stats.written == 1
+    assert stats.failed == 30 and stats.written == 1 and stats.refused == 0
     assert writer.last_error is not None and store.stats.errors == 1
     writer.close()
     store.close()
+
+
+def test_a_read_only_replica_refuses_batches_counted_apart(tmp_path: Path) -> None:
+    replica = RedisServer(tmp_path / "r", extra=("--replicaof", "127.0.0.1", "1")).start()
+    store = RemoteStore(replica.url, backoff_s=60)
+    try:
+        with RemoteWriter(store, batch_bytes=1) as writer:
+            for i in range(10):
+                writer.put(NS, b"k%d" % i, b"v")
+            assert writer.flush(10)
+            stats = writer.stats
+            assert (stats.failed, stats.refused, stats.written) == (10, 10, 0)
+            assert isinstance(writer.last_error, RemoteWriteRefusedError)
+        # the first batch was refused by the server, the others skipped during the pause
+        assert store.stats.write_refusals == 1 and store.stats.writes_skipped == 9
+        assert store.stats.errors == 0 and _decoded(store, [b"k0"]) == [None]
+    finally:
+        store.close()
+        replica.stop()
 
 
 def test_a_bad_item_fails_its_batch_and_the_thread_carries_on() -> None:

@@ -138,6 +138,13 @@ class RemoteTierError(StorageError):
         self.retry_in_s = retry_in_s
 
 
+class RemoteWriteRefusedError(RemoteTierError):
+    """The remote tier's server is up but refuses writes: out of memory under a
+    ``noeviction`` policy (``OOM``), a read-only replica (``READONLY``), an ACL without write
+    permission (``NOPERM``), failing snapshots (``MISCONF``) or too few replicas
+    (``NOREPLICAS``). Reads go on; ``retry_in_s`` says how long writes are skipped."""
+
+
 class ManifestError(StorageError):
     """A persistent disk tier's manifest cannot be used: written for another namespace
     (model, geometry, block size or hash algorithm), or damaged. The message says which, and

@@ -76,6 +76,9 @@ class RemoteStats:
     write_failed: int = 0
     write_dropped: int = 0
     pending: int = 0
+    write_refused: int = 0
+    """Of ``write_failed``, the blocks a server that was up refused (full under
+    ``noeviction``, a read-only replica): reads and ``prefetch`` went on."""
 
 
 def read_block(storage: Any, tier: int, g: int, slot: int) -> bytes:
@@ -239,6 +242,7 @@ class ManagerRemote:
             s.prefetched_blocks, s.prefetched_bytes, s.prefetched_tokens,
             sum(self.tier.codec.rejected.values()) - self.tier.codec.rejected["missing"],
             s.errors, s.last_error, w.written, w.failed, w.dropped, self.writer.pending,
+            w.refused,
         )
 
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -22,6 +22,10 @@ current at::
     events = manager.get_latest_events()
     pub.publish(encode_vllm_batch(events, block_size=tpb), update=lambda: state.apply(events))
 
+A snapshot holds every cached prompt's token ids: leave the publisher's replay endpoint at its
+default, ``ipc://*`` (a socket only this user can reach), unless a consumer on another host
+needs it over ``tcp://`` (:mod:`kvpool.events.zmq_sockets`).
+
 (``partial_blocks=True`` for the snapshot: seeded blocks carry no tokens, and the whole-block
 filter would take them for partial ones. A manager that caches partial blocks then names them in
 snapshots though its stream leaves them out; a consumer matches them like any other block.)

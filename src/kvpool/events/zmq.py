@@ -25,7 +25,11 @@ time, as ZeroMQ requires. :class:`ZmqEventSubscriber` delivers batches in sequen
 repairs gaps through the replay socket and flags publisher restarts in-band.
 
 Endpoints ending in port 0 (or ``*``) bind an ephemeral port; the bound endpoints are exposed
-as ``endpoint`` / ``replay_endpoint``.
+as ``endpoint`` / ``replay_endpoint``. Published batches carry the cached prompts' token ids
+and a snapshot all of them: the replay socket binds ``ipc://*`` by default, a socket in a new
+directory of mode 0700 that only this user can reach, and an ``ipc://`` path elsewhere must
+be as private (:mod:`kvpool.events.zmq_sockets`); a ``tcp://`` endpoint, which vLLM-format
+consumers on other hosts need, is readable by whoever can connect to it.
 
 The transport is split by end: :mod:`kvpool.events.zmq_sockets` (constants, context, sockets),
 :mod:`kvpool.events.zmq_publisher` and :mod:`kvpool.events.zmq_subscriber`; this module

@@ -18,7 +18,16 @@ from typing import Any
 import zmq
 
 from kvpool.errors import InvalidArgumentError, TransportError
-from kvpool.events.zmq_sockets import END_SEQ, SNAPSHOT_REQUEST, bind, new_socket, shared_context
+from kvpool.events.zmq_sockets import (
+    END_SEQ,
+    PRIVATE_IPC,
+    SNAPSHOT_REQUEST,
+    bind,
+    is_private,
+    new_socket,
+    release,
+    shared_context,
+)
 
 __all__ = ["ZmqEventPublisher"]
 
@@ -31,8 +40,14 @@ class ZmqEventPublisher:
     """PUB + replay ROUTER publisher of event batches (payloads are opaque bytes).
 
     Args:
-        endpoint: where the PUB socket binds (``tcp://127.0.0.1:0`` picks a free port).
-        replay_endpoint: where the replay ROUTER binds; None disables replay.
+        endpoint: where the PUB socket binds (``tcp://127.0.0.1:0`` picks a free port;
+            ``ipc://*`` a socket only this user can reach).
+        replay_endpoint: where the replay ROUTER binds; None disables replay. By default
+            ``ipc://*`` (:data:`~kvpool.events.zmq_sockets.PRIVATE_IPC`): a socket in a new
+            directory of mode 0700, which only this user can reach, because replies (and
+            snapshots: every cached block) carry the cached prompts' token ids. A ``tcp://``
+            endpoint (for a consumer on another host) serves them to whoever can connect; a
+            warning says so. See :mod:`kvpool.events.zmq_sockets` for ``ipc://`` paths.
         topic: the first frame of every message (subscribers filter on its prefix).
         buffer_steps: how many recent batches the replay socket can serve.
         hwm: PUB send high-water mark (messages past it are dropped by ZeroMQ, never blocked).
@@ -51,7 +66,7 @@ class ZmqEventPublisher:
     def __init__(
         self,
         endpoint: str = "tcp://127.0.0.1:5557",
-        replay_endpoint: str | None = "tcp://127.0.0.1:5558",
+        replay_endpoint: str | None = PRIVATE_IPC,
         topic: str = "",
         buffer_steps: int = 10_000,
         *,
@@ -70,13 +85,18 @@ class ZmqEventPublisher:
             self._pub: zmq.Socket[Any] = new_socket(self._ctx, zmq.PUB, made)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 1000)
-            self.endpoint = bind(self._pub, endpoint)
-            self._replay: zmq.Socket[Any] | None = None
             self.replay_endpoint: str | None = None
+            self.endpoint = bind(self._pub, endpoint, "events")
+            self._replay: zmq.Socket[Any] | None = None
             if replay_endpoint is not None:
                 self._replay = new_socket(self._ctx, zmq.ROUTER, made)
                 self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay burst is never cut short
-                self.replay_endpoint = bind(self._replay, replay_endpoint)
+                self.replay_endpoint = bind(self._replay, replay_endpoint, "replay")
+                if not is_private(self.replay_endpoint):
+                    logger.warning(
+                        "the KV event replay socket %s serves cached prompts' token ids (and "
+                        "snapshots of the whole cache) to whoever can connect; %r binds one "
+                        "only this user can reach", self.replay_endpoint, PRIVATE_IPC)
             name = f"inproc://kvpool-pub-{next(_INPROC_IDS)}"
             self._push: zmq.Socket[Any] = new_socket(self._ctx, zmq.PUSH, made)
             self._pull: zmq.Socket[Any] = new_socket(self._ctx, zmq.PULL, made)
@@ -91,6 +111,8 @@ class ZmqEventPublisher:
         except BaseException:
             for sock in made:
                 sock.close(linger=0)
+            for bound in (getattr(self, "endpoint", None), self.replay_endpoint):
+                release(bound)
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._snapshot = snapshot
@@ -166,6 +188,8 @@ class ZmqEventPublisher:
             for sock in (self._push, self._pull, self._ctl, self._ctl_peer):
                 sock.close()
             self._pub.close()  # its linger lets subscribers get the last batches
+        release(self.endpoint)
+        release(self.replay_endpoint)
         self._closed = True
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple
+from collections import deque
+from typing import Any, Final, NamedTuple
 
 import zmq
 
@@ -21,9 +22,16 @@ from kvpool.events.zmq_sockets import (
     shared_context,
 )
 
-__all__ = ["PublisherStatus", "Snapshot", "SubscribedBatch", "ZmqEventSubscriber"]
+__all__ = ["RECENT_BATCHES", "PublisherStatus", "Snapshot", "SubscribedBatch",
+           "ZmqEventSubscriber"]
 
 logger = logging.getLogger("kvpool.events.zmq")  # the transport's logger, one for both ends
+
+RECENT_BATCHES: Final = 16
+"""Delivered batches remembered (references, no copies) to recognise a duplicate."""
+
+# what a message on SUB is to the subscriber (ZmqEventSubscriber._judge)
+_AHEAD, _STALE, _HELD, _RESTART, _RESTART_HELD = range(5)
 
 
 class PublisherStatus(NamedTuple):
@@ -67,12 +75,25 @@ class ZmqEventSubscriber:
     * ``seq > expected`` (a gap): the missing batches are requested from the replay socket and
       delivered in order; batches the publisher no longer buffers are counted in ``missed``.
       Without a replay endpoint the gap is counted in ``missed`` and skipped.
-    * ``seq`` at or below the last seq seen on SUB: the publisher restarted. ``restarts`` is
-      incremented, delivery restarts from seq 0 of the new publisher (replaying what the SUB
-      socket missed), and the first batch delivered carries ``restart=True``.
+    * ``seq`` at or below the last seq seen on SUB (it went back): a restart of the
+      publisher, or a stale batch (a duplicate, a late one). Told apart, in this order:
+
+      1. a copy of one of the last :data:`RECENT_BATCHES` batches delivered (same seq, same
+         payload) is stale;
+      2. a kvpool publisher is asked (one replay round trip): a new epoch, or its next seq
+         at or below the last seen, is a restart; the same epoch still ahead: stale;
+      3. otherwise (a vLLM publisher, no replay socket, no answer) seq 0 is a restart, and
+         any other seq is held: if the next message continues it (held + 1, still at or
+         below the last seen), the restart is confirmed from the held batch on; else the
+         held batch was stale.
+
+      A stale batch is dropped and counted in ``stale``; nothing else changes. On a restart
+      ``restarts`` is incremented, delivery restarts from seq 0 of the new publisher
+      (replaying what the SUB socket missed, else counting it in ``missed``), and the first
+      batch delivered carries ``restart=True``.
     * otherwise (``seq < expected``): a duplicate of a replayed batch, dropped.
     * a seq past ``2**63 - 1`` (not a seq), or more than ``max_gap`` past the last seq seen
-      on SUB, is held as suspect and counted in ``malformed``: one corrupt seq must not count
+      on SUB, is held as suspect and counted in ``absurd``: one corrupt seq must not count
       quintillions of batches as missed nor make every later batch look like a restart. If the
       next message continues it (suspect + 1), the jump was real and delivery goes on from there.
 
@@ -120,6 +141,9 @@ class ZmqEventSubscriber:
         self._expected = start_seq
         self._sub_last: int | None = None
         self._suspect: int | None = None
+        self._held: tuple[int, bytes] | None = None  # a seq that went back, not yet judged
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=RECENT_BATCHES)
+        self._epoch: bytes | None = None  # the epoch of the numbering being delivered
         self._max_gap = max_gap
         self._restart_pending = False
         self._closed = False
@@ -132,7 +156,14 @@ class ZmqEventSubscriber:
         self.missed = 0
         """Batches that could not be delivered (not buffered any more, or no replay socket)."""
         self.malformed = 0
-        """Messages ignored because their frames were not [topic, 8-byte seq, payload]."""
+        """Messages ignored because their frames were not [topic, 8-byte seq, payload] (on
+        SUB or in a replay answer), or a replayed seq the publisher never published."""
+        self.absurd = 0
+        """Messages held as suspect for an absurd seq (past ``2**63 - 1``, or more than
+        ``max_gap`` past the last seen)."""
+        self.stale = 0
+        """Batches dropped because their seq went back without a restart (duplicates, late
+        batches)."""
 
     @property
     def expected_seq(self) -> int | None:
@@ -189,8 +220,10 @@ class ZmqEventSubscriber:
             return None
         seq, payload = got[0]
         self._expected = seq
+        self._epoch = status.epoch
         self._sub_last = None  # SUB may still hold older batches: duplicates, not a restart
         self._suspect = None
+        self._held = None
         self._restart_pending = False
         return Snapshot(seq, payload, status.epoch)
 
@@ -257,6 +290,7 @@ class ZmqEventSubscriber:
 
     def _deliver(self, seq: int, payload: bytes, out: list[SubscribedBatch]) -> None:
         out.append(SubscribedBatch(seq, payload, self._restart_pending))
+        self._recent.append((seq, payload))
         self._restart_pending = False
         self._expected = seq + 1
 
@@ -264,15 +298,52 @@ class ZmqEventSubscriber:
         last = self._sub_last
         if seq > MAX_SEQ or (last is not None and seq - last > self._max_gap
                               and seq != (self._suspect or 0) + 1):
-            self.malformed += 1
+            self.absurd += 1
             self._suspect = seq
             return
         self._suspect = None
-        if last is not None and seq <= last:
+        held, self._held = self._held, None
+        verdict = _AHEAD if last is None or seq > last else self._judge(seq, payload, last, held)
+        if held is not None and verdict != _RESTART_HELD:
+            self.stale += 1  # the held batch went back alone
+        if verdict == _STALE:
+            self.stale += 1
+            return
+        if verdict == _HELD:
+            return
+        if verdict != _AHEAD:
             self.restarts += 1
             self._restart_pending = True
             self._expected = 0
+            if held is not None and verdict == _RESTART_HELD:
+                self._accept(held[0], held[1], out)
         self._sub_last = seq
+        self._accept(seq, payload, out)
+
+    def _judge(self, seq: int, payload: bytes, last: int, held: tuple[int, bytes] | None) -> int:
+        """What a seq that went back (at or below ``last``) is: a restart, stale, or held for
+        the next message to judge (class docstring)."""
+        if any(s == seq and p == payload for s, p in self._recent):
+            return _STALE
+        known = self._epoch
+        status = None
+        if self._dealer is not None:  # a replay request past anything buffered: its status
+            status = self._request(PROBE_SEQ, [])
+        if status is not None and status.next_seq is not None:
+            if (known is not None and status.epoch != known) or status.next_seq <= last:
+                self._epoch = status.epoch  # the numbering delivered from now on
+                return _RESTART
+            return _STALE
+        if held is not None and seq == held[0] + 1:
+            return _RESTART_HELD
+        if seq == 0:
+            return _RESTART
+        self._held = (seq, payload)
+        return _HELD
+
+    def _accept(self, seq: int, payload: bytes, out: list[SubscribedBatch]) -> None:
+        """A batch in the publisher's current numbering: delivered in order (a gap repaired
+        from the replay socket or counted in ``missed``), a duplicate dropped."""
         if self._expected is None:
             self._expected = seq
         if seq > self._expected:
@@ -324,7 +395,10 @@ class ZmqEventSubscriber:
                 self.malformed += 1
                 continue
             if seq_bytes == END_SEQ:
-                return _status(payload)
+                status = _status(payload)
+                if self._epoch is None:
+                    self._epoch = status.epoch
+                return status
             if len(seq_bytes) != 8:
                 self.malformed += 1
                 continue

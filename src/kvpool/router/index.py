@@ -569,6 +569,9 @@ class KvIndex(BlockCounts):
 
     def _reset(self, w: WorkerState) -> None:
         self._drop_blocks(w)
+        if not w.tpb_configured:  # a restarted engine may use another block size: relearned
+            w.tpb = None
+            self._groups_cache = None
         w.streams.clear()
         w.created_seen.clear()
         w.capacity.clear()

@@ -31,6 +31,19 @@
 Malformed payloads are counted (``decode_errors`` per worker and in total, ``events_malformed``
 in the index), reported (``last_error``) and skipped; a ZMQ batch that does not decode is fetched
 once more from the replay socket (a kvpool worker is re-bootstrapped from a snapshot instead).
+Every other message dropped on the way is counted per worker and in total (``GET /workers``,
+``/metrics``): ZMQ messages whose frames are not ``[topic, seq, payload]``
+(``malformed_frames``), absurd sequence numbers (``absurd_seqs``), and batches whose sequence
+went back without a restart (``stale_batches``: duplicates and late batches, told from a restart
+by :class:`~kvpool.events.zmq.ZmqEventSubscriber`; the index is left as it is and nothing is
+counted missed).
+
+Block size: a worker's tokens per block are configured, or learned from its first stored chain
+whose first block is known to be full (more blocks follow it, or the event names its block
+size, as token-carrying vLLM records do); a later batch holding a stored chain of
+another block size (a full block of another size, or any block longer) is refused whole and
+counted (``block_size_refused``, ``last_error``), never applied: its blocks would match nothing.
+A worker whose index is reset (a restart) learns its block size again.
 Nothing an engine sends can stop ingestion: a reader thread or poller that fails unexpectedly is
 restarted with backoff (from the last good sequence number), the worker ``degraded`` meanwhile.
 
@@ -46,22 +59,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
 
 from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
-from kvpool.events.keyed import KeyedEvent
-from kvpool.events.model import KVCacheEvent
+from kvpool.events.keyed import KeyedEvent, StoredKeys, StoredTokens
+from kvpool.events.model import KVCacheEvent, Stored
 from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
 from kvpool.hashing import jit
 from kvpool.hashing.keys import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 from kvpool.router.index import HOLE_WINDOW, KvIndex
 from kvpool.router.shared_tier import SharedTiers
-from kvpool.router.zmq_reader import Delivery, ReaderSink, ZmqReader, decode_vllm, next_backoff
+from kvpool.router.zmq_reader import (
+    DELIVERY_COUNTS,
+    Delivery,
+    ReaderSink,
+    ZmqReader,
+    decode_vllm,
+    next_backoff,
+)
 
 __all__ = ["WORKER_STATES", "Ingest", "IngestCounters", "TransportStatus"]
 
@@ -87,6 +107,10 @@ class IngestCounters:
     probe_failures: int = 0
     snapshots: int = 0
     transport_restarts: int = 0
+    malformed_frames: int = 0
+    absurd_seqs: int = 0
+    stale_batches: int = 0
+    block_size_refused: int = 0
 
 
 @dataclass(slots=True)
@@ -107,6 +131,14 @@ class TransportStatus:
     poll_errors: int = 0
     snapshots: int = 0
     transport_restarts: int = 0
+    malformed_frames: int = 0
+    """ZMQ messages dropped because their frames were not [topic, 8-byte seq, payload]."""
+    absurd_seqs: int = 0
+    """ZMQ messages held as suspect for an absurd sequence number."""
+    stale_batches: int = 0
+    """ZMQ batches dropped because their seq went back without a restart."""
+    block_size_refused: int = 0
+    """Batches refused whole for a stored chain of another block size than the worker's."""
     state: str = UNKNOWN
     reason: str | None = "not reached yet"
     last_error: str | None = None
@@ -129,6 +161,10 @@ class TransportStatus:
             "poll_errors": self.poll_errors,
             "snapshots": self.snapshots,
             "transport_restarts": self.transport_restarts,
+            "malformed_frames": self.malformed_frames,
+            "absurd_seqs": self.absurd_seqs,
+            "stale_batches": self.stale_batches,
+            "block_size_refused": self.block_size_refused,
             "state": self.state,
             "reason": self.reason,
             "unhealthy_reason": None if self.state == HEALTHY else self.reason,
@@ -153,6 +189,7 @@ class Ingest:
         self._workers: dict[str, WorkerConfig] = {}
         self._status: dict[str, TransportStatus] = {}
         self._next_id: dict[str, int] = {}
+        self._block_size: dict[str, int] = {}  # learned ones, while the index holds them
         self._tasks: list[asyncio.Task[None]] = []
         self._readers: list[ZmqReader] = []
         self._session: aiohttp.ClientSession | None = None
@@ -284,8 +321,40 @@ class Ingest:
 
     def _apply(self, worker_id: str, events: list[Any]) -> int:
         """Apply a decoded batch: remote-level blocks to :attr:`shared`, the rest to the
-        index."""
+        index; a batch of another block size than the worker's is refused (module doc)."""
+        refusal = self._block_size_refusal(worker_id, events)
+        if refusal is not None:
+            status = self.status(worker_id)
+            status.block_size_refused += 1
+            status.last_error = refusal
+            self.counters.block_size_refused += 1
+            if status.block_size_refused == 1 or status.block_size_refused % 1000 == 0:
+                logger.warning("worker %s: batch refused (%d so far): %s", worker_id,
+                               status.block_size_refused, refusal)
+            return 0
         return self.index.apply_many(worker_id, self.shared.split(worker_id, events))
+
+    def _block_size_refusal(self, worker_id: str, events: list[Any]) -> str | None:
+        """Why the batch must be refused for its block size (None: it may be applied; its
+        first full chain teaches a worker that has no block size yet)."""
+        index = self.index
+        tpb = index.tokens_per_block_of(worker_id)
+        learned = index.learns_block_size(worker_id)
+        if learned and tpb is None:
+            self._block_size.pop(worker_id, None)  # reset (or new): learned again
+        want = self._block_size.get(worker_id) if learned else tpb
+        settles = None
+        for n, full in stored_block_sizes(events):
+            size = want if want is not None else settles
+            if size is None:
+                if full:
+                    settles = n
+            elif n > size or (full and n != size):
+                return (f"a stored chain's first block holds {n} tokens, the worker's blocks "
+                        f"hold {size}: batch refused")
+        if settles is not None and learned:
+            self._block_size[worker_id] = settles
+        return None
 
     def _account(self, worker_id: str, status: TransportStatus, n_events: int) -> None:
         status.batches += 1
@@ -355,17 +424,12 @@ class Ingest:
         if not self.index.has_worker(worker_id):
             return
         status = self.status(worker_id)
-        status.gaps += delivery.gaps
-        status.replayed += delivery.replayed
-        status.missed += delivery.missed
-        status.restarts += delivery.restarts
-        status.snapshots += delivery.snapshots
         c = self.counters
-        c.snapshots += delivery.snapshots
-        c.gaps += delivery.gaps
-        c.replayed += delivery.replayed
-        c.missed += delivery.missed
-        c.restarts += delivery.restarts
+        for name in DELIVERY_COUNTS:
+            n = getattr(delivery, name)
+            if n:
+                setattr(status, name, getattr(status, name) + n)
+                setattr(c, name, getattr(c, name) + n)
         resets = set(delivery.resets)
         for pos, (seq, events) in enumerate(delivery.batches):
             if pos in resets:
@@ -443,6 +507,28 @@ class Ingest:
                 self._count_probe_failure()
             self._set_health(w.id, ok, reason)
             await asyncio.sleep(self.options.health_interval_s)
+
+
+def stored_block_sizes(events: list[Any]) -> Iterator[tuple[int, bool]]:
+    """(tokens of its first block, whether that block is full) for each stored event of
+    ``events`` whose block size is known; a block is full when more follow in its chain, or
+    when the event announces the block size (vLLM's ``block_size``)."""
+    for ev in events:
+        kind = type(ev)
+        if kind is StoredKeys:
+            if ev.block_tokens > 0:
+                yield ev.block_tokens, len(ev.keys) > 1
+        elif kind is StoredTokens:
+            if ev.block_size > 0:
+                yield ev.block_size, True
+        elif isinstance(ev, KVCacheEvent) and type(ev.data) is Stored:
+            blocks = ev.data.blocks
+            try:
+                n = len(blocks[0].tokens) if blocks else 0
+            except (AttributeError, TypeError):  # malformed: the index refuses it
+                continue
+            if n > 0:
+                yield n, len(blocks) > 1
 
 
 def _wait_ready(readers: list[ZmqReader], timeout_s: float) -> None:

@@ -25,7 +25,7 @@ from kvpool.router.index import TIERS, KvIndex
 from kvpool.router.ingest import WORKER_STATES, Ingest
 from kvpool.router.scoring import LATENCY_BUCKETS_S, Router
 
-__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+__all__ = ["CONTENT_TYPE", "DROP_REASONS", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,6 +58,14 @@ _TOTALS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("probe_failures", "Failed liveness probes.", "ingest", "probe_failures"),
     ("transport_restarts", "Event readers or pollers restarted after an unexpected failure.",
      "ingest", "transport_restarts"),
+    ("malformed_frames", "ZMQ messages dropped: frames not [topic, 8-byte seq, payload].",
+     "ingest", "malformed_frames"),
+    ("absurd_seqs", "ZMQ messages held as suspect for an absurd sequence number.", "ingest",
+     "absurd_seqs"),
+    ("stale_batches", "ZMQ batches dropped: seq went back without a restart (duplicate, late).",
+     "ingest", "stale_batches"),
+    ("block_size_refused", "Batches refused for a stored chain of another block size.",
+     "ingest", "block_size_refused"),
 )
 """The plain totals after ``routes`` and ``hit_blocks``, in exposition order."""
 
@@ -69,6 +77,15 @@ _WORKER_GAUGES: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("active_requests", "Routed, unfinished requests.", ("worker",)),
 )
 """The per-worker gauges (name after kvpool_router_worker_, help, labels), in order."""
+
+DROP_REASONS: Final = (
+    ("undecodable", "decode_errors"),
+    ("malformed_frame", "malformed_frames"),
+    ("absurd_seq", "absurd_seqs"),
+    ("stale_seq", "stale_batches"),
+    ("block_size", "block_size_refused"),
+)
+"""``kvpool_router_worker_dropped``'s reasons and the :class:`TransportStatus` counter of each."""
 
 
 class RouterMetrics(Collector):
@@ -127,6 +144,10 @@ class RouterMetrics(Collector):
         errors = CounterMetricFamily(
             "kvpool_router_worker_decode_errors",
             "Payloads of the worker that could not be decoded (skipped).", labels=["worker"])
+        dropped = CounterMetricFamily(
+            "kvpool_router_worker_dropped",
+            "Messages or batches of the worker dropped, by reason (undecodable, "
+            "malformed_frame, absurd_seq, stale_seq, block_size).", labels=["worker", "reason"])
         for info in infos:
             wid = info.worker_id
             status = self.ingest.status(wid)
@@ -137,4 +158,6 @@ class RouterMetrics(Collector):
                 blocks.add_metric([wid, str(t)], info.blocks_per_tier[t])
             active.add_metric([wid], self.router.active_requests(wid))
             errors.add_metric([wid], status.decode_errors)
-        yield from (routable, state, blocks, active, errors)
+            for reason, attr in DROP_REASONS:
+                dropped.add_metric([wid, reason], getattr(status, attr))
+        yield from (routable, state, blocks, active, errors, dropped)

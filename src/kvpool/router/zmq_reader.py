@@ -38,10 +38,12 @@ from kvpool.events.zmq import SubscribedBatch, ZmqEventSubscriber
 from kvpool.hashing.keys import HashAlgo
 from kvpool.router.config import IngestOptions, WorkerConfig, WorkerKind
 
-__all__ = ["MAX_BACKOFF_S", "Delivery", "ReaderSink", "ZmqReader", "decode_vllm", "next_backoff"]
+__all__ = ["DELIVERY_COUNTS", "MAX_BACKOFF_S", "Delivery", "ReaderSink", "ZmqReader", "decode_vllm",
+           "next_backoff"]
 
 logger = logging.getLogger(__name__)
 
+_NONE_SEEN: Final = (0,) * 7
 MAX_BACKOFF_S: Final = 10.0
 """Longest wait before a failed reader or poller is restarted (the wait doubles from 50 ms)."""
 
@@ -56,6 +58,11 @@ def decode_vllm(payload: bytes, algo: str, first_id: int, tokens: bool) -> list[
     return decode_vllm_keys(payload, hash_algo=algo, first_event_id=first_id, tokens=tokens)
 
 
+DELIVERY_COUNTS: Final = ("gaps", "replayed", "missed", "restarts", "snapshots",
+                          "malformed_frames", "absurd_seqs", "stale_batches")
+"""The counters of a :class:`Delivery`, named as in the ingest's per-worker and total ones."""
+
+
 @dataclass(slots=True)
 class Delivery:
     """What a ZMQ reader thread hands to the event loop for one recv."""
@@ -66,6 +73,9 @@ class Delivery:
     replayed: int = 0
     missed: int = 0
     restarts: int = 0
+    malformed_frames: int = 0  # messages whose frames were not [topic, seq, payload]
+    absurd_seqs: int = 0  # messages held as suspect for an absurd seq
+    stale_batches: int = 0  # batches whose seq went back without a restart (dropped)
     snapshots: int = 0
     error: str | None = None  # why the last undecodable batch was refused
 
@@ -114,7 +124,7 @@ class ZmqReader(threading.Thread):
         self.next_id = 0
         self.resume_seq = 0  # where a restarted reader resumes: after the last batch handled
         self.epoch: bytes | None = None
-        self._seen = (0, 0, 0, 0)  # subscriber counters already reported
+        self._seen = _NONE_SEEN  # subscriber counters already reported
 
     def run(self) -> None:
         backoff = 0.0
@@ -137,7 +147,7 @@ class ZmqReader(threading.Thread):
             w.zmq_endpoint, w.replay_endpoint, w.topic, start_seq=self.resume_seq,
             replay_timeout_s=self.options.http_timeout_s,
         )
-        self._seen = (0, 0, 0, 0)
+        self._seen = _NONE_SEEN
         with sub:
             if not (self.snapshots and self._resync(sub)):
                 self._handle(sub, sub.catch_up())
@@ -200,13 +210,13 @@ class ZmqReader(threading.Thread):
         return True
 
     def _handle(self, sub: ZmqEventSubscriber, batches: list[SubscribedBatch]) -> None:
-        counters = (sub.gaps, sub.replayed, sub.missed, sub.restarts)
+        counters = (sub.gaps, sub.replayed, sub.missed, sub.restarts, sub.malformed,
+                    sub.absurd, sub.stale)
         if not batches and counters == self._seen:
             return
         d = Delivery()
-        d.gaps, d.replayed, d.missed, d.restarts = (
-            now - before for now, before in zip(counters, self._seen, strict=True)
-        )
+        (d.gaps, d.replayed, d.missed, d.restarts, d.malformed_frames, d.absurd_seqs,
+         d.stale_batches) = (now - before for now, before in zip(counters, self._seen, strict=True))
         self._seen = counters
         for b in batches:
             if b.restart:

@@ -11,11 +11,19 @@
 - A cluster is used when the URL's scheme says so (``redis+cluster://``, ``rediss+cluster://``)
   or the server reports ``cluster_enabled:1``; keys (:mod:`kvpool.tiers.remote.namespace`) carry no
   hash tags, so they spread over every slot.
-- A server that is down, slow (``timeout_s``) or refusing raises :class:`RemoteTierError`,
-  counted in :attr:`RemoteStore.stats`. After a failure the client is dropped and every call
-  fails fast, without touching the network, until a backoff expires (``backoff_s`` doubling to
-  ``backoff_max_s``); the next call then reconnects, and a success resets the backoff. redis-py's
-  own retries are off: one policy, this one, decides when to try again.
+- A server that is down, slow (``timeout_s``) or answering errors raises
+  :class:`RemoteTierError`, counted in :attr:`RemoteStore.stats`. After a failure the client
+  is dropped and every call fails fast, without touching the network, until a backoff expires
+  (``backoff_s`` doubling to ``backoff_max_s``); the next call then reconnects, and a success
+  resets the backoff. redis-py's own retries are off: one policy, this one, decides when to
+  try again.
+- A server that is up but refuses *writes* (``OOM`` under ``maxmemory`` with
+  ``noeviction``, ``READONLY`` on a replica, ``NOPERM``, ``MISCONF``, ``NOREPLICAS``: see
+  :data:`WRITE_REFUSALS`) is not down: ``put_many`` raises :class:`RemoteWriteRefusedError`
+  (counted in ``write_refusals``, the values it refused in ``values_refused``), the client and
+  its connections are kept, and reads go on as before. Only writes pause: for the same
+  doubling backoff, ``put_many`` is skipped without a try (``writes_skipped``), so a full
+  server is not sent every batch; a write the server takes again resets the pause.
 
 The store holds bytes, it does not judge them: values are encoded and verified by
 :mod:`kvpool.tiers.remote.codec`. redis-py is imported only when a store connects, so that the rest
@@ -33,14 +41,24 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from kvpool.errors import InvalidArgumentError, RemoteTierError, StorageError
+from kvpool.errors import (
+    InvalidArgumentError,
+    RemoteTierError,
+    RemoteWriteRefusedError,
+    StorageError,
+)
 
-__all__ = ["DEFAULT_BATCH_BYTES", "BlockStore", "RemoteStore", "RemoteStoreStats"]
+__all__ = ["DEFAULT_BATCH_BYTES", "WRITE_REFUSALS", "BlockStore", "RemoteStore",
+           "RemoteStoreStats", "is_write_refusal"]
 
 DEFAULT_BATCH_BYTES: Final = 64 << 20
 _CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _READ_SIZE_GUESS: Final = 4 << 20  # bytes per value before any was read (a small first round)
 _MAX_KEYS_PER_ROUND: Final = 4096
+WRITE_REFUSALS: Final = ("OOM", "READONLY", "NOPERM", "MISCONF", "NOREPLICAS")
+"""The error codes of a server that is up but refuses a write (redis-py turns the first three
+into ``OutOfMemoryError``, ``ReadOnlyError`` and ``NoPermissionError`` and drops the code from
+the message; the others stay ``ResponseError`` s whose message starts with the code)."""
 
 T = TypeVar("T")
 Item = tuple[bytes, bytes | memoryview]
@@ -74,6 +92,36 @@ class RemoteStoreStats:
     fast_failures: int = 0
     """Calls refused without a try while the backoff after an error ran."""
     connects: int = 0
+    write_refusals: int = 0
+    """``put_many`` calls the server refused (:data:`WRITE_REFUSALS`) while it was up; each
+    raised :class:`RemoteWriteRefusedError`, and reads went on."""
+    values_refused: int = 0
+    """Values those calls did not store (the others in their round trips were stored)."""
+    writes_skipped: int = 0
+    """``put_many`` calls skipped without a try while writes paused after a refusal."""
+
+
+def is_write_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is a server's refusal of a write (:data:`WRITE_REFUSALS`)."""
+    from redis.exceptions import (
+        NoPermissionError,
+        OutOfMemoryError,
+        ReadOnlyError,
+        ResponseError,
+    )
+
+    if isinstance(error, OutOfMemoryError | ReadOnlyError | NoPermissionError):
+        return True
+    return isinstance(error, ResponseError) and str(error).startswith(WRITE_REFUSALS[3:])
+
+
+class _Refused(Exception):
+    """Raised inside a put when the server refused some of its values (caught in ``_call``)."""
+
+    def __init__(self, error: BaseException, refused: int) -> None:
+        super().__init__(error)
+        self.error = error
+        self.refused = refused
 
 
 def split_url(url: str) -> tuple[str, bool]:
@@ -171,6 +219,8 @@ class RemoteStore:
         self._cluster = False
         self._down_until = 0.0
         self._next_backoff = self.backoff_s
+        self._writes_until = 0.0  # writes are skipped until then (after a refusal)
+        self._next_write_pause = self.backoff_s
         self._value_size = _READ_SIZE_GUESS
         self.stats = RemoteStoreStats()
 
@@ -200,9 +250,11 @@ class RemoteStore:
             client.close()
         return RedisCluster.from_url(self.url, **opts)
 
-    def _call(self, what: str, op: Callable[[Any], T]) -> T:
+    def _call(self, what: str, op: Callable[[Any], T], *, write: bool = False) -> T:
         """Run ``op(client)``: fail fast during a backoff, map every failure to
-        :class:`RemoteTierError`, drop the client and start a backoff after one."""
+        :class:`RemoteTierError`, drop the client and start a backoff after one. A ``write``
+        the server refused (``op`` raised :class:`_Refused`) keeps the client and pauses
+        writes only."""
         import redis
 
         with self._lock:
@@ -212,6 +264,13 @@ class RemoteStore:
                 wait = self._down_until - now
                 raise RemoteTierError(
                     f"remote tier {self.url} is unavailable; retrying in {wait:.1f} s", wait
+                )
+            if write and now < self._writes_until:
+                self.stats.writes_skipped += 1
+                wait = self._writes_until - now
+                raise RemoteWriteRefusedError(
+                    f"remote tier {self.url} refused writes; skipping them for {wait:.1f} s "
+                    "(reads go on)", wait
                 )
             client = self._client
         try:
@@ -226,11 +285,31 @@ class RemoteStore:
                 if client is not fresh:
                     fresh.close()
             result = op(client)
+        except _Refused as r:
+            raise self._refused(what, r) from r.error
         except (redis.RedisError, OSError) as e:
             raise self._failed(what, e) from e
         with self._lock:
             self._next_backoff = self.backoff_s
+            if write:
+                self._next_write_pause = self.backoff_s
         return result
+
+    def _refused(self, what: str, refused: _Refused) -> RemoteWriteRefusedError:
+        """The server is up and refused a write: counted, writes pause, the client stays."""
+        with self._lock:
+            self.stats.write_refusals += 1
+            self.stats.values_refused += refused.refused
+            self._next_backoff = self.backoff_s  # it answered: it is not down
+            wait = self._next_write_pause
+            self._writes_until = self._clock() + wait
+            self._next_write_pause = min(wait * 2, self.backoff_max_s)
+        error = refused.error
+        return RemoteWriteRefusedError(
+            f"remote tier {self.url}: the server refused a {what} of {refused.refused} "
+            f"value(s) ({type(error).__name__}: {error}); reads go on, writes are skipped "
+            f"for {wait:.1f} s", wait
+        )
 
     def _failed(self, what: str, error: BaseException) -> RemoteTierError:
         with self._lock:
@@ -304,21 +383,35 @@ class RemoteStore:
             yield items[start:]
 
     def put_many(self, items: Sequence[Item]) -> None:
-        """Store each ``(key, value)``; pipelined ``SET`` round trips of about ``batch_bytes``."""
+        """Store each ``(key, value)``; pipelined ``SET`` round trips of about ``batch_bytes``.
+        :class:`RemoteWriteRefusedError` when the server refused some (module docstring): the
+        round trip's other values are stored, the later round trips are not sent."""
         if not items:
             return
 
         def put(client: Any) -> None:
+            stats = self.stats
+            stored = 0
             for run in self._rounds(items):
                 pipe = client.pipeline(transaction=False)
                 for key, value in run:
                     pipe.set(key, value)
-                pipe.execute()
-                self.stats.round_trips += 1
-                self.stats.values_written += len(run)
-                self.stats.bytes_written += sum(len(v) for _, v in run)
+                replies = pipe.execute(raise_on_error=False)
+                stats.round_trips += 1
+                refusal: BaseException | None = None
+                for (_, value), reply in zip(run, replies, strict=True):
+                    if not isinstance(reply, BaseException):
+                        stored += 1
+                        stats.values_written += 1
+                        stats.bytes_written += len(value)
+                    elif is_write_refusal(reply):
+                        refusal = reply
+                    else:
+                        raise reply
+                if refusal is not None:
+                    raise _Refused(refusal, len(items) - stored)
 
-        self._call("put", put)
+        self._call("put", put, write=True)
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key holds a value now (another engine or the server may change it)."""

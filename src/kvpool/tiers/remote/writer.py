@@ -12,8 +12,11 @@ thread takes up to ``batch_bytes`` of queued blocks at a time, encodes them
   in :attr:`WriterStats.dropped`; ``put`` never blocks.
 - **Remote failures**: a batch whose write raises :class:`RemoteTierError` is dropped and
   counted (:attr:`WriterStats.failed`); the store's backoff makes the following batches fail
-  fast, so a dead server drains the queue quickly instead of stalling it. The remote tier is a
-  cache: a lost write is a later miss, never wrong data.
+  fast, so a dead server drains the queue quickly instead of stalling it. A server that is up
+  but refuses writes (:class:`RemoteWriteRefusedError`: full under ``noeviction``, a read-only
+  replica) fails its batches the same way, counted apart in :attr:`WriterStats.refused`; the
+  store pauses only its writes, so reads (``prefetch``) go on. The remote tier is a cache: a
+  lost write is a later miss, never wrong data.
 - :meth:`flush` waits until every block put before the call is settled (written, failed or
   dropped); :meth:`close` flushes, then stops the thread.
 
@@ -31,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import InvalidArgumentError, RemoteWriteRefusedError
 from kvpool.tiers.remote.codec import ValueCodec
 from kvpool.tiers.remote.store import BlockStore
 
@@ -55,6 +58,9 @@ class WriterStats:
     failed: int = 0
     """Blocks of batches whose write raised (:class:`RemoteTierError`, or a bad item such as
     a namespace digest that is not 16 bytes: the thread carries on either way)."""
+    refused: int = 0
+    """Of :attr:`failed`, the blocks of batches the server refused while up (or that the
+    store skipped while its writes paused after such a refusal)."""
     batches: int = 0
 
 
@@ -166,6 +172,8 @@ class RemoteWriter:
                     stats.written_bytes += sum(len(p) for _, _, p in batch)
                 else:
                     stats.failed += len(batch)
+                    if isinstance(error, RemoteWriteRefusedError):
+                        stats.refused += len(batch)
                     self.last_error = error
                 self._settled += len(batch)
                 self._cond.notify_all()
