@@ -112,13 +112,12 @@ FIGURES: Final[tuple[Figure, ...]] = (
                       "--policies", "cost,trtllm,approx,round-robin"),),
            _policy_table, quick=True),
     Figure("synthetic", (("--policies", "cost,trtllm,approx,round-robin"),), _policy_table),
-    Figure("trace", ((*_TRACE, "4000", "--gpu-mem", "40GiB", "--host-mem", "200GiB",
-                      "--policies", "cost,trtllm,approx,round-robin"),),
-           _policy_table),
+    Figure("trace", ((*_TRACE, "1000", "--gpu-mem", "16GiB", "--host-mem", "64GiB",
+                      "--policies", "cost,trtllm,approx,round-robin"),), _policy_table),
     Figure("shared-tier", (
-        (*_TRACE, "2000", "--gpu-mem", "40GiB", "--policies", "cost,trtllm,round-robin"),
-        (*_TRACE, "2000", "--gpu-mem", "40GiB", "--policies", "cost,trtllm,round-robin",
-         "--remote-mem", "1TiB"),
+        (*_TRACE, "1000", "--gpu-mem", "16GiB", "--policies", "cost,trtllm,round-robin"),
+        (*_TRACE, "1000", "--gpu-mem", "16GiB", "--policies", "cost,trtllm,round-robin",
+         "--remote-mem", "256GiB"),
     ), _shared_tier_table),
 )
 
