@@ -51,6 +51,12 @@ def test_gpu_busy_is_never_marked_best_and_a_latency_row_is(shared: ReplayResult
     assert "**" not in busy_md
     bound = next(line for line in md.splitlines() if line.startswith("| ↳ Belady bound %"))
     assert "**" not in bound
+    header = next(line for line in md.splitlines() if line.startswith("| policy"))
+    for name in ("GPU busy", "Belady bound", "evicted blocks"):  # better neither way
+        column = header.split(" | ").index(name)
+        cells = [line.split(" | ")[column] for line in md.splitlines()
+                 if line.startswith("| `")]
+        assert cells and not any("**" in c for c in cells), name
     ttft = next(line for line in lines if line.startswith("│ TTFT p99 (ms)"))
     ttft_md = next(line for line in md.splitlines() if line.startswith("| TTFT p99 (ms)"))
     assert ("*" in ttft) == ("**" in ttft_md)  # the same rule in both

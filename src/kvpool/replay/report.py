@@ -416,7 +416,7 @@ def to_markdown(result: ReplayResult) -> str:
         ("GPU busy", lambda s: s["gpu_busy"], fmt_pct, ""),
         ("throughput", lambda s: s["throughput"]["output_tokens_per_s"],
          lambda v: f"{v:,.0f} tok/s", "max"),
-        ("evicted blocks", lambda s: s["cache"]["evicted_blocks"], lambda v: f"{v:,}", "min"),
+        ("evicted blocks", lambda s: s["cache"]["evicted_blocks"], lambda v: f"{v:,}", ""),
         ("preemptions", lambda s: s["preemptions"], lambda v: f"{v:,}", "min"),
     ]
     if result.config.remote_bytes:
@@ -443,8 +443,8 @@ def to_markdown(result: ReplayResult) -> str:
         lines.append(f"| {name} | " + " | ".join(shown) + " |")
     lines.append("")
     lines.append("Best of each column and row in bold, where better is defined (the bounds, "
-                 "the tier split, GPU busy and the counts of work done are better neither "
-                 "way).")
+                 "the tier split, GPU busy, evictions and the counts of work done are better "
+                 "neither way).")
     return "\n".join(lines) + "\n"
 
 
