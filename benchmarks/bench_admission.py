@@ -33,8 +33,8 @@ process, interleaved for ``--rounds`` rounds; each row keeps its minimum CPU tim
 noise only ever adds) and its ratio to the baseline's rows. Written to
 ``results/bench_admission_baseline.json``.
 
-Usage: python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME] [--no-gc]
-       [--trace PATH] [--entry add_sequence_batch|add_sequence]
+Usage: .venv/bin/python benchmarks/bench_admission.py [--quick] [--skip-w2] [--policy NAME]
+       [--no-gc] [--trace PATH] [--entry add_sequence_batch|add_sequence]
        [--compare-policies NAMES [--rounds N]] [--baseline SRC [--rounds N]]
 """
 

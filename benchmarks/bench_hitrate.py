@@ -25,7 +25,7 @@ Results merge into results/bench_hitrate.json (rows keyed by policy and configur
 results/bench_hitrate_sweep.json, so the work can be split (``--part``, ``--policies``) into
 runs that each fit a time limit; the plot is redrawn from everything merged so far.
 
-Usage: python benchmarks/bench_hitrate.py [--quick] [--full] [--part all|table|sweep]
+Usage: .venv/bin/python benchmarks/bench_hitrate.py [--quick] [--full] [--part all|table|sweep]
        [--policies lru,arc] [--trace PATH]
 """
 

@@ -8,7 +8,7 @@ records, one ``write`` per call). Then a manager is started on the filled ``disk
 warm restart: manifest replay, every recorded slot read back and hashed, the tree rebuilt) and
 closed again after serving the workload once more (the spill of the GPU and host tiers).
 
-Run: ``python benchmarks/bench_persist.py`` (``--quick`` for a smaller disk tier).
+Run: ``.venv/bin/python benchmarks/bench_persist.py`` (``--quick`` for a smaller disk tier).
 """
 
 from __future__ import annotations

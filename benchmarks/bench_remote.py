@@ -19,7 +19,7 @@ the throughput the writer reaches (put of the first block to the end of ``flush`
 the manager, the extra time an admission that evicts N blocks takes with ``remote_url`` (the
 blocks' bytes snapshotted and queued) over the same admission without a remote tier, per block.
 
-Run: ``python benchmarks/bench_remote.py`` (``--quick``: 200 blocks a size, fewer rounds;
+Run: ``.venv/bin/python benchmarks/bench_remote.py`` (``--quick``: 200 blocks a size, fewer rounds;
 ``--url redis://...`` uses a running server instead of starting one; it needs about twice the
 blocks' bytes of free memory, 4 GiB for the default run).
 """

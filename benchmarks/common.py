@@ -1,6 +1,6 @@
 """Shared benchmark plumbing: a rich table on stdout and a JSON file under results/.
 
-Every benchmark runs with one command (``python benchmarks/bench_X.py``) and calls
+Every benchmark runs with one command (``.venv/bin/python benchmarks/bench_X.py``) and calls
 :func:`report` once with its rows.
 """
 

@@ -1,9 +1,13 @@
-"""Shared test settings: a bounded hypothesis profile so the suite fits CI's time; a real
+"""Shared test settings: a bounded hypothesis profile so the suite fits CI's time; a cache
+directory of the suite's own, so that no test writes into ``~/.cache/kvpool``; a real
 redis-server for the remote tier's tests."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +15,18 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from redis_server import RedisServer
+
+# Where kvpool keeps what it stores (the converted model, kvpool.engine.models.cache_dir):
+# a temporary directory for the session, removed at its end, inherited by every process a test
+# starts. KVPOOL_TEST_CACHE_DIR names a directory to keep between runs instead (the model's
+# conversion then happens once).
+_kept = os.environ.get("KVPOOL_TEST_CACHE_DIR")
+if _kept:
+    os.environ["KVPOOL_CACHE_DIR"] = _kept
+else:
+    _session_cache = tempfile.mkdtemp(prefix="kvpool-test-cache-")
+    os.environ["KVPOOL_CACHE_DIR"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 settings.register_profile(
     "default",

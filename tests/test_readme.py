@@ -1,61 +1,199 @@
-"""The README as a newcomer reads it: its Python runs as written, its commands parse with the
-real command line, its test command is what CI runs, and every link stays inside the
-repository and leads somewhere."""
+"""The README and docs as a newcomer reads them: the first screen says who kvpool is for and
+links the comparison; their Python runs as written; every command in them parses with the
+real command line, names files that exist, and the test command is what CI runs; every figure
+table equals what ``python -m kvpool.replay.figures`` writes from the replays' JSON, and the
+replays print that JSON today; every link stays inside the repository and leads somewhere."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import shlex
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvpool.cli import build_parser
+from kvpool.replay import figures
+from kvpool.replay.report import strip_wall
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ["README.md", "CHANGELOG.md",
+        *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))]
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+def blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
-def test_the_python_fragments_run_as_written() -> None:
-    fragments = blocks("python")
-    assert len(fragments) == 3
+def commands(text: str) -> list[str]:
+    """Every command of the bash blocks, continuation lines joined, split at ``&&``, ``;``
+    and a trailing ``&``."""
+    joined = " ".join(code.replace("\\\n", " ") for code in blocks(text, "bash")).split("\n")
+    return [part.strip() for line in joined for part in re.split(r"&&|;|&(?!&)", line)
+            if part.strip()]
+
+
+def test_the_first_screen_names_the_users_and_links_the_comparison() -> None:
+    first = "\n".join(README.splitlines()[:40])
+    for who in ("Engine builders", "vLLM, SGLang or TensorRT-LLM fleets",
+                "Researchers replaying traces"):
+        assert who in first
+    assert "](#how-kvpool-compares)" in first
+    assert "## How kvpool compares" in README
+    table = README.split("## How kvpool compares")[1].split("\n## ")[0]
+    header = next(line for line in table.splitlines() if line.startswith("| |"))
+    for other in ("vLLM", "SGLang", "LMCache", "Dynamo", "KVBM", "llm-d"):
+        assert other in header
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if blocks((ROOT / d).read_text(), "python")])
+def test_the_python_fragments_run_as_written(doc: str) -> None:
     namespace: dict[str, object] = {}
-    for code in fragments:  # in order, as a reader pastes them into one session
-        exec(compile(code, "README.md", "exec"), namespace)
+    for code in blocks((ROOT / doc).read_text(), "python"):  # in order, as a reader pastes
+        exec(compile(code, doc, "exec"), namespace)
 
 
 def test_the_test_command_is_what_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    commands = [line for code in blocks("bash") for line in code.splitlines()]
-    test_command = next(c for c in commands if c.endswith("python -m pytest"))
+    lines = [line for code in blocks(README, "bash") for line in code.splitlines()]
+    test_command = next(c for c in lines if c.endswith("python -m pytest"))
     assert test_command in ci
 
 
-def test_every_kvpool_command_parses_and_names_files_that_exist() -> None:
-    lines = " ".join(code.replace("\\\n", " ") for code in blocks("bash")).split("\n")
-    commands = [part.strip() for line in lines for part in re.split(r"&&|;|&(?!&)", line)]
-    shown = [shlex.split(c)[1:] for c in commands if c.startswith(".venv/bin/kvpool")]
-    assert {args[0] for args in shown if args} >= {"replay", "router"}
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_kvpool_command_parses_and_names_files_that_exist(doc: str) -> None:
     parser = build_parser()
-    for args in shown:
-        parser.parse_args(args)  # a bad option exits 2 here
-        if "--config" in args:
-            assert (ROOT / args[args.index("--config") + 1]).is_file()
+    for command in commands((ROOT / doc).read_text()):
+        words = shlex.split(command)
+        if words[0] == ".venv/bin/kvpool":
+            parser.parse_args(words[1:])  # a bad option exits 2 here
+            if "--config" in words:
+                assert (ROOT / words[words.index("--config") + 1]).is_file(), command
+        elif words[0] == ".venv/bin/python" and words[1].startswith("benchmarks/"):
+            script = ROOT / words[1]
+            assert script.is_file(), command
+            flags = [w for w in words[2:] if w.startswith("--")]
+            if flags:
+                usage = _help(script)
+                assert all(f in usage for f in flags), command
 
 
-@pytest.mark.parametrize(
-    "doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))]
-)
+def _help(script: Path) -> str:
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_every_figure_block_equals_what_the_generator_writes() -> None:
+    assert figures.check(ROOT) == []
+    written = "".join((ROOT / d).read_text() for d in DOCS)
+    for figure in figures.FIGURES:  # every figure is shown somewhere
+        assert f"<!-- figure: {figure.name} (" in written, figure.name
+
+
+def _replays_print_the_kept_json(name: str, tmp_path: Path) -> None:
+    figure = next(f for f in figures.FIGURES if f.name == name)
+    fresh = figures.run(figure, ROOT, out_dir=tmp_path)
+    for new, kept in zip(fresh, figure.json_paths(ROOT), strict=True):
+        a = strip_wall(json.loads(new.read_text()))
+        b = strip_wall(json.loads(kept.read_text()))
+        a.pop("kvpool_version"), b.pop("kvpool_version")
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), kept
+
+
+@pytest.mark.parametrize("name", [f.name for f in figures.FIGURES if f.quick])
+def test_the_quick_replays_print_the_json_behind_the_tables(name: str, tmp_path: Path) -> None:
+    _replays_print_the_kept_json(name, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["synthetic"])
+def test_the_slower_replays_print_the_json_behind_the_tables(name: str,
+                                                             tmp_path: Path) -> None:
+    _replays_print_the_kept_json(name, tmp_path)
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_links_stay_inside_the_repository_and_resolve(doc: str) -> None:
     path = ROOT / doc
     text = path.read_text()
-    for target in re.findall(r"\]\(([^)#\s]+)", text):
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if target.startswith(("http://", "https://")):
             continue
-        resolved = (path.parent / target).resolve()
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
         assert resolved.is_relative_to(ROOT), f"{doc}: {target} leaves the repository"
         assert resolved.exists(), f"{doc}: {target} does not exist"
+        if anchor and resolved.suffix == ".md":
+            assert anchor in _anchors(resolved.read_text()), f"{doc}: no heading #{anchor}"
+
+
+def _section_script(title: str) -> str:
+    """The bash block of a README section, its install line left out (the suite runs in an
+    installed venv), with ``.venv/bin/`` this interpreter's when the repository has none."""
+    section = README.split(f"## {title}\n")[1].split("\n## ")[0]
+    (code,) = blocks(section, "bash")
+    lines = [line for line in code.splitlines() if not line.startswith("python3 -m venv")]
+    script = "\n".join(lines)
+    if not (ROOT / ".venv" / "bin" / "kvpool").exists():
+        script = script.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    return script
+
+
+def _busy(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("title", "ports", "expected"), [
+    ("Quickstart 2: serve a model and chat", (8000,), ["Paris", '"cached_tokens"']),
+    ("Quickstart 3: a router in front of workers", (8000, 8001, 9000),
+     ['"choices"', '"workers"', '"w0"', '"w1"']),
+])
+def test_a_quickstart_runs_as_written(title: str, ports: tuple[int, ...],
+                                      expected: list[str]) -> None:
+    pytest.importorskip("torch")
+    if any(_busy(p) for p in ports):
+        pytest.skip(f"a port of {ports} is taken on this machine")
+    proc = subprocess.Popen(["bash", "-c", "set -e\n" + _section_script(title)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=540)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.returncode == 0, err[-2000:]
+    for text in expected:
+        assert text in out, out[-2000:]
+
+
+def test_the_licences_are_shipped_and_named() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    for name in project["license-files"]:
+        assert (ROOT / name).is_file(), name
+    assert "src/kvpool/data/LICENSE-mooncake-traces.txt" in project["license-files"]
+    assert "LICENSE-mooncake-traces.txt" in (ROOT / "src/kvpool/data/README.md").read_text()

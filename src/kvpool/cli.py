@@ -18,7 +18,7 @@ from kvpool.commands._args import CommandParser
 from kvpool.errors import KVPoolError
 
 # Subcommand modules under kvpool.commands, in the order --help lists them.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay", "serve")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay", "serve", "cache")
 
 
 def build_parser() -> argparse.ArgumentParser:

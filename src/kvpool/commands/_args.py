@@ -78,6 +78,14 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a rate, a duration that cannot be zero)."""
+    value = nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:

@@ -27,6 +27,7 @@ from kvpool.planner.capacity import (
     plan_pools,
     presets,
 )
+from kvpool.replay.report import wrap_phrases
 
 DEFAULT_MAX_NUM_TOKENS = 8192
 DEFAULT_TOKENS_PER_BLOCK = 32
@@ -121,11 +122,12 @@ def _print_plan(console: Console, plan: PoolPlan) -> None:
         for name, b in zip(("GPU", "host", "disk"), plan.budget_bytes, strict=True)
         if b or name == "GPU"
     )
-    title = (
-        f"{plan.model}: {plan.tokens_per_block} tokens/block, {budget}; "
-        f"batch {plan.max_batch_size}, {plan.max_num_tokens} tokens/step, "
-        f"max_seq_len {plan.max_seq_len}"
-    )
+    heading = (f"{plan.model}:", f"{plan.tokens_per_block} tokens/block,", f"{budget};",
+               f"batch {plan.max_batch_size},", f"{plan.max_num_tokens} tokens/step,",
+               f"max_seq_len {plan.max_seq_len}")
+    for line in wrap_phrases(heading, console.width):  # broken between phrases only
+        console.print(f"[bold]{line}[/]", highlight=False, soft_wrap=True)
+    title: str | None = None
     # One column per layer group (as many per table as the terminal holds), a row per figure.
     groups = list(plan.groups)
     while groups:
@@ -157,7 +159,7 @@ def _print_plan(console: Console, plan: PoolPlan) -> None:
         console.print(f"note: {note}")
 
 
-def _group_table(title: str, groups: list[GroupPlan], budget: tuple[int, ...]) -> Table:
+def _group_table(title: str | None, groups: list[GroupPlan], budget: tuple[int, ...]) -> Table:
     table = Table(title=title)
     table.add_column("layer group")
     for g in groups:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from kvpool.commands._args import (
     nonneg_float,
     note,
     positive,
+    positive_float,
     size,
     warn,
 )
@@ -83,6 +85,9 @@ _SYNTHETIC_FLAGS: Final = (
     ("max_prompt_tokens", "--max-prompt-tokens", "longest prompt"),
 )
 
+# Real-valued knobs that cannot be zero.
+_POSITIVE_REALS: Final = frozenset({"arrival_rate_per_s"})
+
 # TimeModel field -> (flag, unit scale from the flag's unit to seconds, unit)
 _TIME_FLAGS: Final = (
     ("weight_read_s", "--weight-read-ms", 1e-3, "ms", "step floor (weights read)"),
@@ -128,7 +133,8 @@ def register(subparsers: Any) -> None:
     for name, flag, text in _SYNTHETIC_FLAGS:
         value = getattr(defaults, name)
         real = isinstance(value, float)
-        kind: Callable[[str], Any] = nonneg_float if real else positive
+        kind: Callable[[str], Any] = positive if not real else (
+            positive_float if name in _POSITIVE_REALS else nonneg_float)
         w.add_argument(flag, dest=f"syn_{name}", type=kind, metavar="X" if real else "N",
                        help=f"synthetic: {text} (default {value})")
 
@@ -355,7 +361,17 @@ def _workload(args: argparse.Namespace) -> Workload:
         else getattr(args, f"syn_{name}")
         for name, _, _ in _SYNTHETIC_FLAGS
     }
-    return generate_synthetic(SyntheticParams(seed=args.seed, **params))
+    try:
+        return generate_synthetic(SyntheticParams(seed=args.seed, **params))
+    except InvalidArgumentError as exc:  # name the flag, not the dataclass field
+        raise InvalidArgumentError(_flag_names(str(exc))) from None
+
+
+def _flag_names(message: str) -> str:
+    """``message`` with each synthetic workload field named by its flag."""
+    for name, flag, _ in _SYNTHETIC_FLAGS:
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
 
 
 def _cluster(args: argparse.Namespace, workload: Workload) -> ClusterConfig:

@@ -34,11 +34,15 @@ from kvpool.replay.engine_sim import reference_group
 
 __all__ = [
     "TIMELINE_BINS",
+    "best_marks",
+    "fmt_ms",
+    "fmt_pct",
     "render",
     "strip_wall",
     "summarize",
     "to_json",
     "to_markdown",
+    "wrap_phrases",
     "write_plot",
 ]
 
@@ -193,7 +197,7 @@ def strip_wall(obj: Any) -> Any:
 # ----------------------------------------------------------------------------- formatting
 
 
-def _pct(x: float) -> str:
+def fmt_pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
@@ -207,43 +211,61 @@ def _tokens(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def _ms(s: float) -> str:
+def fmt_ms(s: float) -> str:
     return f"{1e3 * s:,.0f} ms" if s >= 0.1 else f"{1e3 * s:.1f} ms"
 
 
-def _describe(result: ReplayResult) -> list[str]:
+def _describe(result: ReplayResult) -> list[list[str]]:
+    """What ran, as lines of phrases: a terminal breaks a line only between its phrases
+    (:func:`wrap_phrases`), markdown joins them."""
     w = result.workload
     cfg = result.config
     cache = cfg.cache
     sizing = cfg.description
     g = reference_group(cache)
     blocks = " + ".join(f"{t[g]:,}" for t in cache.slots)
+    tpb = cache.tokens_per_block
     if sizing.get("model"):
-        mem = f"{sizing['model']}, {sizing.get('gpu_mem', '?')} GPU"
+        mem = f"{sizing.get('gpu_mem', '?')} GPU"
         if sizing.get("host_mem"):
             mem += f" + {sizing['host_mem']} host"
         if sizing.get("disk_mem"):
             mem += f" + {sizing['disk_mem']} disk"
-        mem += f" KV = {blocks} blocks"
+        each = [f"each {sizing['model']} with {mem} KV", f"({blocks} blocks of {tpb} tokens);"]
     else:
-        mem = f"{blocks} blocks"
+        each = [f"each {blocks} blocks of {tpb} tokens;"]
     sched = cfg.scheduler
     b = result.bounds
     lines = [
-        f"workload {w['name']}: {w['requests']:,} requests, {_tokens(w['prompt_tokens'])} "
-        f"prompt + {_tokens(w['output_tokens'])} output tokens over {w['duration_s']:,.0f} s",
-        f"cluster: {cfg.workers} workers × ({mem} of {cache.tokens_per_block} tokens); "
-        f"batch {sched.max_batch_size}, {sched.max_num_tokens} tokens/step"
-        f"{', chunked' if sched.chunked_prefill else ''}; events {cfg.transport}",
+        [f"workload {w['name']}:", f"{w['requests']:,} requests,",
+         f"{_tokens(w['prompt_tokens'])} prompt + {_tokens(w['output_tokens'])} output tokens",
+         f"over {w['duration_s']:,.0f} s"],
+        [f"cluster: {cfg.workers} workers,", *each, f"batch {sched.max_batch_size},",
+         f"{sched.max_num_tokens} tokens/step{',' if sched.chunked_prefill else ';'}",
+         *(["chunked;"] if sched.chunked_prefill else []), f"events {cfg.transport}"],
     ]
     if cfg.remote_bytes:
         shared = sizing.get("remote_mem") or f"{cfg.remote_bytes:,} blocks"
-        lines.append(f"shared remote tier: {shared} for the cluster (in-process, LRU; every "
-                     "worker writes what leaves its tiers and prefetches before admission)")
+        lines.append([f"shared remote tier: {shared} for the cluster", "(in-process, LRU;",
+                      "every worker writes what leaves its tiers", "and prefetches before "
+                      "admission)"])
     lines.append(
-        (f"unlimited-cache bound {_pct(b['unlimited'].token_hit_rate)}; " if b else "")
-        + f"Belady bound per run for {cfg.capacity_blocks:,} blocks in all (whole blocks)"
+        ([f"unlimited-cache bound {fmt_pct(b['unlimited'].token_hit_rate)};"] if b else [])
+        + [f"Belady bound per run for {cfg.capacity_blocks:,} blocks in all", "(whole blocks)"]
     )
+    return lines
+
+
+def wrap_phrases(phrases: Sequence[str], width: int, indent: str = "  ") -> list[str]:
+    """``phrases`` joined by spaces into lines of at most ``width`` characters, broken only
+    between two phrases (continuation lines indented); a phrase longer than a line stands
+    alone on its own."""
+    lines: list[str] = []
+    for phrase in phrases:
+        if lines and len(lines[-1]) + 1 + len(phrase) <= width:
+            lines[-1] += " " + phrase
+        else:
+            lines.append((indent if lines else "") + phrase)
     return lines
 
 
@@ -287,7 +309,7 @@ def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
     for q in ("p50", "p90", "p99"):
         row(f"TTFT {q} (ms)", (s["ttft_s"][q] for s in sums), ms, "min")
     row("output tok/s", (s["throughput"]["output_tokens_per_s"] for s in sums), count, "max")
-    row("GPU busy %", (s["gpu_busy"] for s in sums), pct, "min")
+    row("GPU busy %", (s["gpu_busy"] for s in sums), pct)  # better neither way
     row("makespan (s)", (s["makespan_s"] for s in sums), lambda v: f"{v:,.1f}", "min")
     row("evicted blocks", (s["cache"]["evicted_blocks"] for s in sums), count)
     if tiers > 1:
@@ -303,19 +325,29 @@ def _rows(result: ReplayResult, sums: list[dict[str, Any]]) -> list[_Row]:
     return rows
 
 
+def best_marks(shown: list[str], vals: list[float], best: str) -> list[bool]:
+    """Which cells of a row are its best, as printed (equal text, equal mark): none when the
+    row is better neither way (``best`` empty) or every cell reads the same."""
+    if not best or len(set(shown)) < 2:
+        return [False] * len(shown)
+    target = shown[vals.index(max(vals) if best == "max" else min(vals))]
+    return [t == target for t in shown]
+
+
 def render(result: ReplayResult, console: Any) -> None:
     """Print the replay: what ran, the bounds, and one column per policy (the best of a row
     in bold and marked ``*``). Policies that do not fit the console's width side by side go on
     into further tables, so no cell is ever cut."""
     sums = [summarize(p, result.bounds) for p in result.policies]
-    for line in _describe(result):
-        console.print(line, highlight=False)
+    for phrases in _describe(result):
+        for line in wrap_phrases(phrases, console.width):
+            console.print(line, highlight=False, soft_wrap=True)
     rows = []
     for label, cells, vals, best in _rows(result, sums):
-        if best and len(vals) > 1 and len(set(vals)) > 1:
-            target = max(vals) if best == "max" else min(vals)
-            cells = [f"[bold green]{c}*[/]" if v == target else f"{c} "
-                     for c, v in zip(cells, vals, strict=True)]
+        marks = best_marks(cells, vals, best)
+        if any(marks):
+            cells = [f"[bold green]{c}*[/]" if m else f"{c} "
+                     for c, m in zip(cells, marks, strict=True)]
         rows.append((label, cells))
     names = [s["policy"] for s in sums]
     start = 0
@@ -326,13 +358,17 @@ def render(result: ReplayResult, console: Any) -> None:
         title = "kvpool replay" if start == 0 else "kvpool replay (continued)"
         console.print(_table(console, names, rows, start, stop, title))
         start = stop
-    console.print(
-        "[dim]* best of the row. Hit rates: tokens each request reused at its first "
-        "admission / prompt tokens. Bounds count whole blocks; a run's Belady bound is the "
-        "offline optimum over its own lookups and commits. Times are simulated (TimeModel); "
-        "route decisions and wall time are measured.[/]",
-        highlight=False,
-    )
+    for line in wrap_phrases(_FOOTNOTE, console.width, indent=""):
+        console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
+
+
+_FOOTNOTE: Final = (
+    "* best of the row", "(rows with no mark are better neither way).",
+    "Hit rates: tokens each request reused", "at its first admission / prompt tokens.",
+    "Bounds count whole blocks;", "a run's Belady bound is the offline optimum",
+    "over its own lookups and commits.", "Times are simulated (TimeModel);",
+    "route decisions and wall time are measured.",
+)
 
 
 def _table(console: Any, names: list[str], rows: list[tuple[str, list[str]]], start: int,
@@ -363,40 +399,52 @@ def _width(console: Any, names: list[str], rows: list[tuple[str, list[str]]], st
 
 
 def to_markdown(result: ReplayResult) -> str:
-    """A markdown table of the replay (one row per policy), with what ran and the bounds."""
+    """Markdown: what ran and the bounds, a table of the headline figures (one row per
+    policy), and every row of the terminal table (one column per policy)."""
     sums = [summarize(p, result.bounds) for p in result.policies]
-    lines = [f"- {line}" for line in _describe(result)]
+    lines = [f"- {' '.join(phrases)}" for phrases in _describe(result)]
     lines.append("")
     # (header, value, text, which is best: "max", "min" or "")
     columns: list[tuple[str, Any, Any, str]] = [
-        ("token hit rate", lambda s: s["token_hit_rate"], _pct, "max"),
-        ("full-block hit rate", lambda s: s["full_block_hit_rate"], _pct, "max"),
-        ("Belady bound", lambda s: s["belady"]["token_hit_rate"], _pct, ""),
-        ("of Belady", lambda s: s["vs_bounds"]["of_belady"], _pct, "max"),
+        ("token hit rate", lambda s: s["token_hit_rate"], fmt_pct, "max"),
+        ("full-block hit rate", lambda s: s["full_block_hit_rate"], fmt_pct, "max"),
+        ("Belady bound", lambda s: s["belady"]["token_hit_rate"], fmt_pct, ""),
+        ("of Belady", lambda s: s["vs_bounds"]["of_belady"], fmt_pct, "max"),
         ("prefill computed", lambda s: s["prefill_tokens_computed"], _tokens, "min"),
-        ("TTFT p50", lambda s: s["ttft_s"]["p50"], _ms, "min"),
-        ("TTFT p99", lambda s: s["ttft_s"]["p99"], _ms, "min"),
-        ("GPU busy", lambda s: s["gpu_busy"], _pct, ""),
+        ("TTFT p50", lambda s: s["ttft_s"]["p50"], fmt_ms, "min"),
+        ("TTFT p99", lambda s: s["ttft_s"]["p99"], fmt_ms, "min"),
+        ("GPU busy", lambda s: s["gpu_busy"], fmt_pct, ""),
         ("throughput", lambda s: s["throughput"]["output_tokens_per_s"],
          lambda v: f"{v:,.0f} tok/s", "max"),
-        ("evicted blocks", lambda s: s["cache"]["evicted_blocks"], lambda v: f"{v:,}", "min"),
+        ("evicted blocks", lambda s: s["cache"]["evicted_blocks"], lambda v: f"{v:,}", ""),
         ("preemptions", lambda s: s["preemptions"], lambda v: f"{v:,}", "min"),
     ]
+    if result.config.remote_bytes:
+        columns.insert(1, ("from shared tier", lambda s: s["remote_hit_rate"], fmt_pct, "max"))
     lines.append("| policy | " + " | ".join(c[0] for c in columns) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * len(columns)) + "|")
     table = [[f"`{s['policy']}`"] for s in sums]
     for _, value, text, best in columns:
         vals = [value(s) for s in sums]
         shown = [text(v) for v in vals]
-        if best and len(set(shown)) > 1:  # the best as printed: equal text, equal mark
-            target = text(max(vals) if best == "max" else min(vals))
-            shown = [f"**{t}**" if t == target else t for t in shown]
-        for row, t in zip(table, shown, strict=True):
-            row.append(t)
+        marks = best_marks(shown, vals, best)
+        for row, t, m in zip(table, shown, marks, strict=True):
+            row.append(f"**{t}**" if m else t)
     lines.extend("| " + " | ".join(row) + " |" for row in table)
     lines.append("")
-    lines.append("Best of each column in bold (not for the bound and GPU busy, which are not "
-                 "better one way).")
+    lines.append("Every figure, as the terminal prints it:")
+    lines.append("")
+    lines.append("| metric | " + " | ".join(f"`{s['policy']}`" for s in sums) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * len(sums)) + "|")
+    for label, cells, vals, best in _rows(result, sums):
+        marks = best_marks(cells, vals, best)
+        shown = [f"**{c}**" if m else c for c, m in zip(cells, marks, strict=True)]
+        name = f"↳ {label.strip()}" if label.startswith(" ") else label
+        lines.append(f"| {name} | " + " | ".join(shown) + " |")
+    lines.append("")
+    lines.append("Best of each column and row in bold, where better is defined (the bounds, "
+                 "the tier split, GPU busy, evictions and the counts of work done are better "
+                 "neither way).")
     return "\n".join(lines) + "\n"
 
 

@@ -180,8 +180,16 @@ def load_config(path: str | Path) -> ServiceConfig:
     try:
         obj = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
     return parse_config(obj)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: the problem and where (line, column)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def parse_config(obj: object) -> ServiceConfig:
