@@ -91,10 +91,9 @@ def _raise_first(signum: int, frame: FrameType | None) -> None:
 @contextlib.contextmanager
 def on_stop_signals(command: str) -> Iterator[StopState]:
     """While inside: the first SIGINT or SIGTERM raises :class:`Interrupted` in the main
-    thread, a second one calls :func:`exit_now`. On the way out the previous handlers are set
-    again, unless a signal came: the process is then on its way out, and another signal
-    while it exits (atexit handlers, threads joined) still exits at once. Outside the main
-    thread (where Python cannot set handlers) it does nothing."""
+    thread, a second one calls :func:`exit_now`. The previous handlers are set again on the
+    way out (the program then ends at once, :func:`end_process`, if a signal came). Outside
+    the main thread (where Python cannot set handlers) it only records the command's name."""
     _state.received = []
     _state.command = command
     if threading.current_thread() is not threading.main_thread():
@@ -104,9 +103,8 @@ def on_stop_signals(command: str) -> Iterator[StopState]:
     try:
         yield _state
     finally:
-        if not _state.received:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

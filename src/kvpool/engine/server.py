@@ -71,6 +71,7 @@ _Item = RequestOutput | BaseException
 _Sink = Callable[[_Item], None]
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_WINDOW_S = 10.0
+_CANCEL_WAIT_S = 1.0  # for a cancelled request's handler to end
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 """How long :meth:`EngineServer.stop` lets the requests in flight finish before it cancels
 them (below the 30 s a supervisor such as Kubernetes waits before SIGKILL)."""
@@ -317,7 +318,7 @@ class EngineServer:
         if self._events_thread is not None:
             self._events_thread.start()
         runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                               shutdown_timeout=self.shutdown_grace_s)
+                               shutdown_timeout=_CANCEL_WAIT_S)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port).start()
@@ -356,10 +357,29 @@ class EngineServer:
     async def stop(self) -> None:
         """Stop accepting, give the requests in flight ``shutdown_grace_s`` seconds, cancel
         the rest, stop the engine thread and the KV event publisher."""
-        if self._runner is not None:
-            await self._runner.cleanup()
+        runner = self._runner
+        if runner is not None:
+            for site in list(runner.sites):  # no new connection
+                await site.stop()
+            if runner.server is not None:  # idle keep-alive connections close now, busy
+                runner.server.pre_shutdown()  # ones after their request: no new request
+            await self._drain()
+            await runner.cleanup()
             self._runner = None
         self._stop_threads()
+
+    async def _drain(self) -> None:
+        """Wait up to ``shutdown_grace_s`` for the requests in flight (less if
+        :meth:`abort_in_flight` cancels them), then cancel what is left."""
+        deadline = time.monotonic() + self.shutdown_grace_s
+        while self._in_flight and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(set(self._in_flight), timeout=left)
+        if self._in_flight:
+            logger.warning("shutdown: aborting %d request(s) still in flight after %g s",
+                           len(self._in_flight), self.shutdown_grace_s)
+            tasks = set(self._in_flight)
+            self.abort_in_flight()
+            await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
 
     def _stop_threads(self) -> None:
         self.loop_thread.stop()
