@@ -259,3 +259,84 @@ def test_router_settles_the_collector_once_listening() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def _typed_options() -> list[tuple[str, str]]:
+    """(command, flag) for every option of every command whose value is checked when parsed
+    (a type or a list of choices)."""
+    from kvpool.cli import build_parser
+
+    parser = build_parser()
+    commands = parser.parse_args(["plan"]).command_parsers
+    out = []
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.option_strings and action.nargs != 0 and (
+                action.type not in (None, str, Path) or action.choices is not None
+            ):
+                out.append((name, action.option_strings[-1]))
+    return out
+
+
+TYPED_OPTIONS = _typed_options()
+
+
+def test_every_command_has_typed_options() -> None:
+    commands = {name for name, _ in TYPED_OPTIONS}
+    assert commands == {"plan", "replay", "router", "serve"}
+    assert ("serve", "--log-level") in TYPED_OPTIONS and ("serve", "--port") in TYPED_OPTIONS
+    assert ("serve", "--shutdown-grace") in TYPED_OPTIONS
+
+
+@pytest.mark.parametrize("value", ["banana", "-1"])
+@pytest.mark.parametrize(("command", "flag"), TYPED_OPTIONS,
+                         ids=[f"{c}{f}" for c, f in TYPED_OPTIONS])
+def test_every_bad_option_value_is_one_line_and_exit_2(
+    command: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whatever the command and the option, a value it cannot take is one line naming the
+    option, exit 2, before any work (``--config`` is given so that the router's required
+    option is not what fails)."""
+    required = ["--config", EXAMPLE] if command == "router" else []
+    code, out, err = run_main([command, *required, flag, value], capsys)
+    assert code == 2 and out == ""
+    line = one_line(err)
+    assert line.startswith(f"kvpool {command}: error: argument {flag}"), line
+    assert line.endswith(f"(see kvpool {command} --help)")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--log-level", "banana"],
+         "kvpool serve: error: argument --log-level: unknown log level 'banana'; expected one "
+         "of DEBUG, INFO, WARNING, ERROR, CRITICAL (see kvpool serve --help)"),
+        (["serve", "--port", "70000"],
+         "kvpool serve: error: argument --port: expected an integer in [0, 65535], got "
+         "'70000' (see kvpool serve --help)"),
+        (["serve", "--shutdown-grace", "-3"],
+         "kvpool serve: error: argument --shutdown-grace: expected a finite number >= 0, got "
+         "'-3' (see kvpool serve --help)"),
+    ],
+    ids=["log-level", "port", "shutdown-grace"],
+)
+def test_flag_errors_from_the_real_command(args: list[str], message: str) -> None:
+    """As a user sees them: one line on stderr, nothing on stdout, exit 2, no traceback (the
+    serve cases fail before torch or a model is loaded)."""
+    res = kvpool(*args)
+    assert res.returncode == 2 and res.stdout == ""
+    assert message in one_line(res.stderr)
+
+
+@pytest.mark.parametrize("command", [[], ["replay"], ["serve"], ["router"]],
+                         ids=["kvpool", "replay", "serve", "router"])
+def test_exit_statuses_are_in_every_commands_help(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_main([*command, "--help"], capsys)
+    assert code == 0
+    text = out.split("exit status:")[1]
+    for status in ("0", "2", "130", "143"):
+        assert f"\n  {status} " in text, (command, text)
+    assert_fits_80(out)

@@ -247,7 +247,6 @@ def _samples(text: str) -> dict[str, float]:
         (["--host-blocks", "4", "--host-mem", "1GiB"], "--host-blocks or --host-mem"),
         (["--disk-mem", "1GiB"], "--disk-mem needs --disk-path"),
         (["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"], "needs --kv-events-endpoint"),
-        (["--port", "70000"], "not a TCP port"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     ],
 )

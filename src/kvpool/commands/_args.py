@@ -5,11 +5,8 @@ that say what they expected, and the check that an output file can be written be
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -18,6 +15,15 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.planner.capacity import parse_size
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that an ``exit status:`` epilog keeps its lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("exit status:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -116,14 +122,3 @@ def warn(command: str, message: str) -> None:
 
 def note(command: str, message: str) -> None:
     print(f"kvpool {command}: note: {message}", file=sys.stderr, flush=True)
-
-
-def cancel_on_signals() -> None:
-    """SIGINT and SIGTERM cancel the running task (a service's main coroutine), so its
-    ``finally`` stops it cleanly; a no-op where the platform has no signal handlers."""
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, task.cancel)

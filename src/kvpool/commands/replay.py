@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvpool.commands._args import (
+    HelpFormatter,
     check_writable,
     nonneg,
     nonneg_float,
@@ -62,6 +63,13 @@ DEFAULT_MODEL: Final = "llama-3-8b"
 DEFAULT_GPU_MEM: Final = 8 << 30
 DEFAULT_TOKENS_PER_BLOCK: Final = 32
 DEFAULT_WORKERS: Final = 4
+EXIT_STATUS: Final = """exit status:
+  0    done
+  1    no request of the workload can ever be admitted (it says what to raise)
+  2    a bad option, trace or output file
+  130  interrupted by SIGINT (Ctrl-C); its worker processes are stopped first
+       (and die with it if it is killed); a second signal exits at once
+  143  interrupted by SIGTERM (kill, timeout), as for SIGINT"""
 PROGRESS_INTERVAL_S: Final = 10.0
 """Without a terminal, one progress line on stderr this often (CI logs)."""
 
@@ -110,6 +118,7 @@ def register(subparsers: Any) -> None:
             "unlimited-cache bound and each run's Belady bound. With no argument: the "
             "built-in synthetic multi-turn workload on 4 workers."
         ),
+        epilog=EXIT_STATUS,
         formatter_class=_DefaultsFormatter,
     )
     w = p.add_argument_group("workload (default: the built-in synthetic multi-turn workload)")
@@ -216,7 +225,7 @@ def _output_args(o: argparse._ArgumentGroup) -> None:
                    help="no progress bar (without a terminal: no progress lines)")
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
+class _DefaultsFormatter(HelpFormatter):
     """Shows ``(default: X)`` where a default says something (not None, not a flag's False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:

@@ -5,6 +5,9 @@ and serves ``/route``, ``/finished``, ``/workers``, ``/metrics`` and ``/health``
 interrupted (SIGINT or SIGTERM). Once listening it prints
 ``kvpool router listening on http://HOST:PORT`` on stdout.
 
+Stopping: the first SIGINT or SIGTERM stops listening, ends the requests in flight and the
+event ingestion, and exits 0; a second one exits at once with 130 (SIGINT) or 143 (SIGTERM).
+
 The event loop is uvloop's when it is installed (the ``fast`` extra: about a third less CPU
 per HTTP request), else asyncio's; ``--event-loop`` chooses.
 """
@@ -23,11 +26,17 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from kvpool.commands._args import LOG_LEVELS, cancel_on_signals, log_level, port
+from kvpool.commands._args import LOG_LEVELS, HelpFormatter, log_level, port
+from kvpool.commands._signals import stop_signals_async
 from kvpool.router.config import ServiceConfig, load_config
 from kvpool.router.service import serve
 
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+EXIT_STATUS = """exit status:
+  0    stopped by SIGINT or SIGTERM
+  2    a bad option or configuration, an address in use
+  130  a second SIGINT while stopping (exits at once), or one while starting
+  143  a second SIGTERM while stopping (exits at once), or one while starting"""
 
 #: The cyclic collector's thresholds once the router listens (Python's are 700, 10, 10). A
 #: route leaves container objects alive for a while (its keys in the predictions until their
@@ -64,6 +73,8 @@ def register(subparsers: Any) -> None:
             "events from vLLM (ZMQ), TensorRT-LLM (HTTP polling) and kvpool workers, and "
             "answer POST /route with the chosen worker and every candidate's score."
         ),
+        epilog=EXIT_STATUS,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--config", required=True, metavar="PATH",
@@ -112,11 +123,16 @@ def settle_gc() -> None:
 
 
 async def _main(config: ServiceConfig) -> None:
-    cancel_on_signals()
+    """Serve until the first SIGINT or SIGTERM, which cancels the service (it stops
+    listening, lets requests in flight end and stops ingesting); a second one exits at
+    once."""
+    task = asyncio.current_task()
+    assert task is not None
 
     def ready(port: int) -> None:
         settle_gc()
         print(f"kvpool router listening on http://{config.host}:{port}", flush=True)
 
-    with contextlib.suppress(asyncio.CancelledError):
+    with stop_signals_async(lambda signum: task.cancel()), \
+            contextlib.suppress(asyncio.CancelledError):
         await serve(config, ready)

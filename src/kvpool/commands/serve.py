@@ -10,21 +10,44 @@ format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (
 
 Once listening it prints ``kvpool serve listening on http://HOST:PORT`` on stdout (after the
 ``kvpool serve publishing KV events on ...`` line when events are on).
+
+Stopping: on SIGINT (Ctrl-C) or SIGTERM it stops accepting connections, lets the requests in
+flight finish for up to ``--shutdown-grace`` seconds (then aborts the rest), stops the engine
+and exits 0. A second SIGINT or SIGTERM aborts the requests in flight at once and exits 130
+(SIGINT) or 143 (SIGTERM) once the engine's current step has ended; a third exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
+import signal
+import sys
 from typing import Any
 
-from kvpool.commands._args import cancel_on_signals
+from kvpool.commands._args import (
+    LOG_LEVELS,
+    HelpFormatter,
+    log_level,
+    nonneg_float,
+    port,
+    positive,
+    size,
+)
+from kvpool.commands._signals import exit_code, stop_signals_async
 from kvpool.errors import InvalidArgumentError
-from kvpool.planner.capacity import parse_size
 
 EVENT_HASH_ALGO = "v2_sha256_64"
+# kvpool.engine.server's default, without importing aiohttp and torch to build the parser
+DEFAULT_SHUTDOWN_GRACE_S = 20.0
+EXIT_STATUS = """exit status:
+  0    stopped by SIGINT or SIGTERM: requests in flight finished, or were
+       aborted after --shutdown-grace
+  2    a bad option, a model that cannot be loaded, an address in use
+  130  a second SIGINT (aborts the requests in flight at once), or one while
+       loading the model
+  143  as 130, for SIGTERM"""
 _EVENT_BUFFER = 100_000
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,34 +61,43 @@ def register(subparsers: Any) -> None:
             "Run a transformers model with its KV cache in kvpool's block pools and serve "
             "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."
         ),
+        epilog=EXIT_STATUS,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
                    help="'smollm2' (built in), a checkpoint directory or a .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0: any)")
+    p.add_argument("--port", type=port, default=8000, metavar="PORT",
+                   help="listen port (default 8000; 0: any)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype")
     pools = p.add_argument_group("KV cache")
-    pools.add_argument("--tokens-per-block", type=_positive, metavar="N")
-    pools.add_argument("--gpu-blocks", type=_positive, metavar="N",
+    pools.add_argument("--tokens-per-block", type=positive, metavar="N")
+    pools.add_argument("--gpu-blocks", type=positive, metavar="N",
                        help="device-tier blocks per layer group")
-    pools.add_argument("--gpu-mem", type=_size, metavar="SIZE",
+    pools.add_argument("--gpu-mem", type=size, metavar="SIZE",
                        help="device-tier budget for the planner, e.g. 512MiB")
-    pools.add_argument("--host-blocks", type=_positive, metavar="N")
-    pools.add_argument("--host-mem", type=_size, metavar="SIZE", help="host-tier budget")
-    pools.add_argument("--disk-mem", type=_size, metavar="SIZE", help="disk-tier budget")
+    pools.add_argument("--host-blocks", type=positive, metavar="N")
+    pools.add_argument("--host-mem", type=size, metavar="SIZE", help="host-tier budget")
+    pools.add_argument("--disk-mem", type=size, metavar="SIZE", help="disk-tier budget")
     pools.add_argument("--disk-path", metavar="PATH", help="directory of the disk tier")
     pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"))
     sched = p.add_argument_group("scheduler")
-    sched.add_argument("--max-batch-size", type=_positive, default=8, metavar="N",
+    sched.add_argument("--max-batch-size", type=positive, default=8, metavar="N",
                        help="concurrent sequences per step (default 8)")
-    sched.add_argument("--max-num-tokens", type=_positive, default=2048, metavar="N",
+    sched.add_argument("--max-num-tokens", type=positive, default=2048, metavar="N",
                        help="tokens per step, prefill chunks included (default 2048)")
     events = p.add_argument_group("KV events")
     events.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
                         help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any)")
     events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
                         help="serve missed event batches here (needs --kv-events-endpoint)")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   metavar="SECONDS",
+                   help="on SIGINT or SIGTERM, how long requests in flight may go on before "
+                   f"they are aborted (default {DEFAULT_SHUTDOWN_GRACE_S:g}; a second signal "
+                   "aborts them at once)")
+    p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
+                   help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
     p.set_defaults(func=run)
 
 
@@ -92,10 +124,8 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=str(args.log_level).upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not 0 <= args.port <= 65535:
-        raise InvalidArgumentError(f"--port {args.port} is not a TCP port")
     cache = cache_options(args)
     import torch
 
@@ -110,40 +140,41 @@ def run(args: argparse.Namespace) -> int:
         engine, model_name=args.model, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        shutdown_grace_s=args.shutdown_grace,
     )
-    asyncio.run(_main(server))
-    return 0
+    return asyncio.run(_main(server))
 
 
-async def _main(server: Any) -> None:
-    cancel_on_signals()
-    port = await server.start()
-    try:
-        pub = server.publisher
-        if pub is not None:
-            replay = f", replay {pub.replay_endpoint}" if pub.replay_endpoint else ""
-            print(f"kvpool serve publishing KV events on {pub.endpoint}{replay} "
-                  f"(hash_algo {EVENT_HASH_ALGO}, tokens_per_block "
-                  f"{server.engine.manager.config.tokens_per_block})", flush=True)
-        print(f"kvpool serve listening on http://{server.host}:{port}", flush=True)
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.Event().wait()
-    finally:
-        await server.stop()
+async def _main(server: Any) -> int:
+    """Serve until a stop signal; the exit status (see the module docstring)."""
+    received: list[int] = []
+    stopping = asyncio.Event()
 
+    def first(signum: int) -> None:
+        received.append(signum)
+        stopping.set()
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def second(signum: int) -> None:
+        received.append(signum)
+        aborted = server.abort_in_flight()
+        print(f"kvpool serve: {signal.Signals(signum).name} again: aborted {aborted} "
+              "request(s) in flight", file=sys.stderr, flush=True)
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    with stop_signals_async(first, second):
+        port = await server.start()
+        try:
+            pub = server.publisher
+            if pub is not None:
+                replay = f", replay {pub.replay_endpoint}" if pub.replay_endpoint else ""
+                print(f"kvpool serve publishing KV events on {pub.endpoint}{replay} "
+                      f"(hash_algo {EVENT_HASH_ALGO}, tokens_per_block "
+                      f"{server.engine.manager.config.tokens_per_block})", flush=True)
+            print(f"kvpool serve listening on http://{server.host}:{port}", flush=True)
+            await stopping.wait()
+            name = signal.Signals(received[0]).name
+            print(f"kvpool serve: {name}: stopped accepting; {server.in_flight} request(s) in "
+                  f"flight get up to {server.shutdown_grace_s:g} s ({name} again aborts them)",
+                  file=sys.stderr, flush=True)
+        finally:
+            await server.stop()
+    return exit_code(received[1]) if len(received) > 1 else 0

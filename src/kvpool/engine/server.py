@@ -25,6 +25,12 @@ prompt too long for the model, bad sampling values, a request larger than the KV
 ever hold); such a request never reaches the engine or is refused by its admission, and the
 engine goes on. A client that disconnects aborts its request.
 
+Shutdown: :meth:`EngineServer.stop` stops accepting connections at once, closes idle ones,
+lets the requests in flight finish for up to ``shutdown_grace_s`` seconds and then cancels what
+is left (each cancelled request is aborted in the engine, its blocks freed);
+:meth:`EngineServer.abort_in_flight` cancels them at once (``kvpool serve`` on a second
+SIGINT or SIGTERM). Then the engine thread ends after its current step.
+
 Threads: the engine is single-threaded and runs in its own thread (:class:`EngineLoop`); the
 event loop hands it requests and aborts through a queue and receives each step's outputs
 through ``loop.call_soon_threadsafe``. With KV events on, a third thread publishes the
@@ -57,7 +63,7 @@ from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
 
-__all__ = ["EngineLoop", "EngineServer", "EventPublisherThread"]
+__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "EngineLoop", "EngineServer", "EventPublisherThread"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,10 @@ _Item = RequestOutput | BaseException
 _Sink = Callable[[_Item], None]
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_WINDOW_S = 10.0
+_CANCEL_WAIT_S = 1.0  # for a cancelled request's handler to end
+DEFAULT_SHUTDOWN_GRACE_S = 20.0
+"""How long :meth:`EngineServer.stop` lets the requests in flight finish before it cancels
+them (below the 30 s a supervisor such as Kubernetes waits before SIGKILL)."""
 
 
 class EngineLoop(threading.Thread):
@@ -253,7 +263,8 @@ class _Metrics:
 class EngineServer:
     """The HTTP front of one engine: :meth:`start` starts the engine thread, the KV event
     publisher (when ``kv_events_endpoint`` is set) and listening, and returns the bound port;
-    :meth:`stop` undoes all three."""
+    :meth:`stop` undoes all three, giving the requests in flight up to ``shutdown_grace_s``
+    seconds to finish."""
 
     def __init__(
         self,
@@ -264,8 +275,13 @@ class EngineServer:
         port: int = 8000,
         kv_events_endpoint: str | None = None,
         kv_events_replay_endpoint: str | None = None,
+        shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     ) -> None:
+        if not shutdown_grace_s >= 0:
+            raise InvalidArgumentError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
         self.engine = engine
+        self.shutdown_grace_s = shutdown_grace_s
+        self._in_flight: set[asyncio.Task[Any]] = set()
         self.model_name = model_name
         self.host = host
         self.port = port
@@ -289,7 +305,7 @@ class EngineServer:
         self._cache_tokens = min(full) * config.tokens_per_block if full else None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._track])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -301,7 +317,8 @@ class EngineServer:
         self.loop_thread.start()
         if self._events_thread is not None:
             self._events_thread.start()
-        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=_CANCEL_WAIT_S)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port).start()
@@ -313,11 +330,56 @@ class EngineServer:
         self.port = int(runner.addresses[0][1])
         return self.port
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being handled now."""
+        return len(self._in_flight)
+
+    def abort_in_flight(self) -> int:
+        """Cancel every request being handled (each is aborted in the engine); returns how
+        many. During :meth:`stop`, this ends the grace period at once."""
+        tasks = list(self._in_flight)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    @web.middleware
+    async def _track(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        finally:
+            self._in_flight.discard(task)
+
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Stop accepting, give the requests in flight ``shutdown_grace_s`` seconds, cancel
+        the rest, stop the engine thread and the KV event publisher."""
+        runner = self._runner
+        if runner is not None:
+            for site in list(runner.sites):  # no new connection
+                await site.stop()
+            if runner.server is not None:  # idle keep-alive connections close now, busy
+                runner.server.pre_shutdown()  # ones after their request: no new request
+            await self._drain()
+            await runner.cleanup()
             self._runner = None
         self._stop_threads()
+
+    async def _drain(self) -> None:
+        """Wait up to ``shutdown_grace_s`` for the requests in flight (less if
+        :meth:`abort_in_flight` cancels them), then cancel what is left."""
+        deadline = time.monotonic() + self.shutdown_grace_s
+        while self._in_flight and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(set(self._in_flight), timeout=left)
+        if self._in_flight:
+            logger.warning("shutdown: aborting %d request(s) still in flight after %g s",
+                           len(self._in_flight), self.shutdown_grace_s)
+            tasks = set(self._in_flight)
+            self.abort_in_flight()
+            await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
 
     def _stop_threads(self) -> None:
         self.loop_thread.stop()

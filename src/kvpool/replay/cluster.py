@@ -48,14 +48,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import multiprocessing
 import random
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from queue import Empty
 from typing import Any, Final
 
 import numpy as np
@@ -72,6 +69,7 @@ from kvpool.replay.engine_sim import (
     output_tokens,
     reference_group,
 )
+from kvpool.replay.parallel import run_tasks
 from kvpool.replay.sizing import (
     TRANSPORTS,
     ClusterConfig,
@@ -472,31 +470,11 @@ def replay_policy(
     return _Replay(workload, config, policy).run(progress)
 
 
-# The worker processes of a parallel replay: the workload, the configuration and the progress
-# queue arrive once per process (initializer), then each task is one policy.
-_CHILD: dict[str, Any] = {}
-_PROGRESS_EVERY_S: Final = 0.1
-
-
-def _child_init(workload: Workload, config: ClusterConfig, queue: Any) -> None:
-    _CHILD.update(workload=workload, config=config, queue=queue)
-
-
-def _child_run(policy: str) -> PolicyResult:
-    queue = _CHILD["queue"]
-    pending = [0, time.monotonic()]
-
-    def progress(n: int) -> None:
-        pending[0] += n
-        now = time.monotonic()
-        if now - pending[1] >= _PROGRESS_EVERY_S:
-            queue.put((policy, pending[0]))
-            pending[0], pending[1] = 0, now
-
-    result = replay_policy(_CHILD["workload"], _CHILD["config"], policy, progress=progress)
-    if pending[0]:
-        queue.put((policy, pending[0]))
-    return result
+def _replay_task(
+    workload: Workload, config: ClusterConfig, policy: str, progress: ProgressFn
+) -> PolicyResult:
+    """One policy in a worker process of :func:`~kvpool.replay.parallel.run_tasks`."""
+    return replay_policy(workload, config, policy, progress=progress)
 
 
 def _replay_parallel(
@@ -506,37 +484,18 @@ def _replay_parallel(
     jobs: int,
     progress: Callable[[str], ProgressFn | None] | None,
 ) -> list[PolicyResult]:
-    """One process per policy, ``jobs`` at a time (spawned: no fork of a threaded parent)."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    callbacks = {p: progress(p) if progress else None for p in policies}
-    with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=ctx, initializer=_child_init,
-        initargs=(workload, config, queue),
-    ) as pool:
-        futures = [pool.submit(_child_run, p) for p in policies]
-        try:
-            while not all(f.done() for f in futures):
-                try:
-                    policy, n = queue.get(timeout=_PROGRESS_EVERY_S)
-                except Empty:
-                    continue
-                cb = callbacks.get(policy)
-                if cb is not None:
-                    cb(n)
-            results = [f.result() for f in futures]
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        while True:  # counts that arrived after the last future completed
-            try:
-                policy, n = queue.get_nowait()
-            except Empty:
-                break
-            cb = callbacks.get(policy)
-            if cb is not None:
-                cb(n)
-    queue.close()
+    """One policy per task, ``jobs`` worker processes (:mod:`kvpool.replay.parallel`: spawned,
+    gone with the replay however it ends)."""
+    callbacks = [progress(p) if progress else None for p in policies]
+
+    def forward(index: int, n: int) -> None:
+        cb = callbacks[index]
+        if cb is not None:
+            cb(n)
+
+    results: list[PolicyResult] = run_tasks(
+        _replay_task, (workload, config), list(policies), jobs, forward
+    )
     return results
 
 
