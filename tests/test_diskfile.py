@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvpool.errors import StorageError
+from kvpool.errors import StorageError, UnsafePathError
 from kvpool.tiers.diskfile import (
+    LOCK_NAME,
     close_pools,
     create_pools,
     open_persistent_pools,
@@ -172,3 +174,110 @@ def test_sigterm_removes_the_owned_files_but_not_the_persistent_ones(tmp_path: P
     assert out.returncode == -15, out.stderr[-2000:]
     kept, gone = out.stdout.split()
     assert os.path.exists(kept) and not os.path.exists(gone)
+
+
+# ---------------------------------------------------------------------------- file safety
+
+
+@pytest.mark.parametrize("name", [LOCK_NAME, persistent_name(0)])
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "plain"])
+def test_a_link_at_the_lock_or_a_data_file_is_refused_and_its_target_untouched(
+    tmp_path: Path, name: str, persistent: bool,
+) -> None:
+    """A symbolic link planted at ``.kvpool.lock`` or at a persistent data file's name never
+    makes kvpool write through it: an UnsafePathError naming the path, the target as it was
+    (an existing file) or not created (a dangling link)."""
+    if name != LOCK_NAME and not persistent:
+        pytest.skip("plain tiers make new, randomly named files (O_EXCL)")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target, nowhere = outside / "victim", outside / "created"
+    target.write_bytes(b"keep me")
+    opener = open_persistent_pools if persistent else create_pools
+    for dest in (target, nowhere):
+        d = tmp_path / f"disk-{dest.name}"
+        d.mkdir()
+        (d / name).symlink_to(dest)
+        with pytest.raises(UnsafePathError, match="symbolic link") as err:
+            opener(d, {0: (2, 64)})
+        assert str(d / name) in str(err.value)
+        assert target.read_bytes() == b"keep me" and not nowhere.exists()
+        assert os.path.islink(d / name)  # left for the operator to look at
+        os.remove(d / name)
+        close_pools(list(opener(d, {0: (2, 64)}).values()))  # removed: the tier starts
+
+
+def test_persistent_files_are_private_and_only_regular_files_of_ours(tmp_path: Path) -> None:
+    pools = open_persistent_pools(tmp_path, {0: (2, 64)})
+    path = Path(pools[0].path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    close_pools(list(pools.values()))
+    path.chmod(0o644)  # an older release's file: narrowed when opened
+    close_pools(list(open_persistent_pools(tmp_path, {0: (2, 64)}).values()))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.mkfifo(other / persistent_name(0))
+    with pytest.raises(UnsafePathError, match="not a regular file"):
+        open_persistent_pools(other, {0: (2, 64)})
+    if os.geteuid() == 0:  # root can give the file away
+        os.chown(path, 12345, 12345)
+        with pytest.raises(UnsafePathError, match="belongs to uid 12345"):
+            open_persistent_pools(tmp_path, {0: (2, 64)})
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o707, 0o722])
+def test_a_directory_other_users_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    d.chmod(mode)
+    for opener in (create_pools, open_persistent_pools):
+        with pytest.raises(UnsafePathError, match="written by other users") as err:
+            opener(d, {0: (2, 64)})
+        assert repr(str(d)) in str(err.value) and "chmod go-w" in str(err.value)
+    assert os.listdir(d) == []  # refused before any file
+
+
+def test_a_directory_of_ours_writable_by_our_group_is_used_and_another_users_is_refused(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    d.chmod(0o770)  # ours, group-writable (a per-user group, as with umask 002)
+    close_pools(list(create_pools(d, {0: (2, 64)}).values()))
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    os.chown(d, 12345, 12345)
+    d.chmod(0o700)
+    with pytest.raises(UnsafePathError, match="owner uid 12345"):
+        create_pools(d, {0: (2, 64)})
+
+
+PARTIAL_WRITE = """
+import os, resource, signal, sys
+from kvpool.tiers.diskfile import DiskWriteError, close_pools, open_persistent_pools
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+pools = open_persistent_pools(sys.argv[1], {0: (4, 64)})
+pool = pools[0]
+pool.write([0, 1, 2, 3], [memoryview(bytes([i]) * 64) for i in range(4)])
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 64 + 10, hard))  # slot 2 cut short, 3 past
+try:
+    pool.write([3, 0, 2, 1], [memoryview(b"n" * 64) for _ in range(4)])
+    print("written")
+except DiskWriteError as exc:
+    print(sorted(exc.slots), [pool.checksums[s] == 0 for s in range(4)])
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+print(pool.hash_slots([0, 1]) == [pool.checksums[0], pool.checksums[1]])
+close_pools(list(pools.values()))
+"""
+
+
+def test_a_failed_write_names_its_slots_writes_the_others_and_forgets_their_hashes(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", PARTIAL_WRITE, str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["[2, 3] [False, False, True, True]", "True"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool import CacheConfig
-from kvpool.errors import InvalidArgumentError, ManifestError
+from kvpool.errors import InvalidArgumentError, ManifestError, UnsafePathError
 from kvpool.hashing.keys import HashAlgo
 from kvpool.tiers.manifest import Manifest, ManifestEntry
 from kvpool.tiers.remote.namespace import RemoteNamespace
@@ -223,3 +224,101 @@ def test_paths_and_batches_round_trip_and_compact(tmp_path_factory: pytest.TempP
     m = Manifest(path, _ns(algo))
     assert m.entries == {} and m.paths == {}
     m.close()
+
+
+# ---------------------------------------------------------------------------- file safety
+
+
+def test_a_link_at_the_manifest_or_its_snapshot_is_refused_and_its_target_untouched(
+    tmp_path: Path,
+) -> None:
+    """A symbolic link planted at the manifest or at its temporary snapshot never makes the
+    manifest write through it (an UnsafePathError naming the path), whether it points at a
+    file (left as it was) or nowhere (nothing created there)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target, nowhere = outside / "victim", outside / "created"
+    target.write_bytes(b"keep me")
+    for name in ("m", "m.tmp"):
+        for dest in (target, nowhere):
+            d = tmp_path / f"{name}-{dest.name}"
+            d.mkdir()
+            (d / name).symlink_to(dest)
+            with pytest.raises(UnsafePathError, match="symbolic link") as err:
+                Manifest(d / "m", _ns())
+            assert str(d / name) in str(err.value)
+            assert target.read_bytes() == b"keep me" and not nowhere.exists()
+    # planted while the manifest is open: the compaction refuses, the old log stays usable
+    path = tmp_path / "live" / "m"
+    path.parent.mkdir()
+    with Manifest(path, _ns()) as m:
+        m.append_put(_entry(HashAlgo.V2_SHA256, 0, 1, 1))
+        (path.parent / "m.tmp").symlink_to(target)
+        with pytest.raises(UnsafePathError):
+            m.compact()
+        m.append_put(_entry(HashAlgo.V2_SHA256, 0, 2, 2))
+    assert target.read_bytes() == b"keep me"
+    assert sorted(Manifest(path, _ns(), on_damage="raise").entries) == [(0, 1), (0, 2)]
+
+
+def test_the_manifest_is_private_and_only_a_regular_file_of_ours(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    with Manifest(path, _ns()) as m:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        m.append_put(_entry(HashAlgo.V2_SHA256, 0, 1, 1))
+        m.compact()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.chmod(0o644)  # an older release's manifest: narrowed when opened
+    Manifest(path, _ns()).close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it to read would block: refused at once instead
+    with pytest.raises(UnsafePathError, match="not a regular file"):
+        Manifest(fifo, _ns())
+    if os.geteuid() == 0:  # root can give the file away
+        os.chown(path, 12345, 12345)
+        with pytest.raises(UnsafePathError, match="belongs to uid 12345"):
+            Manifest(path, _ns())
+
+
+FULL_APPEND = """
+import os, resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+from test_manifest import _entry, _ns
+from kvpool.errors import StorageError
+from kvpool.tiers.manifest import Manifest
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+m = Manifest(sys.argv[1], _ns())
+m.append_put(_entry(_ns().algo, 0, 1, 1))
+size = os.path.getsize(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, hard))  # the next record is cut short
+try:
+    m.append_many(puts=[_entry(_ns().algo, 0, 2, 2), _entry(_ns().algo, 0, 3, 3)])
+    print("appended")
+except StorageError as exc:
+    print("refused", os.path.getsize(sys.argv[1]) == size, sorted(m.entries))
+resource.setrlimit(resource.RLIMIT_FSIZE, (20, hard))
+try:
+    m.compact()  # the snapshot is larger than the limit: the old log stays
+except StorageError:
+    print("compaction refused", os.listdir(os.path.dirname(sys.argv[1])))
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+m.append_put(_entry(_ns().algo, 0, 4, 4))
+m.close()
+print(sorted(Manifest(sys.argv[1], _ns()).entries))
+"""
+
+
+def test_a_record_that_does_not_fit_leaves_the_log_whole(tmp_path: Path) -> None:
+    """A file size limit (in a child: it is per process) cuts an append short: the partial
+    record is cut off, the entries unchanged, a compaction that does not fit leaves the old
+    log and no snapshot, and later records land after the intact ones."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_APPEND, str(tmp_path / "m"), str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "refused True [(0, 1)]", "compaction refused ['m']", "[(0, 1), (0, 4)]"]

@@ -32,7 +32,12 @@ torch = pytest.importorskip("torch")
 from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
 from kvpool.core.manager import KVCacheManager  # noqa: E402
 from kvpool.core.persist import MANIFEST_NAME  # noqa: E402
-from kvpool.errors import InvalidArgumentError, ManifestError, StorageError  # noqa: E402
+from kvpool.errors import (  # noqa: E402
+    InvalidArgumentError,
+    ManifestError,
+    StorageError,
+    UnsafePathError,
+)
 from kvpool.events.model import Stored  # noqa: E402
 from kvpool.tiers.diskfile import close_pools, persistent_name  # noqa: E402
 from kvpool.tiers.manifest import Manifest  # noqa: E402
@@ -255,6 +260,38 @@ def test_two_live_managers_cannot_share_a_persistent_tier(tmp_path: Path) -> Non
         KVCacheManager(config(tmp_path))
     m.close()
     KVCacheManager(config(tmp_path)).close()  # released at close
+
+
+@pytest.mark.parametrize("name", [".kvpool.lock", persistent_name(0), MANIFEST_NAME,
+                                  MANIFEST_NAME + ".tmp"])
+def test_a_link_in_disk_path_never_makes_the_manager_write_elsewhere(tmp_path: Path,
+                                                                     name: str) -> None:
+    """A symbolic link planted at any name the persistent tier uses: the manager refuses to
+    start (UnsafePathError naming it), the link's target is as it was; without the link it
+    starts, and its manifest and data file are private (0600)."""
+    disk, outside = tmp_path / "disk", tmp_path / "outside"
+    disk.mkdir()
+    outside.mkdir()
+    target = outside / "victim"
+    target.write_bytes(b"keep me")
+    (disk / name).symlink_to(target)
+    with pytest.raises(UnsafePathError, match="symbolic link") as err:
+        KVCacheManager(config(disk))
+    assert str(disk / name) in str(err.value)
+    assert target.read_bytes() == b"keep me" and os.listdir(outside) == ["victim"]
+    os.remove(disk / name)
+    with KVCacheManager(config(disk)):
+        for f in (MANIFEST_NAME, persistent_name(0)):
+            assert os.stat(disk / f).st_mode & 0o777 == 0o600
+
+
+def test_a_disk_path_other_users_can_write_is_refused(tmp_path: Path) -> None:
+    tmp_path.chmod(0o777)
+    with pytest.raises(UnsafePathError, match="chmod go-w"):
+        KVCacheManager(config(tmp_path))
+    assert os.listdir(tmp_path) == []
+    tmp_path.chmod(0o700)
+    KVCacheManager(config(tmp_path)).close()
 
 
 def test_close_keeps_the_files_and_clear_cache_forgets_them(tmp_path: Path) -> None:

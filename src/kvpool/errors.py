@@ -149,3 +149,20 @@ class ManifestError(StorageError):
     """A persistent disk tier's manifest cannot be used: written for another namespace
     (model, geometry, block size or hash algorithm), or damaged. The message says which, and
     that the manifest can be discarded instead."""
+
+
+class CopyFailedError(StorageError):
+    """Some copies of one ``copy_blocks`` call failed while running (a disk full or past its
+    file size limit, an I/O error); every other copy of the call completed. ``failed`` holds
+    the copies that did not (their destination slots hold unknown bytes), as
+    ``(src_tier, src_slot, dst_tier, dst_slot, layer_group)`` tuples."""
+
+    def __init__(self, message: str, failed: tuple[tuple[int, int, int, int, int], ...]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+class UnsafePathError(StorageError):
+    """A file or directory of a disk tier is not safe to use: a symbolic link or another kind
+    of file where kvpool keeps its own, a file of another user, or a ``disk_path`` other users
+    can write (the message names the path and the fix)."""

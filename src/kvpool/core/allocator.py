@@ -15,7 +15,7 @@ block table enters the queue - a run at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId, detach, prune
@@ -294,6 +294,24 @@ def clear_queues(st: CacheState) -> None:
                 s, prio = cast("tuple[SlotId, int]", q.pop())
                 evict(st, t, g, s, prio, offload=False)
                 pool.free.append(s)
+
+
+def drop_unwritten(st: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCopy]:
+    """The copies ``failed`` did not complete, so their destination slots hold unknown bytes:
+    a cached block there (queued: no sequence uses it) leaves the cache, as if dropped, and a
+    later request misses it. Returns the failed copies no drop can repair: those that brought
+    a block a sequence uses (referenced on the GPU, or held for a suspended sequence)."""
+    unrepaired: list[BlockCopy] = []
+    for c in failed:
+        t, g, s = c.dst_tier, c.layer_group, SlotId(c.dst_slot)
+        pool = st.pools[t][g]
+        if s in pool.queue:
+            pool.queue.remove(s)
+            evict(st, t, g, s, DEFAULT_PRIORITY, offload=False)
+            pool.free.append(s)
+        elif pool.run_at[s] is not None or s in pool.held or (t == 0 and st.gpu[g].ref[s]):
+            unrepaired.append(c)
+    return unrepaired
 
 
 # ------------------------------------------------------------------ claimed blocks

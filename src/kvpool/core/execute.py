@@ -20,7 +20,9 @@ from kvpool.core.sequence import Sequence as Seq
 from kvpool.core.state import CacheState, SeqId
 from kvpool.core.stats import RequestStats
 from kvpool.hashing.keys import BlockKey
-from kvpool.tiers.storage import BlockCopy
+from kvpool.tiers.storage import BlockCopy, Tier
+
+_DISK = int(Tier.DISK)
 
 
 @dataclass(slots=True)
@@ -51,6 +53,25 @@ def admit(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> list[
         release_partials(st, [p._partial for p in partials if p._partial is not None
                               and (id(p._partial[0]), p._partial[1]) not in takeovers])
     return results
+
+
+def disk_reads(st: CacheState, plan: BatchPlan,
+               partials: list[RequestPlan]) -> dict[int, list[SlotId]]:
+    """The disk slots executing ``plan`` reads, per layer group (claims on the disk tier and
+    partial sources there): what the manager reads ahead before changing anything."""
+    reads: dict[int, list[SlotId]] = {}
+    for p in plan.requests:
+        for g, tiers in p.claim_tiers.items():
+            if _DISK in tiers:
+                reads.setdefault(g, []).extend(
+                    s for t, s in zip(tiers, p.claim_slots[g], strict=True) if t == _DISK)
+    for p in partials:
+        assert p._partial is not None
+        run, i = p._partial
+        for g in st.self_groups:
+            if run.tier[g][i] == _DISK:
+                reads.setdefault(g, []).append(run.slot[g][i])
+    return {g: list(dict.fromkeys(slots)) for g, slots in reads.items()}
 
 
 def claim(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> set[tuple[int, int]]:

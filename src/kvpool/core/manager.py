@@ -12,10 +12,17 @@ KVCacheManager (this module: the API, the lock, argument checks)
 ```
 
 Every public call takes the manager lock, checks everything it needs before changing anything,
-and so either completes or raises with the manager unchanged (and no event emitted). A call
-that may copy blocks asks the storage first (``Storage.check``: closed, a disk file removed or
-truncated), since its copies run after its bookkeeping; a copy that still fails (a disk's I/O
-error during the call) leaves the call done and the manager refusing every later copy.
+and so either completes or raises with the manager unchanged (and no event emitted): a call
+that raises has changed nothing the caller can see (``debug_state()``), so the caller never
+undoes anything after an error. A call that may copy blocks asks the storage first
+(``Storage.check``: closed, a disk file removed or truncated) and reads the disk slots it will
+onboard ahead (``read_ahead``), since its copies run after its bookkeeping. A copy that still
+fails (a full disk, an I/O error during the call) is repaired without raising: the blocks it
+was moving to a colder tier leave the cache (a later miss, never wrong bytes), and a persistent
+tier's manifest records that cannot be written are left out (its blocks are then misses after
+a restart). Only a failed copy of a block a sequence uses (onto the GPU, or for a suspended
+sequence) cannot be repaired: that call raises ``StorageError`` with its work done, and the
+manager refuses every later call that may copy, saying why (``kvpool.core.state``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from kvpool.core import plan as admission
 from kvpool.core.allocator import clear_queues
 from kvpool.core.commit import commit
 from kvpool.core.emit import EventSink, event_algo
-from kvpool.core.execute import AdmitResult, admit
+from kvpool.core.execute import AdmitResult, admit, disk_reads
 from kvpool.core.plan import BatchPlan
 from kvpool.core.state import CacheState, SeqId
 from kvpool.core.stats import CacheStats
@@ -109,6 +116,7 @@ class KVCacheManager:
         self._iter_base = CacheStats()
         # does a batch copy (and so need the storage checked) whatever it matches?
         self._batch_may_copy = st.tiers > 1
+        self._has_disk = st.tiers > 2
         if events is not None:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
@@ -150,8 +158,10 @@ class KVCacheManager:
 
         Raises :class:`OutOfBlocksError` with the deficit per (tier, layer group) when the
         batch does not fit, and :class:`StorageError` when it would copy blocks and the
-        storage cannot (closed, a disk file removed or truncated); the manager is then
-        exactly as before.
+        storage cannot (closed, a disk file removed or truncated, a disk slot it onboards
+        unreadable); the manager is then exactly as before: no request of the batch was
+        admitted, and the caller has nothing to remove. (The one exception, after a copy
+        that failed beyond repair, is in the module docstring.)
         """
         with self._lock:
             st = self._st
@@ -168,6 +178,8 @@ class KVCacheManager:
             partials = plan.partials
             if self._batch_may_copy or partials:
                 st.check_storage()  # the batch may copy: fail before changing anything
+                if self._has_disk:  # and read what it onboards from disk, for the same reason
+                    st.read_ahead(disk_reads(st, plan, partials))
             results = admit(st, plan, partials)
             st.finish_call()
             return results

@@ -48,21 +48,33 @@ Durability: records are written with ``write(2)`` at the end of each call, so th
 process (SIGKILL included); the disk files and then the manifest are fsynced every
 ``disk_sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
 record that was not fsynced when the machine crashed is lost (a miss), or disowned by the rule.
+
+Failures (a full disk, a file size limit, an I/O error) never skip a call's data copies and
+never make a call raise: the records are an index whose every entry the rule checks, so a
+record that cannot be written costs only a miss after a restart. A ``drop`` that is lost
+leaves a ``put`` whose hash the new bytes do not match; a ``put`` that is lost leaves its block
+unrecorded; a failed compaction leaves the old log. A disk slot whose *data* write failed holds
+no block (the manager drops it: :meth:`kvpool.core.state.CacheState.copy`), so no ``put`` names it.
+Each failure is counted (``manifest_failures`` in :meth:`PersistentDisk.stats`, with the last
+error) and logged (the first of each run of failures). An fsync of the disk files that fails
+is different: the kernel may have dropped the bytes it could not write, so a later read could
+return old ones; the manager then refuses every call that may copy, saying why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId
-from kvpool.errors import InvalidArgumentError, ManifestError, StorageError
+from kvpool.errors import CopyFailedError, InvalidArgumentError, ManifestError, StorageError
 from kvpool.eviction.priority import DEFAULT_PRIORITY
 from kvpool.hashing.keys import BlockKey
 from kvpool.tiers.manifest import Manifest, ManifestEntry, OnDamage
@@ -80,6 +92,7 @@ _ON_DAMAGE: dict[str, OnDamage] = {
     "refuse": "raise", "keep_prefix": "keep_prefix", "discard": "discard",
 }
 _DISK = int(Tier.DISK)
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -186,21 +199,26 @@ class PersistentDisk:
         self._scopes: dict[int, Scope] = {}  # id(root run) -> its scope
         self._step = 4 * config.tokens_per_block
         self._closed = False
+        self.manifest_failures = 0  # manifest writes that failed (records left out)
+        self.last_manifest_error: str | None = None
+        self._failing = False  # the last manifest write failed (log the first of a run only)
 
     # ---------------------------------------------------------------- keeping it in step
 
     def before_copy(self, copies: Sequence[BlockCopy]) -> None:
-        """Record that the disk slots ``copies`` write no longer hold their old blocks."""
+        """Record that the disk slots ``copies`` write no longer hold their old blocks (a
+        failure is noted, never raised: module docstring)."""
         if self._closed:
             return
         entries = self.manifest.entries
         drops = [(c.layer_group, c.dst_slot) for c in copies
                  if c.dst_tier == _DISK and (c.layer_group, c.dst_slot) in entries]
-        self.manifest.append_many(drops=drops)
+        if drops:
+            self._write(lambda: self.manifest.append_many(drops=drops))
 
     def after_copy(self, copies: Sequence[BlockCopy]) -> None:
         """Record the cached blocks ``copies`` wrote to the disk tier (then fsync when the
-        sync interval has passed)."""
+        sync interval has passed); a failure is noted, never raised (module docstring)."""
         if self._closed:
             return
         written: dict[int, list[SlotId]] = {}
@@ -215,16 +233,36 @@ class PersistentDisk:
             for slot, checksum in zip(slots, sums, strict=True):
                 owner = pools[g].owner(slot)
                 if owner is None:
-                    continue  # not a cached block (a held copy, or dropped in the same call)
+                    continue  # not a cached block (a held copy, dropped in the same call, or
+                    # its write failed and the manager dropped it)
                 run, i = owner
                 if run.tier[g][i] == _DISK and run.slot[g][i] == slot:
                     puts.append(self._entry(g, slot, run, i, checksum))
                     self._record_ancestors(run, i, paths)
-        self.manifest.append_many(puts=puts, paths=paths.values())
+        if puts or paths:
+            self._write(lambda: self.manifest.append_many(puts=puts, paths=paths.values()))
         if self._interval is not None and time.monotonic() - self._last_sync >= self._interval:
-            self.sync()
+            with contextlib.suppress(StorageError):  # noted (a data fsync: the manager refuses)
+                self.sync()
         elif self.manifest.needs_compaction():  # the log stays within twice its live records
-            self._compact()
+            self._write(self._compact)
+
+    def _write(self, write: Callable[[], None]) -> bool:
+        """Run one manifest write; a :class:`StorageError` is counted, kept and logged (the
+        first of a run of failures), not raised. Whether it succeeded."""
+        try:
+            write()
+        except StorageError as exc:
+            self.manifest_failures += 1
+            self.last_manifest_error = str(exc)
+            if not self._failing:
+                log.warning("kvpool: the persistent disk tier's manifest cannot be written; its "
+                            "blocks stay served, but those not recorded are misses after a "
+                            "restart: %s", exc)
+            self._failing = True
+            return False
+        self._failing = False
+        return True
 
     def _record_ancestors(self, run: Run, i: int, paths: dict[BlockKey, ManifestEntry]) -> None:
         """Add to ``paths`` the ancestors of block i of ``run`` that no path record names yet,
@@ -267,22 +305,32 @@ class PersistentDisk:
         return scope
 
     def cleared(self) -> None:
-        """The cache was cleared: the manifest forgets every block."""
+        """The cache was cleared: the manifest forgets every block (if its snapshot cannot be
+        written, the old records stay on disk: their blocks' bytes, when unchanged, are still
+        theirs)."""
         if not self._closed:
-            self.manifest.clear()
+            self._write(self.manifest.clear)
 
     def sync(self) -> None:
         """fsync the disk files, then the manifest (compacted when mostly dead records): what
         was recorded so far survives a machine crash. Takes the manager's lock (it waits for a
-        call in progress, and calls wait for it). No-op once closed."""
+        call in progress, and calls wait for it). No-op once closed. Raises
+        :class:`StorageError` when an fsync fails: of the manifest, noted as any manifest
+        failure; of the disk files, the manager also refuses every later call that may copy
+        (the kernel may have dropped bytes it could not write)."""
         with self._lock:
             if self._closed:
                 return
-            self._storage.sync_disk()
-            self.manifest.sync()
-            if self.manifest.needs_compaction():
-                self._compact()
+            try:
+                self._storage.sync_disk()
+            except StorageError as exc:
+                self._st.copy_failure = f"an fsync of the disk tier failed: {exc}"
+                raise
             self._last_sync = time.monotonic()
+            if not self._write(self.manifest.sync):
+                raise StorageError(f"cannot sync the manifest: {self.last_manifest_error}")
+            if self.manifest.needs_compaction():
+                self._write(self._compact)
 
     def _compact(self) -> None:
         """Rewrite the manifest as its live records (path records still needed only)."""
@@ -307,13 +355,16 @@ class PersistentDisk:
         close the manifest; the manager then closes the storage. Idempotent."""
         if self._closed:
             return
-        if not getattr(self._storage, "closed", False):
-            if self._st.copy_failure is None:  # else some blocks may lack their bytes
-                with contextlib.suppress(StorageError):  # what was not written is a miss
-                    self.spill()
-            self._storage.sync_disk()
-        self._closed = True
-        self.manifest.close()
+        try:
+            if not getattr(self._storage, "closed", False):
+                if self._st.copy_failure is None:  # else some blocks may lack their bytes
+                    with contextlib.suppress(StorageError):  # what was not written is a miss
+                        self.spill()
+                with contextlib.suppress(StorageError):  # unsynced bytes fail their hashes
+                    self._storage.sync_disk()
+        finally:
+            self._closed = True
+            self.manifest.close()
 
     def spill(self) -> int:
         """Write the cached blocks of the GPU and host tiers into free disk slots (slots no
@@ -344,14 +395,20 @@ class PersistentDisk:
         if not copies:
             return 0
         self.manifest.append_many(drops=[(g, d) for g, d, _, _ in spilled if (g, d) in entries])
-        self._storage.copy_blocks(copies)
+        try:
+            self._storage.copy_blocks(copies)
+            failed: set[tuple[int, int]] = set()
+        except CopyFailedError as exc:  # the slots not written hold no block: no record
+            failed = {(c[4], c[3]) for c in exc.failed}
         paths: dict[BlockKey, ManifestEntry] = {}
         puts = []
         for g, dst, run, j in spilled:
-            puts.append(self._entry(g, dst, run, j, self._storage.disk_checksums(g, [dst])[0]))
-            self._record_ancestors(run, j, paths)
+            if (g, dst) not in failed:
+                puts.append(self._entry(g, dst, run, j,
+                                        self._storage.disk_checksums(g, [dst])[0]))
+                self._record_ancestors(run, j, paths)
         self.manifest.append_many(puts=puts, paths=paths.values())
-        return len(spilled)
+        return len(puts)
 
     # ---------------------------------------------------------------- warm restart
 
@@ -504,4 +561,6 @@ class PersistentDisk:
                 "restored_path_blocks": r.path_blocks, "stale": r.stale,
                 "orphaned": r.orphaned, "invalid": r.invalid,
                 "recorded_slots": len(self.manifest.entries),
-                "ignored_manifest_bytes": self.manifest.ignored_bytes}
+                "ignored_manifest_bytes": self.manifest.ignored_bytes,
+                "manifest_failures": self.manifest_failures,
+                "last_manifest_error": self.last_manifest_error}

@@ -16,10 +16,23 @@ group); the state holds those pools, the reuse trees (one root per scope), the s
 call's pending copies and frees, the stats and the event emitter. A mutating call starts with
 :meth:`CacheState.begin_call` and ends with :meth:`CacheState.finish_call`, which frees the
 colder slots onboarded during the call and runs the call's copies, batched.
+
+A call's failure path (one for every call): everything a call checks (arguments, room, the
+storage: :meth:`CacheState.check_storage`; the disk slots it will read, read ahead:
+:meth:`CacheState.read_ahead`) is checked before it changes anything, so a call that raises
+has changed nothing. What no check can see coming fails later, in the copies, and is repaired
+there without raising (:meth:`CacheState.finish_call`): a copy that could not write a colder
+tier (a full disk) drops the block it was moving, so no slot is ever said to hold bytes it
+does not; a persistent tier's manifest that cannot be written loses only records, which the
+bytes' hashes make safe (:mod:`kvpool.core.persist`). Only a copy that was bringing a block a
+sequence uses (onto the GPU, or held for a suspended sequence) cannot be repaired: that call
+raises :class:`StorageError` with its bookkeeping done, and the manager refuses every later
+call that may copy, saying why (build a new manager).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -32,7 +45,7 @@ from kvpool.core.sequence import Sequence as Seq
 from kvpool.core.slots import SlotPool
 from kvpool.core.stats import CacheStats
 from kvpool.core.views import PlanView, Scope
-from kvpool.errors import SequenceStateError, StorageError, UnknownSequenceError
+from kvpool.errors import CopyFailedError, SequenceStateError, StorageError, UnknownSequenceError
 from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.hashing.keys import BlockHasher
 from kvpool.tiers.copies import CopyPlan
@@ -43,6 +56,8 @@ SeqId = int | str
 
 Pool = SlotPool[Run, EvictionPolicy]
 """A pool whose cached slots point back to prefix-tree runs."""
+
+log = logging.getLogger(__name__)
 
 
 class CopyObserver(Protocol):
@@ -69,7 +84,8 @@ class CacheState:
     """The state one manager's calls share (see the module docstring)."""
 
     __slots__ = (
-        "_hashers", "clock", "config", "copies", "copy_failure", "emit", "full_attention_only",
+        "_hashers", "clock", "config", "copies", "copy_failure", "emit", "failed_copies",
+        "full_attention_only",
         "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools", "remote",
         "retention_seen", "roots", "self_groups", "sequences", "stats", "step", "storage",
         "tiers", "tpb", "view",
@@ -114,7 +130,8 @@ class CacheState:
         self.pending_free: list[tuple[int, int, SlotId]] = []  # (tier, group, slot) at call end
         self.new_count = [0] * self.num_groups  # GPU slots taken per group during the call
         self.retention_seen = False  # has any block had a retention priority set?
-        self.copy_failure: str | None = None  # what made a copy fail after the checks
+        self.copy_failure: str | None = None  # what made a copy fail beyond repair
+        self.failed_copies = 0  # copies that failed and whose blocks were dropped instead
         self.stats = CacheStats()
         self.persist: CopyObserver | None = None  # persist hook: set by the manager
         self.remote: RemoteObserver | None = None  # the shared remote tier (kvpool.tiers.remote)
@@ -170,9 +187,19 @@ class CacheState:
         if check is not None:
             check()
 
+    def read_ahead(self, reads: dict[int, list[SlotId]]) -> None:
+        """Before changing anything in a call that will read the disk slots ``reads`` (layer
+        group -> slots): read them now, so that a read error refuses the call
+        (:class:`StorageError`) instead of failing its copies (a storage without
+        ``read_ahead`` reads them with the copies)."""
+        stage = getattr(self.storage, "read_ahead", None)
+        if stage is not None and reads:
+            stage(reads)
+
     def finish_call(self) -> None:
         """End of a mutating call: free onboarded colder slots, flush the removed events, and
-        move the data of every copy the call made, batched per tier pair."""
+        move the data of every copy the call made, batched per tier pair (a failed copy:
+        :meth:`copy`)."""
         if self.pending_free:
             pools = self.pools
             for t, g, s in self.pending_free:
@@ -192,15 +219,29 @@ class CacheState:
                 disk.after_copy(copies)
 
     def copy(self, copies: list[BlockCopy]) -> None:
-        """Run a call's copies. The call checked the storage before changing anything, so a
-        failure here is one no check could see coming (a disk's I/O error, a file truncated
-        during the call): the call's bookkeeping is done but some blocks lack their bytes, so
-        every later call that may copy raises StorageError (no block whose bytes were lost is
-        ever served) and the engine builds a new manager."""
+        """Run a call's copies. The call checked the storage (and read its disk reads ahead)
+        before changing anything, so a failure here is one no check could see coming (a full
+        disk, an I/O error, a file truncated during the call). The blocks the failed copies
+        were moving to a colder tier leave the cache (:func:`kvpool.core.allocator.drop_unwritten`)
+        and the call completes. A failed copy that was bringing a block a sequence uses cannot
+        be repaired: the call raises :class:`StorageError` with its bookkeeping done, and every
+        later call that may copy raises too (no block whose bytes were lost is ever served;
+        the engine builds a new manager)."""
         try:
             self.storage.copy_blocks(copies)
         except Exception as exc:
-            self.copy_failure = repr(exc)
-            if isinstance(exc, StorageError):
-                raise
-            raise StorageError(f"copying blocks failed: {exc!r}") from exc
+            from kvpool.core.allocator import drop_unwritten  # (the allocator imports this module)
+
+            failed = exc.failed if isinstance(exc, CopyFailedError) else copies
+            unrepaired = drop_unwritten(self, [BlockCopy(*c) for c in failed])
+            if self.emit.pending:
+                self.emit.flush_removed()
+            if unrepaired:
+                self.copy_failure = repr(exc)
+                if isinstance(exc, StorageError):
+                    raise
+                raise StorageError(f"copying blocks failed: {exc!r}") from exc
+            before, self.failed_copies = self.failed_copies, self.failed_copies + len(failed)
+            if before.bit_length() < self.failed_copies.bit_length():  # 1, 2, 4, ... times
+                log.warning("kvpool: %d block copies failed, their blocks left the cache "
+                            "(%d so far): %s", len(failed), self.failed_copies, exc)

@@ -29,16 +29,30 @@ on the same ``disk_path`` opens the same files: they are never removed (not at c
 SIGTERM, not by :func:`reclaim`, which only knows ``kvpool-*.kv``), but they carry the same
 exclusive ``flock`` while open, so two live processes can never share one. A pool of a
 persistent tier records the xxh3_64 of every block it writes (:attr:`DiskPool.checksums`).
+
+File safety: ``disk_path`` must be a directory no other user can write (:func:`check_directory`:
+not world-writable, not group-writable unless it is ours, owned by us or root), and every file
+kvpool opens there is opened relative to the directory, never through a symbolic link
+(``O_NOFOLLOW``; a file it creates new with ``O_EXCL``), and only if it is a regular file of
+this user, mode 0600 (:func:`open_private`). Anything else is an
+:class:`~kvpool.errors.UnsafePathError` naming the path: a link planted at a name kvpool uses
+never makes it write elsewhere.
+
+A failed write (the disk full, the file size limit, an I/O error) does not stop the batch:
+every slot is tried, and the slots that failed are named in the :class:`DiskWriteError` raised
+after the others are written, their checksums reset to 0 (their bytes are unknown).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import secrets
 import shutil
 import signal
+import stat
 import threading
 from array import array
 from collections.abc import Iterator, Sequence
@@ -47,7 +61,7 @@ from typing import Any
 
 import xxhash
 
-from kvpool.errors import StorageError
+from kvpool.errors import StorageError, UnsafePathError
 
 LOCK_NAME = ".kvpool.lock"
 PREFIX = "kvpool-"
@@ -56,6 +70,14 @@ PERSISTENT_PREFIX = "kvpool-persistent-g"
 PERSISTENT_SUFFIX = ".kvp"
 _READ_BATCH = 4 << 20  # bytes read at once when hashing slots (one buffer, reused)
 _xxh3 = xxhash.xxh3_64_intdigest
+
+
+class DiskWriteError(StorageError):
+    """Some slots of one :meth:`DiskPool.write` were not written (``slots``); the others were."""
+
+    def __init__(self, message: str, slots: list[int]) -> None:
+        super().__init__(message)
+        self.slots = slots
 
 
 class DiskPool:
@@ -116,20 +138,30 @@ class DiskPool:
             raise StorageError(f"cannot read the disk tier {self.path!r}: {exc}") from exc
 
     def write(self, slots: Sequence[int], buffers: Sequence[memoryview]) -> None:
-        """Write ``buffers[i]`` (each ``block_bytes`` long) to slot ``slots[i]``."""
+        """Write ``buffers[i]`` (each ``block_bytes`` long) to slot ``slots[i]``. Every slot is
+        tried; those that fail are named in the :class:`DiskWriteError` raised at the end, and
+        a persistent pool's checksum of each is reset to 0 (its bytes are unknown)."""
         fd, size, sums = self._fd, self.block_bytes, self.checksums
-        try:
-            for slot, buf in zip(slots, buffers, strict=True):
+        failed: list[int] = []
+        first = ""
+        for slot, buf in zip(slots, buffers, strict=True):
+            try:
+                done = os.pwrite(fd, buf, slot * size)
+                why = f"wrote {done} of {size} bytes (file size limit or disk full)"
+            except OSError as exc:
+                done, why = -1, str(exc)
+            if done == size:
                 if sums is not None:
                     sums[slot] = _xxh3(buf)
-                done = os.pwrite(fd, buf, slot * size)
-                if done != size:
-                    raise StorageError(
-                        f"disk-tier file {self.path!r}: wrote {done} of {size} bytes of slot "
-                        f"{slot} (file size limit or disk full)"
-                    )
-        except OSError as exc:
-            raise StorageError(f"cannot write the disk tier {self.path!r}: {exc}") from exc
+                continue
+            if sums is not None:
+                sums[slot] = 0
+            failed.append(slot)
+            first = first or why
+        if failed:
+            raise DiskWriteError(
+                f"cannot write {len(failed)} of {len(slots)} slots of the disk tier "
+                f"{self.path!r} (slot {failed[0]}: {first})", failed)
 
     def hash_slots(self, slots: Sequence[int]) -> list[int]:
         """The xxh3_64 of the bytes each slot of ``slots`` holds now, read from the file."""
@@ -186,15 +218,15 @@ def create_pools(
     pools: dict[int, DiskPool] = {}
     with _all_or_none(
         pools, f"cannot create the disk tier ({total} bytes) under {directory!r}"
-    ), _directory_lock(directory):
-        reclaim(directory)
+    ), _directory_lock(directory) as dir_fd:
+        reclaim(directory, dir_fd)
         free = shutil.disk_usage(directory).free
         if free < total:
             raise StorageError(
                 f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
             )
         for group, (slots, size) in layout.items():
-            pools[group] = _create_file(directory, group, slots, size)
+            pools[group] = _create_file(directory, dir_fd, group, slots, size)
     for pool in pools.values():
         _LIVE[id(pool)] = pool
     _install_sigterm_cleanup()
@@ -208,7 +240,59 @@ def _check_directory(path: str | os.PathLike[str] | None, total: int) -> str:
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise StorageError(f"disk_path {directory!r} {what}")
+    check_directory(directory)
     return directory
+
+
+def check_directory(directory: str) -> None:
+    """Raise :class:`UnsafePathError` if a user other than this process's (or root) could
+    write in ``directory``: owned by another user, writable by every user, or writable by
+    its group when it is not ours. Such a user could plant links or files at the names kvpool
+    uses, or swap the files a later process trusts."""
+    st = os.stat(directory)
+    me = os.geteuid()
+    mode = stat.S_IMODE(st.st_mode)
+    others = bool(mode & stat.S_IWOTH) or (bool(mode & stat.S_IWGRP) and st.st_uid != me)
+    if st.st_uid not in (me, 0) or others:
+        raise UnsafePathError(
+            f"disk_path {directory!r} can be written by other users (mode {mode:o}, owner uid "
+            f"{st.st_uid}, this process uid {me}); kvpool keeps KV bytes and token ids there. "
+            f"Use a directory only you can write (mkdir -m 700 DIR), or run "
+            f"chmod go-w {directory!r} if you own it"
+        )
+
+
+def open_private(dir_fd: int, name: str, flags: int, path: str) -> int:
+    """Open ``name`` in the directory ``dir_fd`` (``path`` names it in errors) for kvpool's
+    own use: never through a symbolic link, only a regular file of this process's user, mode
+    0600 (an older file's wider mode is narrowed). ``O_CREAT`` creates it 0600; add
+    ``O_EXCL`` for a file that must be new. Raises :class:`UnsafePathError`; other
+    :class:`OSError` pass through."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600,
+                     dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"{path!r} is a symbolic link; kvpool never follows a link in its disk "
+                "directory (it could make kvpool write elsewhere): remove it"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path!r} is not a regular file; remove it")
+        if st.st_uid != os.geteuid():
+            raise UnsafePathError(
+                f"{path!r} belongs to uid {st.st_uid}, not to this process's uid "
+                f"{os.geteuid()}; kvpool only uses its own files there: remove it"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_persistent_pools(
@@ -223,10 +307,10 @@ def open_persistent_pools(
     pools: dict[int, DiskPool] = {}
     with _all_or_none(
         pools, f"cannot open the persistent disk tier ({total} bytes) under {directory!r}"
-    ), _directory_lock(directory):
-        reclaim(directory)
+    ), _directory_lock(directory) as dir_fd:
+        reclaim(directory, dir_fd)
         for group, (slots, size) in layout.items():
-            pools[group] = _open_persistent(directory, group, slots, size)
+            pools[group] = _open_persistent(directory, dir_fd, group, slots, size)
     return pools
 
 
@@ -249,9 +333,11 @@ def persistent_name(group: int) -> str:
     return f"{PERSISTENT_PREFIX}{group}{PERSISTENT_SUFFIX}"
 
 
-def _open_persistent(directory: str, group: int, slots: int, size: int) -> DiskPool:
-    path = os.path.join(directory, persistent_name(group))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+def _open_persistent(directory: str, dir_fd: int, group: int, slots: int,
+                     size: int) -> DiskPool:
+    name = persistent_name(group)
+    path = os.path.join(directory, name)
+    fd = open_private(dir_fd, name, os.O_RDWR | os.O_CREAT, path)
     pool = DiskPool(fd, path, slots, size, persistent=True)
     try:
         try:
@@ -287,10 +373,10 @@ def _reserve(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def _create_file(directory: str, group: int, slots: int, size: int) -> DiskPool:
+def _create_file(directory: str, dir_fd: int, group: int, slots: int, size: int) -> DiskPool:
     name = f"{PREFIX}{os.getpid()}-g{group}-{secrets.token_hex(4)}{SUFFIX}"
     path = os.path.join(directory, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = open_private(dir_fd, name, os.O_RDWR | os.O_CREAT | os.O_EXCL, path)
     pool = DiskPool(fd, path, slots, size)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -301,56 +387,73 @@ def _create_file(directory: str, group: int, slots: int, size: int) -> DiskPool:
     return pool
 
 
-def reclaim(directory: str) -> list[str]:
-    """Remove the disk-tier files in ``directory`` whose owner is gone (their lock is free);
-    returns their paths. Call with the directory lock held."""
+def reclaim(directory: str, dir_fd: int | None = None) -> list[str]:
+    """Remove the disk-tier files in ``directory`` (open as ``dir_fd`` when given) whose owner
+    is gone (their lock is free); returns their paths. Call with the directory lock held."""
     removed: list[str] = []
-    for name in sorted(os.listdir(directory)):
-        if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue  # gone meanwhile, or not a file we can open: not ours to judge
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live owner holds it
-        finally:
-            os.close(fd)  # also drops the lock if we got it
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-            removed.append(path)
+    with _dir_fd(directory, dir_fd) as dfd:
+        for name in sorted(os.listdir(dfd)):
+            if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
+                continue
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                             dir_fd=dfd)
+            except OSError:
+                continue  # gone meanwhile, or not a file we can open: not ours to judge
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live owner holds it
+            finally:
+                os.close(fd)  # also drops the lock if we got it
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(name, dir_fd=dfd)
+                removed.append(os.path.join(directory, name))
     return removed
 
 
 @contextlib.contextmanager
-def _directory_lock(directory: str) -> Iterator[None]:
-    """Hold ``directory/.kvpool.lock`` exclusively; the file is removed on release (a waiter
-    that locked a removed file sees it and takes the new one)."""
-    path = os.path.join(directory, LOCK_NAME)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            mine = os.fstat(fd)
-            current = os.stat(path)
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        except BaseException:
-            os.close(fd)
-            raise
-        if (mine.st_dev, mine.st_ino) == (current.st_dev, current.st_ino):
-            break
-        os.close(fd)
+def _dir_fd(directory: str, dir_fd: int | None) -> Iterator[int]:
+    """``dir_fd``, or ``directory`` opened for the block."""
+    if dir_fd is not None:
+        yield dir_fd
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        yield
+        yield fd
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str) -> Iterator[int]:
+    """Hold ``directory/.kvpool.lock`` exclusively (never through a link: an
+    :class:`UnsafePathError`); yields the directory's descriptor, through which the caller
+    opens its files. The lock file is removed on release (a waiter that locked a removed file
+    sees it and takes the new one)."""
+    path = os.path.join(directory, LOCK_NAME)
+    with _dir_fd(directory, None) as dfd:
+        while True:
+            fd = open_private(dfd, LOCK_NAME, os.O_RDWR | os.O_CREAT, path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                mine = os.fstat(fd)
+                current = os.stat(LOCK_NAME, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if (mine.st_dev, mine.st_ino) == (current.st_dev, current.st_ino):
+                break
+            os.close(fd)
+        try:
+            yield dfd
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(LOCK_NAME, dir_fd=dfd)
+            os.close(fd)
 
 
 # -- SIGTERM: every open pool of this process, and the handler that removes their files

@@ -3,8 +3,7 @@ beside the disk files so that a manager started again on the same ``disk_path`` 
 them (warm restart).
 
 The manifest is an append-only log: a header naming the namespace the bytes belong to
-(:class:`~kvpool.tiers.remote.namespace.RemoteNamespace`: model, geometry, block size, hash
-algorithm),
+(:class:`~.remote.namespace.RemoteNamespace`: model, geometry, block size, hash algorithm),
 then records, each with its own checksum. A ``put`` record says that slot ``slot`` of layer
 group ``group`` holds the block with full chained key ``key``, its ``tokens``, its ``parent``
 key (or, for the first block of a chain, its reuse scope) and the xxh3_64 of its bytes; a
@@ -41,11 +40,24 @@ Durability: :meth:`Manifest.append_put` and :meth:`Manifest.append_drop` write t
 (``write(2)``: it survives the process, SIGKILL included); :meth:`Manifest.sync` fsyncs it
 (survives the machine). :mod:`kvpool.core.persist` keeps a manager's disk tier and its manifest
 in step and re-indexes the blocks at a warm restart.
+
+Failures: a record that cannot be written (the disk full, past the file size limit, an I/O
+error) is a :class:`StorageError` that leaves the log as it was (the partial record is cut
+off) and the state unchanged; if even the cut fails, the log is ``torn`` and takes no more
+records until a compaction rewrites it whole. A compaction that fails leaves the old log,
+open and whole.
+
+Files: the manifest and its temporary snapshot are opened relative to their directory, never
+through a symbolic link, only as regular files of this user, mode 0600
+(:func:`kvpool.tiers.diskfile.open_private`; the snapshot is created with ``O_EXCL``); a link or
+another kind of file at either name is an :class:`~kvpool.errors.UnsafePathError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -54,8 +66,9 @@ from typing import Final, Literal
 
 import xxhash
 
-from kvpool.errors import InvalidArgumentError, ManifestError, StorageError
+from kvpool.errors import InvalidArgumentError, ManifestError, StorageError, UnsafePathError
 from kvpool.hashing.keys import MAX_TOKEN_ID, BlockKey, HashAlgo
+from kvpool.tiers.diskfile import open_private
 from kvpool.tiers.remote.namespace import RemoteNamespace, key_bytes
 
 __all__ = ["Manifest", "ManifestEntry", "OnDamage"]
@@ -228,17 +241,41 @@ class Manifest:
         self.entries: dict[tuple[int, int], ManifestEntry] = {}
         self.paths: dict[BlockKey, ManifestEntry] = {}
         self.ignored_bytes = 0
+        self.torn: str | None = None  # why the log takes no records until compacted
         self._log_records = 0
-        data = self.path.read_bytes() if self.path.exists() else None
-        valid = self._load(data, on_damage) if data is not None else 0
-        if valid == 0:
-            self.entries.clear()
-            self.paths.clear()
-            self._log_records = 0
-            self._rewrite()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        if valid:
-            os.ftruncate(self._fd, valid)  # cut a damaged tail off before appending
+        self._fd = -1
+        self._dir = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            data = self._read()
+            valid = self._load(data, on_damage) if data is not None else 0
+            if valid == 0:
+                self.entries.clear()
+                self.paths.clear()
+                self._log_records = 0
+                self._fd = self._rewrite()
+            else:
+                self._fd = self._open(os.O_WRONLY | os.O_APPEND)
+                os.ftruncate(self._fd, valid)  # cut a damaged tail off before appending
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, OSError):
+                raise StorageError(f"cannot open manifest {self.path}: {exc}") from exc
+            raise
+
+    def _open(self, flags: int, name: str | None = None) -> int:
+        """A file of the manifest's directory (the manifest itself by default), opened safely
+        (:func:`kvpool.tiers.diskfile.open_private`)."""
+        name = self.path.name if name is None else name
+        return open_private(self._dir, name, flags, str(self.path.with_name(name)))
+
+    def _read(self) -> bytes | None:
+        """The manifest's bytes; None when there is none."""
+        try:
+            fd = self._open(os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
 
     def _load(self, data: bytes, on_damage: OnDamage) -> int:
         """Apply ``data``'s intact records; the bytes to keep (0: start afresh)."""
@@ -342,22 +379,34 @@ class Manifest:
 
     def _append(self, record: bytes) -> None:
         """Write one record whole, or leave the log as it was and raise StorageError."""
-        size = os.fstat(self._fd).st_size
+        if self.torn is not None:
+            raise StorageError(f"manifest {self.path} is torn ({self.torn}); it takes no record "
+                               "until a compaction rewrites it")
         try:
+            size = os.fstat(self._fd).st_size
             _write_all(self._fd, record)
         except OSError as e:
-            os.ftruncate(self._fd, size)  # a torn record would hide every later one
+            try:
+                os.ftruncate(self._fd, size)  # a torn record would hide every later one
+            except OSError as cut:
+                self.torn = f"a partial record could not be cut off: {cut}"
             raise StorageError(f"cannot append to manifest {self.path}: {e}") from e
 
     def sync(self) -> None:
         """fsync the log: what was appended survives a machine crash."""
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise StorageError(f"cannot fsync manifest {self.path}: {e}") from e
 
     def compact(self) -> None:
-        """Replace the log by a snapshot of the live entries (temp file, fsync, rename)."""
-        os.close(self._fd)
-        self._rewrite()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        """Replace the log by a snapshot of the live entries (temp file, fsync, rename). On a
+        failure (:class:`StorageError`) the old log stays, open and whole."""
+        fd = self._rewrite()
+        old, self._fd = self._fd, fd
+        if old >= 0:
+            os.close(old)
+        self.torn = None
 
     def maybe_compact(self) -> bool:
         """Compact when :meth:`needs_compaction`; whether it did."""
@@ -369,35 +418,65 @@ class Manifest:
     def needs_compaction(self) -> bool:
         """Whether the log holds more than twice as many records as live entries and paths
         (and is at least 1 MiB)."""
-        size = os.fstat(self._fd).st_size
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return False
         live = len(self.entries) + len(self.paths)
-        return size >= _COMPACT_MIN_BYTES and self._log_records > 2 * live
+        return self.torn is not None or (
+            size >= _COMPACT_MIN_BYTES and self._log_records > 2 * live)
 
-    def _rewrite(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
+    def _rewrite(self) -> int:
+        """Write the state as a fresh log beside the manifest, fsync it and rename it over the
+        manifest; returns its append descriptor. A failure removes the temporary file and
+        raises :class:`StorageError` (the manifest untouched)."""
+        tmp = self.path.name + ".tmp"
+        tmp_path = str(self.path.with_name(tmp))
         algo = self.namespace.algo
         records = [_record(_PATH_KIND, _encode_put(algo, e)) for e in self.paths.values()]
         records += [_record(_PUT_KIND, _encode_put(algo, e)) for e in self.entries.values()]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = os.stat(tmp, dir_fd=self._dir, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:  # a snapshot a crash left behind is removed; anything else is not ours
+            if not stat.S_ISREG(left.st_mode) or left.st_uid != os.geteuid():
+                raise UnsafePathError(
+                    f"{tmp_path!r} is not a file kvpool left behind (a symbolic link, another "
+                    "kind of file or another user's); kvpool will not write there: remove it")
+            os.unlink(tmp, dir_fd=self._dir)
+        try:
+            fd = self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, tmp)
+        except OSError as e:
+            raise StorageError(f"cannot create {tmp_path!r}: {e}") from e
         try:
             _write_all(fd, _header(self.namespace) + b"".join(records))
             os.fsync(fd)
-        finally:
+            os.replace(tmp, self.path.name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except OSError as e:
             os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir)
+            raise StorageError(f"cannot rewrite manifest {self.path}: {e}") from e
+        with contextlib.suppress(OSError):  # the rename is made durable as far as it can be
+            os.fsync(self._dir)
         self._log_records = len(records)
+        return fd
 
     def close(self) -> None:
-        """fsync and close the log."""
+        """fsync and close the log (a failed fsync only loses durability: the records the
+        machine loses are misses, see :mod:`kvpool.core.persist`). Idempotent."""
         if self._fd >= 0:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if self._dir >= 0:
+            fd, self._dir = self._dir, -1
+            os.close(fd)
 
     def __enter__(self) -> Manifest:
         return self

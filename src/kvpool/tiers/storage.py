@@ -26,6 +26,12 @@ Copy contract (:meth:`Storage.copy_blocks`), shared by both:
   caller, asserted) and no destination slot appears twice (a :class:`BlockCopyError`).
 * Everything is validated before anything moves, the disk files included (closed, removed or
   truncated: :meth:`Storage.check`): a call that raises that way copies nothing.
+* A copy that fails while running (a disk write past a full disk or the file size limit, an
+  I/O error) fails alone: the call runs every other key and copy, then raises
+  :class:`~kvpool.errors.CopyFailedError` naming the copies that did not complete (a key that
+  raised anything else counts whole). The manager drops the blocks those copies were moving
+  to a colder tier and refuses further copies only when one was bringing a block a sequence
+  uses (:meth:`kvpool.core.state.CacheState.finish_call`).
 * Bytes survive any round trip bit for bit (copies never convert or compute; NaN payloads stay).
 """
 
@@ -38,7 +44,7 @@ from enum import IntEnum
 from types import MappingProxyType, TracebackType
 from typing import NamedTuple, Protocol, Self, runtime_checkable
 
-from kvpool.errors import BlockCopyError, GeometryError, StorageError
+from kvpool.errors import BlockCopyError, CopyFailedError, GeometryError, StorageError
 
 
 class Tier(IntEnum):
@@ -212,21 +218,39 @@ class _CopyEngine:
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Run ``copies``: one batched operation per (src_tier, dst_tier, layer_group), keys in
-        order of first appearance. Validates everything first; a call that raises moves nothing.
+        order of first appearance. Validates everything first; a call that raises that way
+        moves nothing.
 
         Raises :class:`BlockCopyError` for a tier, group or slot that does not exist or a
-        destination written twice under one key; :class:`StorageError` once closed.
+        destination written twice under one key; :class:`StorageError` once closed;
+        :class:`CopyFailedError` after running every key when some copies failed while
+        running (the others completed).
         """
         self._check_open()
         plan = self.plan(copies)
         self._check_plan(plan)
+        failed: list[BlockCopy] = []
+        first: Exception | None = None
         for key, (src, dst) in plan.items():
-            self._run(key, src, dst)
-            tiers, blocks = (key[0], key[1]), len(src)
+            try:
+                self._run(key, src, dst)
+                lost = 0
+            except CopyFailedError as exc:
+                failed += [BlockCopy(*c) for c in exc.failed]
+                first, lost = first or exc, len(exc.failed)
+            except Exception as exc:  # whatever it was, the key's copies failed
+                failed += [BlockCopy(key[0], s, key[1], d, key[2])
+                           for s, d in zip(src, dst, strict=True)]
+                first, lost = first or exc, len(src)
+            tiers, blocks = (key[0], key[1]), len(src) - lost
             nbytes = blocks * self.block_bytes(key[2])
             self._blocks_moved[tiers] = self._blocks_moved.get(tiers, 0) + blocks
             self._bytes_moved[tiers] = self._bytes_moved.get(tiers, 0) + nbytes
             self._batched_ops += 1
+        if failed:
+            raise CopyFailedError(
+                f"{len(failed)} of {len(copies)} block copies failed: {first}", tuple(failed)
+            ) from first
 
     def plan(self, copies: Sequence[BlockCopy]) -> CopyPlan:
         """Group and validate ``copies`` without moving anything (what :meth:`copy_blocks` runs).

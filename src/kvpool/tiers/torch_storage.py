@@ -9,6 +9,12 @@ A persistent disk tier (``persistent=True``) keeps its files under stable names 
 ``disk_path`` across processes (:func:`kvpool.tiers.diskfile.open_persistent_pools`) and records the
 xxh3_64 of every block it writes there (:meth:`TorchStorage.disk_checksums`), which the warm
 restart (:mod:`kvpool.core.persist`) checks the bytes against before it serves them again.
+
+Failures while copying: a disk write that fails (the disk full, past the file size limit, an
+I/O error) fails only its own blocks; the rest of the call's copies run, and
+:class:`~kvpool.errors.CopyFailedError` names the copies that did not complete. Disk reads a
+call will need can be done before the call changes anything (:meth:`TorchStorage.read_ahead`),
+so that a read error refuses the call instead of failing it half done.
 """
 
 from __future__ import annotations
@@ -21,10 +27,17 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import GeometryError, StorageError
-from kvpool.tiers.diskfile import DiskPool, close_pools, create_pools, open_persistent_pools
+from kvpool.errors import CopyFailedError, GeometryError, StorageError
+from kvpool.tiers.diskfile import (
+    DiskPool,
+    DiskWriteError,
+    close_pools,
+    create_pools,
+    open_persistent_pools,
+)
 from kvpool.tiers.storage import (
     NUM_TIERS,
+    BlockCopy,
     CopyKey,
     CopyPlan,
     GroupGeometry,
@@ -121,6 +134,9 @@ class TorchStorage(_CopyEngine):
         self._host_pending: torch.cuda.Event | None = None
         self._workers: ThreadPoolExecutor | None = None
         self._num_workers = torch.get_num_threads() if _thread_local_torch_threads() else 0
+        # disk slots read ahead of the copies that need them: (group, slot) -> bytes, kept
+        # until the end of the next copy_blocks (read_ahead)
+        self._staged: dict[tuple[int, int], memoryview] = {}
 
     def _allocate(self, tier: int, group: int) -> torch.Tensor:
         import torch
@@ -205,6 +221,36 @@ class TorchStorage(_CopyEngine):
         if tier == Tier.DISK:
             return self._read_disk(group)
         return self._pools[tier][group]
+
+    def read_ahead(self, reads: dict[int, list[int]]) -> None:
+        """Read the disk slots ``reads`` (layer group -> slots) into host memory now: the next
+        :meth:`copy_blocks` takes its reads of them from there, and cannot fail on them. A
+        manager calls it before it changes anything in a call that will read those slots, so
+        that a read error (:class:`StorageError`) refuses the call. The bytes are dropped at
+        the end of the next :meth:`copy_blocks` (and by the next ``read_ahead``)."""
+        self._check_open()
+        self._staged = {}
+        staged: dict[tuple[int, int], memoryview] = {}
+        for group, slots in reads.items():
+            pool = self._disk.get(self._check_group(group))
+            if pool is None or not slots:
+                continue
+            self._check_slots(Tier.DISK, group, list(slots), "source")
+            pool.check()
+            size = pool.block_bytes
+            buffer = memoryview(bytearray(len(slots) * size))
+            chunks = [buffer[i * size:(i + 1) * size] for i in range(len(slots))]
+            pool.read(slots, chunks)
+            staged.update(((group, s), c) for s, c in zip(slots, chunks, strict=True))
+        self._staged = staged
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """See :meth:`kvpool.tiers.storage.Storage.copy_blocks`; the bytes :meth:`read_ahead` kept
+        are dropped at the end."""
+        try:
+            super().copy_blocks(copies)
+        finally:
+            self._staged = {}
 
     def check(self) -> None:
         """Raise :class:`StorageError` if closed, or if a disk-tier file was removed or
@@ -330,23 +376,69 @@ class TorchStorage(_CopyEngine):
         to_disk = dst_tier == Tier.DISK
         pool = self._disk[group]
         mem_tier, mem_slots, disk_slots = (src_tier, src, dst) if to_disk else (dst_tier, dst, src)
+        failed: list[int] = []
+        io = self._writer(pool, group, failed) if to_disk else self._reader(pool, group)
         if not (self._cuda and mem_tier == Tier.GPU):
             raw = self._raw(mem_tier, group)
             chunks = [raw[s * size : (s + 1) * size] for s in mem_slots]
-            self._split(pool.write if to_disk else pool.read, disk_slots, chunks, size)
-            return
-        stage = torch.empty((len(mem_slots), size), dtype=torch.uint8, pin_memory=True)
-        staged = list(stage.unbind(0))
-        views = self._slot_views(Tier.GPU, group)
-        device = [views[s].view(torch.uint8).reshape(-1) for s in mem_slots]
-        flat = stage.numpy().data
-        chunks = [flat[i * size : (i + 1) * size] for i in range(len(mem_slots))]
-        if to_disk:
-            torch._foreach_copy_(staged, device)  # synchronous: the host waits for the bytes
-            self._split(pool.write, disk_slots, chunks, size)
+            self._split(io, disk_slots, chunks, size)
         else:
-            self._split(pool.read, disk_slots, chunks, size)
-            torch._foreach_copy_(device, staged)
+            stage = torch.empty((len(mem_slots), size), dtype=torch.uint8, pin_memory=True)
+            staged = list(stage.unbind(0))
+            views = self._slot_views(Tier.GPU, group)
+            device = [views[s].view(torch.uint8).reshape(-1) for s in mem_slots]
+            flat = stage.numpy().data
+            chunks = [flat[i * size : (i + 1) * size] for i in range(len(mem_slots))]
+            if to_disk:
+                torch._foreach_copy_(staged, device)  # synchronous: the host waits for the bytes
+                self._split(io, disk_slots, chunks, size)
+            else:
+                self._split(io, disk_slots, chunks, size)
+                torch._foreach_copy_(device, staged)
+        if failed:
+            lost = set(failed)
+            raise CopyFailedError(
+                f"cannot write {len(lost)} of {len(dst)} blocks to the disk tier {pool.path!r} "
+                f"(file size limit, disk full or I/O error)",
+                tuple(BlockCopy(src_tier, s, dst_tier, d, group)
+                      for s, d in zip(src, dst, strict=True) if d in lost))
+
+    def _writer(self, pool: DiskPool, group: int,
+                failed: list[int]) -> Callable[[Any, Any], None]:
+        """``pool.write`` that adds the slots it could not write to ``failed`` (and forgets
+        any bytes read ahead for the slots it writes)."""
+        staged = self._staged
+
+        def write(slots: list[int], chunks: list[memoryview]) -> None:
+            for s in slots:
+                staged.pop((group, s), None)
+            try:
+                pool.write(slots, chunks)
+            except DiskWriteError as exc:
+                failed.extend(exc.slots)  # list.extend is atomic: workers may share it
+
+        return write
+
+    def _reader(self, pool: DiskPool, group: int) -> Callable[[Any, Any], None]:
+        """``pool.read``, taking the slots :meth:`read_ahead` kept from memory."""
+        staged = self._staged
+        if not staged:
+            return pool.read
+
+        def read(slots: list[int], chunks: list[memoryview]) -> None:
+            rest: list[int] = []
+            into: list[memoryview] = []
+            for s, chunk in zip(slots, chunks, strict=True):
+                kept = staged.get((group, s))
+                if kept is None:
+                    rest.append(s)
+                    into.append(chunk)
+                else:
+                    chunk[:] = kept
+            if rest:
+                pool.read(rest, into)
+
+        return read
 
     def _read_disk(self, group: int) -> torch.Tensor:
         import torch
