@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from typing import Final
 import xxhash
 
 from kvpool.config import DEFAULT_PRIORITY
-from kvpool.diskfile import DiskPool, open_persistent_pools
+from kvpool.diskfile import DiskPool, open_persistent_pools, persistent_name
 from kvpool.errors import ConfigError, ManifestError, StorageError
 from kvpool.integrations.vllm.queues import new_queue
 from kvpool.manifest import Manifest, ManifestEntry, OnDamage
@@ -55,6 +56,18 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+def _check_space(directory: str, size: int) -> None:
+    """A disk tier the file system cannot hold is refused before anything is allocated."""
+    try:
+        have = os.stat(os.path.join(directory, persistent_name(0))).st_size
+    except FileNotFoundError:
+        have = 0
+    free = shutil.disk_usage(directory).free
+    if free < size - have:
+        raise StorageError(f"disk_path {directory!r} has {free} bytes free; the disk tier "
+                           f"needs {size - have} more (disk_bytes)")
 
 
 @dataclass(slots=True)
@@ -81,6 +94,7 @@ class DiskChunks:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot create disk_path {directory!r}: {e}") from e
+        _check_space(directory, slots * chunk_bytes)
         self.slots = slots
         self.chunk_bytes = chunk_bytes
         self._file: DiskPool = open_persistent_pools(directory, {0: (slots, chunk_bytes)})[0]
@@ -141,17 +155,26 @@ class DiskChunks:
         """Slots for the keys not stored or being stored yet, evicting unpinned blocks as
         needed: (the (key, slot) pairs to write, the keys evicted). Keys beyond what the
         unpinned blocks make room for get no slot."""
-        new = [k for k in dict.fromkeys(keys) if k not in self._index and k not in self._pending]
+        offered = list(dict.fromkeys(keys))
+        new = [k for k in offered if k not in self._index and k not in self._pending]
         evicted: list[bytes] = []
         short = len(new) - len(self._free)
         if short > 0:
-            for slot in self._policy.pop_slots(min(short, len(self._policy))):
+            # the offered blocks already here are in use: out of the queue while victims go,
+            # then back at its most recent end (one more use)
+            kept = [(k, self._index[k][0]) for k in offered
+                    if k in self._index and k not in self._pins]
+            queue = self._policy
+            queue.remove_many([slot for _, slot in kept])
+            for slot in queue.pop_slots(min(short, len(queue))):
                 key = self._slot_key[slot]
                 assert key is not None and key not in self._pins
                 del self._index[key]
                 self._slot_key[slot] = None
                 self._free.append(slot)
                 evicted.append(key)
+            queue.push_many([slot for _, slot in kept], DEFAULT_PRIORITY,
+                            [k for k, _ in kept])
         placed = [(key, self._free.pop()) for key in new[:len(self._free)]]
         for key, slot in placed:
             self._pending[key] = slot

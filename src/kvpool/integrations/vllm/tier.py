@@ -28,6 +28,7 @@ Contract with vLLM (``vllm/v1/kv_offload/tiering/base.py``), and how it is kept:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -89,8 +90,7 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings = settings
         chunk = self.block_size_bytes
-        self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or (
-            primary_kv_view.format != "B") else primary_kv_view
+        self._flat = primary_kv_view.cast("B")  # byte offsets, whatever vLLM's view's shape
         self._num_chunks = self._flat.nbytes // chunk
         self.namespace = tier_namespace(offloading_spec, settings, chunk)
         self.disk = self._open_disk(settings, chunk)
@@ -349,3 +349,5 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+        with contextlib.suppress(BufferError):  # vLLM may unmap its pool once tiers are shut
+            self._flat.release()
