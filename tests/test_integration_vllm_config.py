@@ -23,7 +23,8 @@ def test_import_kvpool_and_the_integration_never_import_vllm() -> None:
 
 
 def test_a_missing_engine_is_a_typed_import_error() -> None:
-    with pytest.raises(IntegrationUnavailableError, match=r"pip install 'no-such-engine==1\.2\.\*'"):
+    with pytest.raises(IntegrationUnavailableError,
+                       match=r"pip install 'no-such-engine==1\.2\.\*'"):
         require("no-such-engine", "no_such_engine", ("1.2",), "kvpool.integrations.x")
     with pytest.raises(ImportError):  # what vLLM's factories expect of a failed import
         require("no-such-engine", "no_such_engine", ("1.2",), "kvpool.integrations.x")

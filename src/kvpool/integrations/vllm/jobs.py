@@ -33,7 +33,7 @@ class StoreDone:
     (key, slot), keys written to the remote store, and the failed keys by reason."""
 
     job_id: int
-    keys: int
+    keys: list[bytes]
     written: list[tuple[bytes, int, int]] = field(default_factory=list)
     aborted: list[tuple[bytes, int]] = field(default_factory=list)
     remote_stored: list[bytes] = field(default_factory=list)

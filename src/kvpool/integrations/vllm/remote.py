@@ -11,7 +11,8 @@ a miss, never bytes in vLLM's pool.
 Which keys are there: the store may lose any value at any time (its own eviction, FLUSHALL,
 another engine), so what this side knows is a hint. ``known`` remembers the keys stored or
 probed present (bounded, oldest forgotten first); a load that finds a key gone fails that key
-and forgets it. The network calls (:meth:`put`, :meth:`get_into`, :meth:`exists`) run on the
+and forgets it, and a failed call to the server forgets every key (a restarted server is
+empty). The network calls (:meth:`put`, :meth:`get_into`, :meth:`exists`) run on the
 tier's worker threads; a server that is down makes them raise
 :class:`~kvpool.errors.RemoteTierError` at once while the store's backoff runs
 (:class:`~kvpool.remote.store.RemoteStore`).
@@ -63,6 +64,10 @@ class RemoteChunks:
         """The keys were not found in the store after all."""
         for key in keys:
             self._known.pop(key, None)
+
+    def forget_all(self) -> None:
+        """The server failed: it may come back empty (a restart), so no key is known any more."""
+        self._known.clear()
 
     # ------------------------------------------------------------ worker threads: the network
 

@@ -181,6 +181,7 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         assert self.remote is not None
         if not done.ok:
             self.counters.failures["remote_error"] += len(done.keys)
+            self.remote.forget_all()
         self.remote.remember([k for k, p in zip(done.keys, done.present, strict=True) if p])
         for key, present in zip(done.keys, done.present, strict=True):
             probe = self._probes.get(key)
@@ -203,7 +204,7 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         views = dict(zip(keys, map(self._chunk, job_metadata.chunk_ids.tolist()), strict=True))
-        done = StoreDone(job_metadata.job_id, len(keys))
+        done = StoreDone(job_metadata.job_id, keys)
         placed: list[tuple[bytes, int]] = []
         disk = self.disk
         if disk is not None:
@@ -258,12 +259,20 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
             self._event([k for k, _, _ in done.written], removed=False,
                         locality=Locality.LOCAL)
         if remote is not None:
+            if done.failures["remote_error"]:
+                remote.forget_all()
             remote.remember(done.remote_stored)
             counters.stored["remote"] += len(done.remote_stored)
             self._event(done.remote_stored, removed=False, locality=Locality.REMOTE)
         counters.failures.update(done.failures)
-        return JobResult(job_id=done.job_id, success=not done.failures,
+        return JobResult(job_id=done.job_id, success=all(map(self._holds, done.keys)),
                          transfer_time=done.seconds, transfer_bytes=done.nbytes)
+
+    def _holds(self, key: bytes) -> bool:
+        """Whether the tier has ``key`` (or a store of it in flight) on disk or remotely."""
+        disk, remote = self.disk, self.remote
+        return ((disk is not None and (key in disk or disk.is_pending(key)))
+                or (remote is not None and remote.is_known(key)))
 
     def _finish_load(self, done: LoadDone) -> JobResult:
         disk, counters = self.disk, self.counters
@@ -273,6 +282,8 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
             forgotten = [k for key in done.pinned for k in disk.unpin(key)]
             self._event(forgotten, removed=True, locality=Locality.LOCAL)
         if self.remote is not None:
+            if done.failures["remote_error"]:
+                self.remote.forget_all()
             self.remote.forget(done.remote_missing)
         counters.loaded += len(done.loaded)
         counters.failures.update(done.failures)
