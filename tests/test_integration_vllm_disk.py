@@ -39,7 +39,7 @@ def _key(i: int) -> bytes:
 
 
 def _store(disk: DiskChunks, ids: list[int]) -> None:
-    placed, _ = disk.reserve([_key(i) for i in ids])
+    placed, _, _ = disk.reserve([_key(i) for i in ids])
     views = [memoryview(_payload(int.from_bytes(k[:32], "big"))) for k, _ in placed]
     for (key, slot), checksum in zip(placed, disk.write(placed, views), strict=True):
         disk.commit(key, slot, checksum)
@@ -67,7 +67,7 @@ WRITER = textwrap.dedent("""
     disk = DiskChunks(path, 64 * 4096, 4096, ns, sync_interval_s=None)
     for i in range(n):
         key = i.to_bytes(32, "big") + b"\\0\\0\\0\\0"
-        placed, _ = disk.reserve([key])
+        placed, _, _ = disk.reserve([key])
         (s,) = disk.write(placed, [memoryview(i.to_bytes(4, "little") * 1024)])
         disk.commit(key, placed[0][1], s)
     print(json.dumps(len(disk)), flush=True)
@@ -152,7 +152,7 @@ def test_the_tier_holds_at_most_its_slots_and_serves_what_it_holds(
     try:
         held: set[int] = set()
         for batch in batches:
-            placed, evicted = disk.reserve([_key(i) for i in batch])
+            placed, evicted, _ = disk.reserve([_key(i) for i in batch])
             held -= {int.from_bytes(k[:32], "big") for k in evicted}
             views = [memoryview(_payload(int.from_bytes(k[:32], "big"))) for k, _ in placed]
             for (key, slot), c in zip(placed, disk.write(placed, views), strict=True):

@@ -265,3 +265,17 @@ def test_a_load_of_keys_it_never_held_fails_without_touching_the_pool(tmp_path: 
         assert (pool == 5).all()
     finally:
         tier.shutdown()
+
+
+def test_chunk_ids_outside_the_pool_fail_the_job_not_the_caller(tmp_path: Path) -> None:
+    pool = primary(4)
+    tier = make_tier(pool, disk_path=str(tmp_path), disk_bytes=8 * CHUNK)
+    helpers = vllm_module("vllm_tier_helpers")
+    try:
+        for load_job in (False, True):
+            j = helpers.job([key(1), key(2)], [0, 4], load=load_job)
+            (tier.submit_load if load_job else tier.submit_store)(j)
+            assert not finish(tier)[j.job_id].success
+        assert tier.counters.failures["internal"] == 4
+    finally:
+        tier.shutdown()

@@ -151,12 +151,14 @@ class DiskChunks:
     def used_slots(self) -> int:
         return self.slots - len(self._free)
 
-    def reserve(self, keys: Sequence[bytes]) -> tuple[list[tuple[bytes, int]], list[bytes]]:
+    def reserve(self, keys: Sequence[bytes]
+                ) -> tuple[list[tuple[bytes, int]], list[bytes], int]:
         """Slots for the keys not stored or being stored yet, evicting unpinned blocks as
-        needed: (the (key, slot) pairs to write, the keys evicted). Keys beyond what the
-        unpinned blocks make room for get no slot."""
+        needed: (the (key, slot) pairs to write, the keys evicted, how many keys got no slot:
+        more than the unpinned blocks make room for)."""
         offered = list(dict.fromkeys(keys))
-        new = [k for k in offered if k not in self._index and k not in self._pending]
+        index, pending = self._index, self._pending
+        new = [k for k in offered if k not in index and k not in pending]
         evicted: list[bytes] = []
         short = len(new) - len(self._free)
         if short > 0:
@@ -165,7 +167,8 @@ class DiskChunks:
             kept = [(k, self._index[k][0]) for k in offered
                     if k in self._index and k not in self._pins]
             queue = self._policy
-            queue.remove_many([slot for _, slot in kept])
+            if kept:
+                queue.remove_many([slot for _, slot in kept])
             for slot in queue.pop_slots(min(short, len(queue))):
                 key = self._slot_key[slot]
                 assert key is not None and key not in self._pins
@@ -173,12 +176,13 @@ class DiskChunks:
                 self._slot_key[slot] = None
                 self._free.append(slot)
                 evicted.append(key)
-            queue.push_many([slot for _, slot in kept], DEFAULT_PRIORITY,
-                            [k for k, _ in kept])
+            if kept:
+                queue.push_many([slot for _, slot in kept], DEFAULT_PRIORITY,
+                                [k for k, _ in kept])
         placed = [(key, self._free.pop()) for key in new[:len(self._free)]]
         for key, slot in placed:
             self._pending[key] = slot
-        return placed, evicted
+        return placed, evicted, len(new) - len(placed)
 
     def commit(self, key: bytes, slot: int, checksum: int) -> None:
         """The write of ``key`` into ``slot`` finished: the block is readable."""

@@ -44,11 +44,11 @@ class StoreDone:
 
 @dataclass(slots=True)
 class LoadItem:
-    """One key of a load: the chunk to fill, its pinned disk copy (slot, checksum) if any,
-    whether the remote store may have it."""
+    """One key of a load: the primary pool's chunk to fill, its pinned disk copy (slot,
+    checksum) if any, whether the remote store may have it."""
 
     key: bytes
-    view: memoryview
+    chunk: int
     disk: tuple[int, int] | None
     remote: bool
 
@@ -103,34 +103,37 @@ def run_store(done: StoreDone, disk: DiskChunks | None, placed: Sequence[tuple[b
         post(done)
 
 
-def run_load(done: LoadDone, items: Sequence[LoadItem], disk: DiskChunks | None,
-             remote: RemoteChunks | None, post: Callable[[object], None]) -> None:
+def run_load(done: LoadDone, items: Sequence[LoadItem], view_of: Callable[[int], memoryview],
+             disk: DiskChunks | None, remote: RemoteChunks | None,
+             post: Callable[[object], None]) -> None:
     """Fill each item's chunk from disk (verified) or else the remote store (verified), then
     ``post(done)``; never raises. A chunk whose key failed holds bytes nobody may use: the
     job reports that key as not loaded."""
     start = time.perf_counter()
     loaded = done.loaded
     try:
-        wanted: list[LoadItem] = []
+        wanted: list[tuple[LoadItem, memoryview]] = []
         for item in items:
-            if item.disk is not None and disk is not None and _read_disk(disk, item, done):
+            view = view_of(item.chunk)
+            if (item.disk is not None and disk is not None
+                    and _read_disk(disk, item, view, done)):
                 loaded.append(item.key)
-                done.nbytes += item.view.nbytes
+                done.nbytes += view.nbytes
                 continue
             if item.remote:
-                wanted.append(item)
+                wanted.append((item, view))
             elif item.disk is None:
                 done.failures["missing"] += 1
         if wanted and remote is not None:
             try:
-                found = remote.get_into([i.key for i in wanted], [i.view for i in wanted])
+                found = remote.get_into([i.key for i, _ in wanted], [v for _, v in wanted])
             except RemoteTierError:
                 done.failures["remote_error"] += len(wanted)
             else:
-                for item, ok in zip(wanted, found, strict=True):
+                for (item, view), ok in zip(wanted, found, strict=True):
                     if ok:
                         loaded.append(item.key)
-                        done.nbytes += item.view.nbytes
+                        done.nbytes += view.nbytes
                     else:
                         done.remote_missing.append(item.key)
                         done.failures["remote_missing"] += 1
@@ -142,11 +145,11 @@ def run_load(done: LoadDone, items: Sequence[LoadItem], disk: DiskChunks | None,
         post(done)
 
 
-def _read_disk(disk: DiskChunks, item: LoadItem, done: LoadDone) -> bool:
+def _read_disk(disk: DiskChunks, item: LoadItem, view: memoryview, done: LoadDone) -> bool:
     assert item.disk is not None
     slot, checksum = item.disk
     try:
-        if disk.read(slot, item.view, checksum):
+        if disk.read(slot, view, checksum):
             return True
     except StorageError:
         done.failures["disk_error"] += 1

@@ -27,14 +27,12 @@ Contract with vLLM (``vllm/v1/kv_offload/tiering/base.py``), and how it is kept:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import queue
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
-from kvpool.errors import StorageError
 from kvpool.integrations.vllm._vllm import import_failed
 from kvpool.integrations.vllm.config import KvpoolTierConfig
 from kvpool.integrations.vllm.disk import DiskChunks
@@ -43,6 +41,7 @@ from kvpool.integrations.vllm.metrics import TierCounters, metric_definitions
 from kvpool.integrations.vllm.namespace import tier_namespace
 from kvpool.integrations.vllm.probe import ProbeDone, Prober
 from kvpool.integrations.vllm.remote import RemoteChunks
+from kvpool.integrations.vllm.workers import Workers
 from kvpool.remote.store import RemoteStore
 
 try:
@@ -105,9 +104,8 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
             offloading_spec is None or offloading_spec.kv_events_config.enable_kv_cache_events)
         self._events: list[OffloadingEvent] | None = [] if events_on else None
         self._done: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            settings.io_threads, thread_name_prefix="kvpool-vllm-tier")
-        self._jobs: dict[int, concurrent.futures.Future[None]] = {}
+        self._io = Workers(settings.io_threads, "kvpool-vllm-tier")
+        self._jobs: set[int] = set()  # submitted, result not taken yet
         self._finished: list[StoreDone | LoadDone] = []
         self._probes: dict[bytes, _Probe] = {}
         self._req_probes: dict[str, list[bytes]] = {}
@@ -195,53 +193,69 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
     # ------------------------------------------------------------------ jobs
 
     def _chunk(self, chunk_id: int) -> memoryview:
-        if not 0 <= chunk_id < self._num_chunks:
-            raise StorageError(f"chunk id {chunk_id} is outside the primary pool "
-                               f"(0..{self._num_chunks - 1})")
         size = self._block_size_bytes
         return self._flat[chunk_id * size:(chunk_id + 1) * size]
 
+    def _chunk_ids(self, job: TransferJob, done: StoreDone | LoadDone) -> list[int] | None:
+        """The job's chunk ids; None (the job failed, its result posted) when they do not
+        match its keys or the pool, which vLLM never sends."""
+        ids: list[int] = job.chunk_ids.tolist()
+        if len(ids) == len(job.keys) and (not ids or (
+                min(ids) >= 0 and max(ids) < self._num_chunks)):
+            return ids
+        done.failures["internal"] += len(job.keys)
+        self._jobs.add(done.job_id)
+        self._done.put(done)
+        return None
+
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
-        views = dict(zip(keys, map(self._chunk, job_metadata.chunk_ids.tolist()), strict=True))
         done = StoreDone(job_metadata.job_id, keys)
+        ids = self._chunk_ids(job_metadata, done)
+        if ids is None:
+            return
+        chunk_of = dict(zip(keys, ids, strict=True))
         placed: list[tuple[bytes, int]] = []
         disk = self.disk
         if disk is not None:
-            placed, evicted = disk.reserve(keys)
-            self.counters.evicted += len(evicted)
-            self._event(evicted, removed=True, locality=Locality.LOCAL)
-            stored = {k for k, _ in placed}
-            short = sum(1 for k in views if k not in disk and k not in stored
-                        and not disk.is_pending(k))
-            if short:
-                done.failures["no_space"] += short
-        remote_keys = ([k for k in views if not self.remote.is_known(k)]
-                       if self.remote is not None else [])
-        self._submit(done.job_id, run_store, done, disk, placed, self.remote, remote_keys,
-                     views.__getitem__, self._done.put)
+            placed, evicted, unplaced = disk.reserve(keys)
+            if evicted:
+                self.counters.evicted += len(evicted)
+                self._event(evicted, removed=True, locality=Locality.LOCAL)
+            if unplaced:
+                done.failures["no_space"] += unplaced
+        remote = self.remote
+        remote_keys = [k for k in chunk_of if not remote.is_known(k)] if remote else []
+        chunk = self._chunk
+        self._submit(done.job_id, run_store, done, disk, placed, remote, remote_keys,
+                     lambda key: chunk(chunk_of[key]), self._done.put)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         done = LoadDone(job_metadata.job_id, keys)
+        ids = self._chunk_ids(job_metadata, done)
+        if ids is None:
+            return
+        disk, remote = self.disk, self.remote is not None
         items = []
-        for key, chunk_id in zip(keys, job_metadata.chunk_ids.tolist(), strict=True):
-            found = self.disk.pin(key) if self.disk is not None else None
+        for key, chunk_id in zip(keys, ids, strict=True):
+            found = disk.pin(key) if disk is not None else None
             if found is not None:
                 done.pinned.append(key)
-            items.append(LoadItem(key, self._chunk(chunk_id), found, self.remote is not None))
-        self._submit(done.job_id, run_load, done, items, self.disk, self.remote,
+            items.append(LoadItem(key, chunk_id, found, remote))
+        self._submit(done.job_id, run_load, done, items, self._chunk, self.disk, self.remote,
                      self._done.put)
 
     def _submit(self, job_id: int, task: Any, *args: Any) -> None:
-        self._jobs[job_id] = self._io.submit(task, *args)
+        self._jobs.add(job_id)
+        self._io.submit(task, *args)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._take_done()
         finished, self._finished = self._finished, []
         results = []
         for done in finished:
-            self._jobs.pop(done.job_id, None)
+            self._jobs.discard(done.job_id)
             if isinstance(done, StoreDone):
                 results.append(self._finish_store(done))
             else:
@@ -296,7 +310,7 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         return bool(self._jobs) or bool(self._prober is not None and self._prober.in_flight)
 
     def drain_jobs(self) -> None:
-        concurrent.futures.wait(list(self._jobs.values()))
+        self._io.wait_idle()
 
     # ------------------------------------------------------------------ requests, events
 
@@ -353,7 +367,7 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
-        self._io.shutdown(wait=True)
+        self._io.close()
         if self._prober is not None:
             self._prober.close()
         if self.disk is not None:
