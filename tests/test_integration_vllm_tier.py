@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import ConfigError, StorageError
+from kvpool.errors import ConfigError, ManifestError, StorageError
 from vllm_peer import vllm_module
 from vllm_tier_helpers import (
     CHUNK,
@@ -279,3 +279,51 @@ def test_chunk_ids_outside_the_pool_fail_the_job_not_the_caller(tmp_path: Path) 
         assert tier.counters.failures["internal"] == 4
     finally:
         tier.shutdown()
+
+
+def _spec(dtype: str, agnostic: bool = True, tp: int = 1) -> Any:
+    vconfig = vllm_module("vllm.v1.kv_offload.config")
+
+    class Spec(base.OffloadingSpec):  # type: ignore[misc]
+        def get_manager(self) -> Any:
+            raise NotImplementedError
+
+        def get_worker(self, kv_caches: Any) -> Any:
+            raise NotImplementedError
+
+    parallel = vconfig.OffloadingParallelConfig(
+        rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+        data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+        is_parallelism_agnostic=agnostic)
+    return Spec(vconfig.OffloadingConfig(
+        groups=(vconfig.OffloadingGroupConfig(16, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=CHUNK // 4, enable_kv_cache_events=True, extra_config={},
+        engine_id="e", model=vconfig.OffloadingModelConfig("org/model", dtype),
+        cache=vconfig.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=4),
+        parallel=parallel))
+
+
+def test_the_namespace_follows_vllms_model_and_kv_layout(tmp_path: Path) -> None:
+    factory = vllm_module("vllm.v1.kv_offload.tiering.factory").SecondaryTierFactory
+    pool = primary(2)
+
+    def tier(spec: Any, **extra: Any) -> Any:
+        return factory.create_secondary_tier(
+            {"type": "KvpoolTier", "module_path": "kvpool.integrations.vllm",
+             "disk_path": str(tmp_path / "d"), "disk_bytes": 4 * CHUNK, **extra},
+            memoryview(pool), spec)
+
+    first = tier(_spec("bfloat16"))
+    assert b'"model":"org/model"' in first.namespace.description
+    digest = first.namespace.digest
+    assert store(first, pool, [1]).success
+    first.shutdown()
+    same = tier(_spec("bfloat16", tp=2))  # parallelism-agnostic bytes: tp does not matter
+    assert same.namespace.digest == digest and key(1) in same.disk
+    same.shutdown()
+    for other in (_spec("float16"), _spec("bfloat16", agnostic=False, tp=2)):
+        with pytest.raises(ManifestError, match="another namespace"):
+            tier(other)
+    fresh = tier(_spec("bfloat16"), namespace="rev2", disk_manifest_damaged="discard")
+    assert fresh.disk.restored.blocks == 0 and fresh.namespace.digest != digest
+    fresh.shutdown()
