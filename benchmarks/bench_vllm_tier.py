@@ -28,7 +28,7 @@ Needs vLLM 0.33's own code: ``tests/peers/install_vllm.sh .venv`` installs it (`
 
 Results: results/bench_vllm_tier.json. Usage:
     python benchmarks/bench_vllm_tier.py [--requests 4000] [--capacities 4000,8000,16000]
-        [--jobs 32] [--latency-jobs 300] [--dir DIR]
+        [--jobs 32] [--latency-jobs 300] [--parts hitrate,tier,latency] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -166,10 +166,14 @@ def _spec() -> _Spec:
     return _Spec(config)
 
 
+_THREADS = [4]  # KvpoolTier's io_threads (--io-threads)
+
+
 def _build(kind: str, pool: np.ndarray, directory: Path, chunks: int) -> Any:
     entry: dict[str, Any] = ({"type": "fs", "root_dir": str(directory)} if kind == "fs" else
                              {"type": "KvpoolTier", "module_path": "kvpool.integrations.vllm",
-                              "disk_path": str(directory), "disk_bytes": chunks * BIG_CHUNK})
+                              "disk_path": str(directory), "disk_bytes": chunks * BIG_CHUNK,
+                              "io_threads": _THREADS[0]})
     return SecondaryTierFactory.create_secondary_tier(entry, memoryview(pool), _spec())
 
 
@@ -299,14 +303,23 @@ def main() -> None:
     parser.add_argument("--capacities", default="4000,8000,16000")
     parser.add_argument("--jobs", type=int, default=32)
     parser.add_argument("--latency-jobs", type=int, default=300)
+    parser.add_argument("--parts", default="hitrate,tier,latency")
+    parser.add_argument("--io-threads", type=int, default=_THREADS[0],
+                        help="KvpoolTier's io_threads")
     parser.add_argument("--dir", default=None, help="where the tiers write (default: a temp "
                                                     "directory under the current one)")
     args = parser.parse_args()
+    _THREADS[0] = args.io_threads
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-tier-", dir=args.dir or "."))
     try:
-        rows = hit_rates(args.requests, [int(c) for c in args.capacities.split(",")])
-        rows += throughput(args.jobs, root)
-        rows += latency(args.latency_jobs, root)
+        parts = args.parts.split(",")
+        rows = []
+        if "hitrate" in parts:
+            rows += hit_rates(args.requests, [int(c) for c in args.capacities.split(",")])
+        if "tier" in parts:
+            rows += throughput(args.jobs, root)
+        if "latency" in parts:
+            rows += latency(args.latency_jobs, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report("bench_vllm_tier", rows, title="kvpool in vLLM 0.33: host-tier policies, tiers",

@@ -108,6 +108,7 @@ class DiskChunks:
                 "disk_manifest_damaged='discard' it starts empty instead"
             ) from e
         self._manifest_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         self._sync_interval = sync_interval_s
         self._last_sync = time.monotonic()
         self._policy = new_queue(eviction_policy, slots)
@@ -247,17 +248,23 @@ class DiskChunks:
             entries = self._manifest.entries
             self._manifest.append_many(drops=[(0, s) for s in slots if (0, s) in entries])
         self._file.check()
-        self._file.write(slots, views)
-        checksums = [_xxh3(v) for v in views]
+        self._file.write(slots, views)  # hashes each chunk as it writes it (persistent file)
+        sums = self._file.checksums
+        assert sums is not None
+        checksums = [sums[s] for s in slots]
         puts = [ManifestEntry(0, slot, _digest(key), (), None, checksum, None, key.hex())
                 for (key, slot), checksum in zip(placed, checksums, strict=True)]
         with self._manifest_lock:
             self._manifest.append_many(puts=puts)
-            if (self._sync_interval is not None
-                    and time.monotonic() - self._last_sync >= self._sync_interval):
-                self._sync_locked()
-            else:
-                self._manifest.maybe_compact()
+            self._manifest.maybe_compact()
+        if (self._sync_interval is not None
+                and time.monotonic() - self._last_sync >= self._sync_interval
+                and self._sync_lock.acquire(blocking=False)):  # one thread syncs, none waits
+            try:
+                self._last_sync = time.monotonic()
+                self.sync()
+            finally:
+                self._sync_lock.release()
         return checksums
 
     def read(self, slot: int, view: memoryview, checksum: int) -> bool:
@@ -268,17 +275,16 @@ class DiskChunks:
         self._file.read([slot], [view])
         return _xxh3(view) == checksum
 
-    def _sync_locked(self) -> None:
-        self._file.sync()
-        self._manifest.sync()
-        self._manifest.maybe_compact()
-        self._last_sync = time.monotonic()
-
     def sync(self) -> None:
-        """fsync the file, then the manifest: what was written survives a machine crash."""
+        """fsync the file, then the manifest: what was written survives a machine crash. The
+        file's fsync (the long part) holds no lock: other threads go on writing meanwhile (a
+        record whose bytes missed this fsync is verified at load like any other)."""
+        if self.closed:
+            return
+        self._file.sync()
         with self._manifest_lock:
             if not self.closed:
-                self._sync_locked()
+                self._manifest.sync()
 
     def close(self) -> None:
         """Sync and close (idempotent); the file and manifest stay for the next process."""
