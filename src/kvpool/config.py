@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.eviction.policies import EVICTION_POLICIES
-from kvpool.eviction.priority import (
-    DEFAULT_PRIORITY,
-    MAX_PRIORITY,
-    MIN_PRIORITY,
-    OFFLOAD_GATES,
-)
+
+# re-exported: the values a configuration names, defined once beside the policies that use them
+from kvpool.eviction.policies import EVICTION_POLICIES as EVICTION_POLICIES
+from kvpool.eviction.priority import DEFAULT_PRIORITY as DEFAULT_PRIORITY
+from kvpool.eviction.priority import MAX_PRIORITY as MAX_PRIORITY
+from kvpool.eviction.priority import MIN_PRIORITY as MIN_PRIORITY
+from kvpool.eviction.priority import OFFLOAD_GATES as OFFLOAD_GATES
 from kvpool.hashing.keys import HashAlgo, hash_algo, tokens_to_u32
 
 if TYPE_CHECKING:

@@ -1,0 +1,181 @@
+"""kvpool's eviction policies as vLLM 0.33 ``CachePolicy`` classes for its CPU offloading tier.
+
+``KvpoolS3FIFO``, ``KvpoolTwoQ``, ``KvpoolARC`` and ``KvpoolLRU`` run kvpool's own queues
+(:mod:`kvpool.eviction`: S3-FIFO, 2Q, ARC, LRU with a key history) over vLLM's CPU chunk ids,
+loaded with ``"eviction_policy": "KvpoolS3FIFO", "cache_policy_module_path":
+"kvpool.integrations.vllm"`` in ``kv_connector_extra_config``.
+
+How vLLM's calls map onto kvpool's queue (one slot per CPU chunk id):
+
+- A chunk joins the queue when it becomes readable (``insert`` of a ready chunk, or the first
+  ``mark_evictable``: its store finished); it stays queued while pinned. A pin (a transfer
+  reading it) is not a use: vLLM's LRU keeps recency apart from pinning too.
+- A use is a request reusing a ready chunk (``on_request_finished``'s ``reused_keys``, tail
+  first so a prefix's head is the most recent) or ``touch``: kvpool claims the slot and pushes
+  it back, which counts one more use (2Q and S3-FIFO move it to their frequent segment, ARC
+  learns from it). A chunk that left and comes back while the history holds its key (a ghost)
+  is counted as reused too.
+- ``evict(n, protected)``: atomic. It first counts the queued chunks that may go (ready, not
+  pinned, not protected) and returns None, changing nothing, when fewer than ``n``; otherwise
+  it pops victims in kvpool's order, skipping pinned and protected chunks, which go back to
+  the queue's most recent end (protected chunks are the ones the current request offers: they
+  are in use).
+- ``remove`` (a failed store) and ``clear`` forget chunks without a trace in the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from kvpool.config import DEFAULT_PRIORITY
+from kvpool.integrations.vllm._vllm import import_failed
+from kvpool.integrations.vllm.queues import SlotQueue, new_queue
+
+try:
+    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+except ImportError as exc:  # vLLM there (checked above) but incomplete
+    raise import_failed(exc) from exc
+
+__all__ = ["KvpoolARC", "KvpoolCachePolicy", "KvpoolLRU", "KvpoolS3FIFO", "KvpoolTwoQ"]
+
+
+class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
+    """A vLLM ``CachePolicy`` on the kvpool policy named by ``POLICY`` (module doc)."""
+
+    POLICY: ClassVar[str] = "s3fifo"
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._pinned: set[OffloadKey] = set()  # queued chunks with ref_cnt > 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.queue: SlotQueue = new_queue(self.POLICY, self.cache_capacity)
+        self._slot_key: list[OffloadKey | None] = [None] * self.cache_capacity
+
+    def _slot(self, chunk: ChunkStatus) -> int:
+        slot = int(chunk.chunk_id)
+        if slot >= len(self._slot_key):  # vLLM's chunk ids stay below the capacity; be safe
+            self._slot_key.extend([None] * (slot + 1 - len(self._slot_key)))
+        return slot
+
+    def _enqueue(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        slot = self._slot(chunk)
+        if slot not in self.queue:
+            self._slot_key[slot] = key
+            self.queue.push(slot, DEFAULT_PRIORITY, key=key)
+
+    # ------------------------------------------------------------------ CachePolicy
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        self.chunks[key] = chunk
+        if chunk.ref_cnt >= 0:
+            self._enqueue(key, chunk)
+
+    def remove(self, key: OffloadKey) -> None:
+        chunk = self.chunks.pop(key)
+        self._pinned.discard(key)
+        slot = self._slot(chunk)
+        if slot in self.queue and self._slot_key[slot] == key:
+            self.queue.remove(slot)
+        if self._slot_key[slot] == key:
+            self._slot_key[slot] = None
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._pinned.discard(key)
+        chunk = self.chunks.get(key)
+        if chunk is not None:
+            self._enqueue(key, chunk)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._pinned.add(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._reuse(list(keys))
+
+    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
+                            insertion_only_keys: set[OffloadKey],
+                            reused_keys: set[OffloadKey], req_context: ReqContext) -> None:
+        order = order_request_keys(key_groups, req_context)
+        self._reuse([k for k in order if k in reused_keys])
+
+    def _reuse(self, keys: list[OffloadKey]) -> None:
+        """One more use of each queued chunk of ``keys`` (head-to-tail order), tail first."""
+        slots: list[int] = []
+        used: list[OffloadKey] = []
+        seen: set[int] = set()
+        queue = self.queue
+        for key in reversed(keys):
+            chunk = self.chunks.get(key)
+            if chunk is None:
+                continue
+            slot = self._slot(chunk)
+            if slot in queue and slot not in seen:
+                seen.add(slot)
+                slots.append(slot)
+                used.append(key)
+        if slots:
+            queue.remove_many(slots)
+            queue.push_many(slots, DEFAULT_PRIORITY, used)
+
+    def evict(self, n: int, protected: set[OffloadKey]
+              ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n <= 0:
+            return []
+        queue, chunks, slot_key = self.queue, self.chunks, self._slot_key
+        held = {k for k in self._pinned | protected
+                if k in chunks and self._slot(chunks[k]) in queue}
+        if len(queue) - len(held) < n:
+            return None
+        victims: list[int] = []
+        skipped: list[int] = []
+        while len(victims) < n:
+            for slot in queue.pop_slots(n - len(victims)):
+                (skipped if slot_key[slot] in held else victims).append(slot)
+        if skipped:
+            queue.push_many(skipped, DEFAULT_PRIORITY, [slot_key[s] or b"" for s in skipped])
+        out: list[tuple[OffloadKey, ChunkStatus]] = []
+        for slot in victims:
+            key = slot_key[slot]
+            assert key is not None
+            slot_key[slot] = None
+            out.append((key, chunks.pop(key)))
+        return out
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._pinned.clear()
+        self._reset()
+
+
+class KvpoolS3FIFO(KvpoolCachePolicy):
+    """S3-FIFO (Yang et al. 2023): a small FIFO for new chunks, a main FIFO with extra laps for
+    reused ones (:class:`kvpool.eviction.S3FIFO`)."""
+
+    POLICY = "s3fifo"
+
+
+class KvpoolTwoQ(KvpoolCachePolicy):
+    """2Q (Johnson & Shasha 1994): new chunks in a FIFO of a quarter of the cache, reused ones
+    in an LRU (:class:`kvpool.eviction.TwoQueue`)."""
+
+    POLICY = "2q"
+
+
+class KvpoolARC(KvpoolCachePolicy):
+    """ARC (Megiddo & Modha 2003): the recent/frequent split adapts to ghost hits
+    (:class:`kvpool.eviction.ARC`)."""
+
+    POLICY = "arc"
+
+
+class KvpoolLRU(KvpoolCachePolicy):
+    """Least recently used first (:class:`kvpool.eviction.PrioritizedLRU`)."""
+
+    POLICY = "lru"
