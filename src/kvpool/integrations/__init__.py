@@ -1,0 +1,1 @@
+"""kvpool inside other inference engines: their offloading and storage plug-in points."""
