@@ -196,8 +196,12 @@ class PageDisk:
         """Store each ``(key, runs)`` (a page already held counts as stored); whether each
         page is stored. A victim of the policy makes room when no slot is free."""
         done = [key in self._slot_of for key, _ in items]
-        todo = [i for i, ok in enumerate(done) if not ok]
-        todo = list({items[i][0]: i for i in todo}.values())  # a key listed twice: once
+        todo: list[int] = []
+        seen: set[bytes] = set()
+        for i, ok in enumerate(done):  # a key listed twice is stored once, as first listed
+            if not ok and items[i][0] not in seen:
+                seen.add(items[i][0])
+                todo.append(i)
         slots = self._claim(len(todo))
         self.counters.write_failures += len(todo) - len(slots)  # no room could be recorded
         puts: list[ManifestEntry] = []
