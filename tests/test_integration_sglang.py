@@ -151,6 +151,26 @@ def test_dynamic_loader_builds_it_and_refuses_bad_options(tmp_path: Path, pool: 
         sglang_env.create({**disk(tmp_path), "disk_bytes": 100}, pool)
 
 
+def test_kvpool_never_imports_sglang_and_says_when_it_is_missing() -> None:
+    """``import kvpool`` (and the integration's options) leave SGLang alone; without SGLang
+    the class lookup raises SGLangUnavailableError, an ImportError SGLang's loader reports."""
+    code = (
+        "import sys\n"
+        "import kvpool, kvpool.integrations.sglang as s\n"
+        "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules)\n"
+        "sys.modules['sglang'] = None  # as if SGLang were not installed\n"
+        "try:\n"
+        "    s.KvpoolHiCacheStorage\n"
+        "except s.SGLangUnavailableError as e:\n"
+        "    assert isinstance(e, ImportError) and 'sglang==0.5.23' in str(e)\n"
+        "    print('OK')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.stdout.strip() == "OK", done.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------- round trips
 
 
