@@ -56,7 +56,7 @@ for pin in sys.argv[1:]:
 sys.exit(1 if missing else 0)
 PYEOF
 then
-    echo "[install_sglang] already installed: ${PINS[0]} and ${#PINS[@]} pinned packages"
+    echo "[install_sglang] already installed: ${#PINS[@]} pinned packages (${PINS[0]}, ...)"
     exit 0
 fi
 
