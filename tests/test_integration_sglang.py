@@ -174,13 +174,16 @@ def test_kvpool_never_imports_sglang_and_says_when_it_is_missing() -> None:
 # ---------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "mla_page_first"])
 def test_controller_round_trip_bit_exact(tmp_path: Path, layout: str, pool: Any,
                                          pool_lf: Any) -> None:
     """SGLang's backup and prefetch calls; pages written through the zero-copy interface
-    read back through the generic one and the other way round, bit for bit."""
-    host = pool if layout == "page_first" else pool_lf
-    backend = sglang_env.create(disk(tmp_path), host)
+    read back through the generic one and the other way round, bit for bit (MHA pools in
+    both layouts, and an MLA pool)."""
+    mla = layout.startswith("mla")
+    host = {"page_first": pool, "layer_first": pool_lf}.get(layout) or \
+        sglang_env.mla_host_pool("page_first", page_size=PS)
+    backend = sglang_env.create(disk(tmp_path), host, mla=mla)
     try:
         for writer_zero_copy, salt in ((True, 1), (False, 2)):
             writer = Controller(backend, host, zero_copy=writer_zero_copy)

@@ -110,14 +110,15 @@ def host_pool(layout: str = "page_first", *, layers: int = 2, heads: int = 2, he
 
 
 def storage_config(extra: dict[str, Any], *, layout: str = "page_first", tp_rank: int = 0,
-                   tp_size: int = 1, model: str = "test/model", metrics: bool = True) -> Any:
+                   tp_size: int = 1, model: str = "test/model", metrics: bool = True,
+                   mla: bool = False) -> Any:
     """SGLang's ``HiCacheStorageConfig`` for kvpool's backend loaded dynamically (with the
     zero-copy interface), plus ``extra``'s kvpool options."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=metrics,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
         is_page_first_layout=layout == "page_first", model_name=model,
         extra_config={"backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
                       "class_name": "KvpoolHiCacheStorage", "interface_v1": 1, **extra})
@@ -132,3 +133,26 @@ def create(extra: dict[str, Any], pool: Any, **kwargs: Any) -> Any:
         "dynamic", storage_config(extra, layout=pool.layout, **kwargs), pool)
     backend.register_mem_pool_host(pool)
     return backend
+
+
+def mla_host_pool(layout: str = "page_first", *, layers: int = 2, kv_lora_rank: int = 16,
+                  rope_dim: int = 8, page_size: int = 4, device_tokens: int = 64,
+                  ratio: float = 2.0) -> Any:
+    """SGLang's own CPU MLA host pool (``MLATokenToKVPoolHost``, bfloat16): one latent row
+    (``kv_lora_rank + rope_dim``) per token and layer, the same on every TP rank."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dim = kv_lora_rank + rope_dim
+    rows = tuple(torch.zeros(device_tokens, 1, dim, dtype=torch.bfloat16) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=rows, data_ptrs=torch.tensor([b.data_ptr() for b in rows]),
+        layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page_size,
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, kv_cache_dim=dim,
+        dtype=torch.bfloat16, device=torch.device("cpu"))
+    pool = MLATokenToKVPoolHost(info, ratio, 0, page_size, layout, pin_memory=False,
+                                device="cpu", device_capacity_tokens=device_tokens,
+                                start_layer=0, end_layer=layers, target_layer_num=layers)
+    pool._kvpool_device_buffers = rows
+    return pool
