@@ -3,6 +3,8 @@
 - :mod:`kvpool.integrations.vllm`: a vLLM secondary offloading tier (``KvpoolTier``) on
   kvpool's persistent disk tier and shared remote store, and vLLM ``CachePolicy`` classes on
   kvpool's eviction policies (S3-FIFO, 2Q, ARC).
+- :mod:`kvpool.integrations.sglang`: an SGLang HiCache storage backend (``KvpoolHiCacheStorage``)
+  on kvpool's disk tier and shared remote store.
 
 The engines are not kvpool dependencies: importing :mod:`kvpool` or this package never imports
 them. A module that needs an engine imports it when it is itself imported and raises
