@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.core import introspect, lifecycle, persist
 from kvpool.core import plan as admission
-from kvpool.core.allocator import clear_queues
+from kvpool.core.allocator import clear_queues, drop_unwritten
 from kvpool.core.commit import commit
 from kvpool.core.emit import EventSink, event_algo
 from kvpool.core.execute import AdmitResult, admit, disk_reads
@@ -108,6 +108,7 @@ class KVCacheManager:
             events = EventManager(config.event_buffer_max_size, hash_algo=event_algo(config))
         self.events = events
         self._st = st = CacheState(config, storage or MetadataStorage(self.tpb), events)
+        st.repair_copies = drop_unwritten
         self.step = st.step
         self.self_groups = st.self_groups
         self.full_attention_only = st.full_attention_only

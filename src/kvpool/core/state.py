@@ -80,6 +80,11 @@ class RemoteObserver(Protocol):
     def before_copies(self) -> None: ...
 
 
+def _unrepaired(state: CacheState, failed: list[BlockCopy]) -> list[BlockCopy]:
+    """Until the manager sets the allocator's repair: no failed copy is repaired."""
+    return failed
+
+
 class CacheState:
     """The state one manager's calls share (see the module docstring)."""
 
@@ -87,11 +92,16 @@ class CacheState:
         "_hashers", "clock", "config", "copies", "copy_failure", "emit", "failed_copies",
         "full_attention_only",
         "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools", "remote",
+        "repair_copies",
         "retention_seen", "roots", "self_groups", "sequences", "stats", "step", "storage",
         "tiers", "tpb", "view",
     )
 
     def __init__(self, config: CacheConfig, storage: Storage, events: EventSink | None) -> None:
+        # what a failed copy's blocks become (kvpool.core.allocator.drop_unwritten, set by the
+        # manager: the allocator works on this state, so this module cannot import it)
+        self.repair_copies: Callable[[CacheState, list[BlockCopy]], list[BlockCopy]] = (
+            _unrepaired)
         self.config = config
         self.tpb = config.tokens_per_block
         self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
@@ -230,10 +240,8 @@ class CacheState:
         try:
             self.storage.copy_blocks(copies)
         except Exception as exc:
-            from kvpool.core.allocator import drop_unwritten  # (the allocator imports this module)
-
             failed = exc.failed if isinstance(exc, CopyFailedError) else copies
-            unrepaired = drop_unwritten(self, [BlockCopy(*c) for c in failed])
+            unrepaired = self.repair_copies(self, [BlockCopy(*c) for c in failed])
             if self.emit.pending:
                 self.emit.flush_removed()
             if unrepaired:
