@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, ScheduledSeq, StepBatch, register
+from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, StepBatch, register
 from kvpool.engine.layout import ModelLayout, cache_config, model_layout, text_config
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
+from kvpool.engine.step_meta import GroupGeom, RowCache, SeqWork, StepMeta, build_step
 from kvpool.errors import CapacityError, InvalidArgumentError
 from kvpool.manager import KVCacheManager
 
@@ -88,6 +89,9 @@ class Engine:
             PoolView(self._rows(g), geo.num_layers, config.tokens_per_block, self.layout.windows[g])
             for g, geo in enumerate(self.layout.geometry)
         ]
+        self._geoms = [GroupGeom(p.tpb, p.num_layers, p.window) for p in self._pools]
+        self._row_cache = RowCache(self._geoms)
+        self._staging = torch.empty(0, dtype=torch.long)
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.scheduler = Scheduler(self.manager, max_batch_size, max_num_tokens)
         self._requests: dict[str, Request] = {}
@@ -216,42 +220,66 @@ class Engine:
 
     def _forward(self, sched: Schedule) -> tuple[torch.Tensor, list[Request]]:
         """One model call over the step's tokens; the logits of the rows that sample."""
-        ids: list[int] = []
-        pos: list[int] = []
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
-        keep: list[int] = []
-        samplers: list[Request] = []
-        groups = range(len(self._pools))
-        m = self.manager
-        for req in sched.decodes:
-            n = req.seq_len - 1
-            ids.append(req.tokens[n])
-            pos.append(n)
-            decodes.append(ScheduledSeq({g: m.block_ids(req.seq_id, g) for g in groups}, n, n + 1))
-            keep.append(len(ids) - 1)
-            samplers.append(req)
-        for req, start, end in sched.prefills:
-            ids += req.tokens[start:end]
-            pos += range(start, end)
-            prefills.append(ScheduledSeq({g: m.block_ids(req.seq_id, g) for g in groups},
-                                         start, end))
-            if end == req.seq_len:
-                keep.append(len(ids) - 1)
-                samplers.append(req)
-        dev = self.device
+        meta, samplers = self._step_meta(sched)
+        data = self._to_device(meta.data)
         batch = StepBatch(self._pools, self.layout.layer_group, self.layout.layer_index,
-                          decodes, prefills, dev)
+                          meta, data)
+        seg = meta.segments
+        n, keep = seg["ids"].length, seg["keep"]
         out = self.model(
-            input_ids=torch.tensor([ids], device=dev),
-            position_ids=torch.tensor([pos], device=dev),
+            input_ids=data[:n][None],
+            position_ids=data[seg["pos"].offset:seg["pos"].offset + n][None],
             attention_mask=self._mask,
             past_key_values=None,
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            # every row sampled (decodes only): no index at all
+            logits_to_keep=0 if keep.length == n else data[keep.offset:keep.offset
+                                                           + keep.length],
             kvpool_batch=batch,
         )
         return out.logits[0].float(), samplers
+
+    def _step_meta(self, sched: Schedule) -> tuple[StepMeta, list[Request]]:
+        """The step's packed ids and metadata (:mod:`kvpool.engine.step_meta`) on the host."""
+        ids: list[int] = []
+        keep: list[int] = []
+        samplers: list[Request] = []
+        groups = range(len(self._pools))
+        block_ids = self.manager.block_ids
+        cache = self._row_cache
+        cache.step()
+        decodes: list[SeqWork] = []
+        prefills: list[SeqWork] = []
+        for req in sched.decodes:
+            n, seq = req.seq_len, req.seq_id
+            ids.append(req.tokens[n - 1])
+            decodes.append(SeqWork([cache.rows(seq, g, block_ids(seq, g)) for g in groups],
+                                   n - 1, n))
+            samplers.append(req)
+        keep += range(len(ids))
+        for req, start, end in sched.prefills:
+            ids += req.tokens[start:end]
+            seq = req.seq_id
+            prefills.append(SeqWork([cache.rows(seq, g, block_ids(seq, g)) for g in groups],
+                                    start, end))
+            if end == req.seq_len:
+                keep.append(len(ids) - 1)
+                samplers.append(req)
+        return build_step(self._geoms, decodes, prefills, ids, keep), samplers
+
+    def _to_device(self, data: Any) -> torch.Tensor:
+        """The step's int64 metadata on the device: shared with numpy on the CPU; on CUDA
+        through a pinned buffer and one copy that does not wait (the buffer is rewritten only
+        after the step's tokens were read back, which waits for that copy)."""
+        host = torch.from_numpy(data)
+        if self.device.type != "cuda":
+            return host
+        if self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 2 * self._staging.numel()),
+                                        dtype=torch.long, pin_memory=True)
+        staged = self._staging[:host.numel()]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
 
     def _append(self, req: Request, token: int) -> RequestOutput:
         """Record a sampled token, check the stop conditions, report the request."""
