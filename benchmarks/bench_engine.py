@@ -94,8 +94,13 @@ def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None
         fields["num_hidden_layers"] = layers
     config = transformers.LlamaConfig(**fields, attn_implementation="sdpa")
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.generation_config.eos_token_id = None
     return model.eval()
 
@@ -166,7 +171,7 @@ def decode(engine: Engine, hf: Any, prompts: Prompts, n: int, repeats: int) -> d
             ours.append(time.perf_counter())
         theirs = _TokenTimes()
         with torch.inference_mode():
-            hf.generate(torch.tensor([prompts(DECODE_PROMPT)]), max_new_tokens=n,
+            hf.generate(torch.tensor([prompts(DECODE_PROMPT)], device=hf.device), max_new_tokens=n,
                         min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
                         streamer=theirs)
         assert len(ours) == n and len(theirs.times) == n + 1  # the prompt comes first

@@ -5,6 +5,7 @@ CUDA a step launches without a host sync."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ pytest.importorskip("transformers")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvpool.engine import SamplingParams  # noqa: E402
+from kvpool.engine import Engine, SamplingParams  # noqa: E402
 from kvpool.engine import attention as attention_module  # noqa: E402
 from kvpool.engine.step_meta import (  # noqa: E402
     GroupGeom,
@@ -29,7 +30,7 @@ from kvpool.engine.step_meta import (  # noqa: E402
     position_rows,
     span_bucket,
 )
-from test_engine_logits import Pair, tight_pool, tokens  # noqa: E402
+from test_engine_logits import Pair, llama, tight_pool, tokens  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -148,14 +149,16 @@ def test_packed_prefill_equals_per_chunk(limit: float, monkeypatch: pytest.Monke
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_step_has_no_host_sync() -> None:
-    """On CUDA a step's launch (metadata copy, model, graph replay) never waits for the GPU:
-    only reading the sampled tokens back does."""
-    pair = Pair("llama", {"gpu_blocks": 64})
-    engine = pair.engine
-    engine.model.cuda()
-    pair.engine = type(engine)(engine.model, cache={"tokens_per_block": 4, "gpu_blocks": 64},
-                               max_batch_size=4)
-    forward = pair.engine._forward
+    """On CUDA a step's launch (metadata copy, model, graph replay) never waits for the GPU;
+    only reading the sampled tokens back does. The first round captures the graphs (a
+    capture synchronizes); the second, same shapes, runs under sync-debug "error"."""
+    torch.manual_seed(1234)
+    model = llama().float().eval().cuda()
+    ref = copy.deepcopy(model)
+    engine = Engine(model, cache={"tokens_per_block": 4, "gpu_blocks": 64}, max_batch_size=4)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.generate([tokens(60, 7), tokens(61, 12)], params)
+    forward = engine._forward
 
     def strict(sched: Any) -> Any:
         torch.cuda.set_sync_debug_mode("error")
@@ -164,13 +167,12 @@ def test_cuda_step_has_no_host_sync() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    pair.engine._forward = strict  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    outs = pair.engine.generate([tokens(60, 7), tokens(61, 12)], params)
-    dense = pair.ref.cuda()
+    engine._forward = strict  # type: ignore[method-assign]
+    replays = engine._static.replays if engine._static is not None else 0
+    outs = engine.generate([tokens(62, 7), tokens(63, 12)], params)
     for out in outs:
         with torch.no_grad():
-            ref = dense(torch.tensor([out.prompt_token_ids + out.token_ids]).cuda()).logits[0]
+            dense = ref(torch.tensor([out.prompt_token_ids + out.token_ids]).cuda()).logits[0]
         n = len(out.prompt_token_ids)
-        assert ref[n - 1:-1].argmax(-1).tolist() == out.token_ids
-    assert pair.engine._static is not None and pair.engine._static.replays > 0
+        assert dense[n - 1:-1].argmax(-1).tolist() == out.token_ids
+    assert engine._static is not None and engine._static.replays > replays
