@@ -1,14 +1,18 @@
 """Paged attention over kvpool's pool tensors, registered with transformers' AttentionInterface.
 
 A step packs every scheduled sequence's new tokens into one row ``[1, T]``: the decodes first
-(one token each), then each prefill chunk. :class:`StepBatch` is built once per step and
-passed to the model as the keyword argument ``kvpool_batch``; transformers hands it to every
-attention call, where :func:`paged_attention`
+(one token each), then each prefill chunk. Its metadata (token ids, positions, pool rows) is
+built once on the host (:mod:`kvpool.engine.step_meta`) into one int64 tensor on the device;
+:class:`StepBatch` slices it into views (and builds the masks) once per step and is passed to
+the model as the keyword argument ``kvpool_batch``; transformers hands it to every attention
+call, where :func:`paged_attention`
 
 1. writes the layer's new K/V into the sequences' block slots (one ``index_copy_`` each), and
-2. reads each sequence's K/V back through its block table (one ``index_select``) and runs
-   ``scaled_dot_product_attention``: all decodes in one call (query heads folded onto their
-   KV heads, so grouped-query attention needs no repeated KV), each prefill chunk in its own.
+2. reads the K/V back through the precomputed rows (one ``index_select`` for the decodes, one
+   for the prefills) and runs ``scaled_dot_product_attention``: all decodes in one call
+   (query heads folded onto their KV heads, so grouped-query attention needs no repeated KV),
+   and all prefill chunks in one call with a block-diagonal mask while that costs at most
+   :data:`PACK_LIMIT` times the chunks' own scores (else one call per chunk).
 
 The pool of a layer group ``[slots, layers, 2, tpb, kv_heads, head_dim]`` is read as rows
 ``[slots·layers·2·tpb, kv_heads, head_dim]``: the row of (slot, layer, K/V, offset) is

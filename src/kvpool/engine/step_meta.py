@@ -46,8 +46,8 @@ class GroupGeom:
 @dataclass(slots=True)
 class SeqWork:
     """One sequence's part of a step: tokens ``[start, end)`` are computed now.
-    ``rows[g]``: the layer-0 K row of every position its block table in group g covers
-    (:func:`position_rows`)."""
+    ``rows[g]``: ``[2, positions]``, the layer-0 K and V rows of every position its block
+    table in group g covers (:func:`position_rows`)."""
 
     rows: Sequence[IntArray]
     start: int
@@ -55,10 +55,11 @@ class SeqWork:
 
 
 def position_rows(table: Sequence[int], geom: GroupGeom) -> IntArray:
-    """The layer-0 K row of every position of a block table (rows of blocks not held, -1,
-    are negative and never read)."""
+    """``[2, positions]``: the layer-0 K row, then V row, of every position of a block table
+    (rows of blocks not held, -1, are negative and never read)."""
     t = np.asarray(table, dtype=np.int64)
-    return (t[:, None] * geom.stride + np.arange(geom.tpb, dtype=np.int64)).reshape(-1)
+    k = (t[:, None] * geom.stride + np.arange(geom.tpb, dtype=np.int64)).reshape(-1)
+    return np.stack((k, k + geom.tpb))
 
 
 class RowCache:
@@ -142,7 +143,7 @@ class StepMeta:
     def __init__(self) -> None:
         self.segments: dict[str, Segment] = {}
         self._ints: list[int] = []  # list segments, first in ``data``
-        self._parts: list[tuple[str, IntArray]] = []  # array segments, after them
+        self._parts: list[tuple[str, list[IntArray]]] = []  # array segments, after them
         self.num_decodes = 0
         self.spans: list[int] = []  # per group: keys per decode
         self.uniform: list[bool] = []  # per group: every decode reads all its span
@@ -154,16 +155,23 @@ class StepMeta:
             self.segments[name] = Segment(len(self._ints), len(values))
             self._ints += values
         else:
-            self._parts.append((name, values.reshape(-1)))
+            self._parts.append((name, [values.reshape(-1)]))
+
+    def add_pieces(self, name: str, pieces: list[IntArray]) -> None:
+        """A segment that is ``pieces`` one after the other (copied once, by :meth:`finish`)."""
+        self._parts.append((name, pieces))
 
     def finish(self) -> StepMeta:
-        """Lay the segments out in ``data`` (one array: one copy to the device)."""
+        """Lay the segments out in ``data``: one concatenation, one array (one copy to the
+        device)."""
         offset = len(self._ints)
-        for name, arr in self._parts:
-            self.segments[name] = Segment(offset, arr.size)
-            offset += arr.size
-        head = np.array(self._ints, dtype=np.int64)
-        self.data = np.concatenate([head, *(a for _, a in self._parts)]) if self._parts else head
+        arrays: list[IntArray] = [np.array(self._ints, dtype=np.int64)]
+        for name, pieces in self._parts:
+            size = sum(p.size for p in pieces)
+            self.segments[name] = Segment(offset, size)
+            offset += size
+            arrays += pieces
+        self.data = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
         self._ints, self._parts = [], []
         return self
 
@@ -176,24 +184,28 @@ class StepMeta:
 
 
 def _decode_rows(decodes: Sequence[SeqWork], g: int, geom: GroupGeom,
-                 span: int) -> tuple[IntArray, list[int], list[int]]:
-    """(per decode its K rows then its V rows, write rows, keys per decode). Keys past a
-    decode's own repeat its first key's row (valid memory; the mask hides them)."""
-    out = np.empty((len(decodes), span), dtype=np.int64)
+                 span: int) -> tuple[list[IntArray], list[int], list[int]]:
+    """(per decode its K rows then its V rows, as pieces; write rows; keys per decode).
+    Keys past a decode's own repeat its first key's rows (valid memory; the mask hides
+    them)."""
+    pieces: list[IntArray] = []
     writes: list[int] = []
     lens: list[int] = []
     window = geom.window
-    for i, s in enumerate(decodes):
+    for s in decodes:
         rows = s.rows[g]
         last = s.end - 1
         first = 0 if window is None else max(0, last - window + 1)
-        n = last - first + 1
-        out[i, :n] = rows[first:s.end]
+        n = s.end - first
+        k, v = rows[0, first:s.end], rows[1, first:s.end]
         if n < span:
-            out[i, n:] = rows[first]
-        writes.append(int(rows[last]))
+            pad = np.full(span - n, rows[0, first], dtype=np.int64)
+            pieces += (k, pad, v, pad + geom.tpb)
+        else:
+            pieces += (k, v)
+        writes.append(int(rows[0, last]))
         lens.append(n)
-    return np.concatenate((out, out + geom.tpb), axis=1), writes, lens
+    return pieces, writes, lens
 
 
 def _prefill_rows(prefills: Sequence[SeqWork], g: int, geom: GroupGeom, t0: int,
@@ -209,7 +221,7 @@ def _prefill_rows(prefills: Sequence[SeqWork], g: int, geom: GroupGeom, t0: int,
     for i, s in enumerate(prefills):
         lo = first_key(s.start, geom.window)
         keys = np.arange(lo, s.end, dtype=np.int64)
-        r = s.rows[g][lo:s.end]
+        r = s.rows[g][0, lo:s.end]
         rows.append(r)
         kpos.append(keys)
         kseg.append(np.full(keys.size, i, dtype=np.int64))
@@ -253,7 +265,7 @@ def build_step(geoms: Sequence[GroupGeom], decodes: Sequence[SeqWork],
             longest = max(s.end - first_key(s.end - 1, geom.window) for s in decodes)
             span = longest if spans is None else spans[g]
             rows, w, lens = _decode_rows(decodes, g, geom, span)
-            meta.add(f"drows{g}", rows)
+            meta.add_pieces(f"drows{g}", rows)
             meta.add(f"dlens{g}", lens)
             meta.spans.append(span)
             meta.uniform.append(all(n == span for n in lens))
