@@ -9,7 +9,9 @@ Rows also show the alternatives considered for the batched op (plain torch, offl
 ``index_select`` into a preallocated staging tensor then ``index_copy_``, advanced-indexing
 assignment ``dst[idx] = src[idx]``, and one ``_foreach_copy_`` without the worker-thread split
 (each block then runs its own intra-op parallel region). Where CUDA is present the
-host↔device (pinned) and device→device paths are measured too.
+host↔device (pinned) and device→device paths are measured too, through the Triton kernel
+(:mod:`kvpool.tiers.copy_kernels`) and through torch's per-block copies; ``--no-cpu`` skips the
+CPU paths.
 
 Run: ``.venv/bin/python benchmarks/bench_copy.py`` (``--quick`` for 1,024 blocks and fewer repeats).
 """
@@ -172,18 +174,8 @@ def bench_alternatives(storage: TorchStorage, blocks: int, repeats: int) -> list
     ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="1,024 blocks, 3 repeats")
-    parser.add_argument("--no-disk", action="store_true", help="skip the disk tier")
-    parser.add_argument("--no-alternatives", action="store_true", help="skip the op comparison")
-    args = parser.parse_args()
-    blocks, repeats = (1024, 3) if args.quick else (args.blocks, args.repeats)
-    block_bytes = GEOMETRY.block_bytes(TPB)
+def cpu_rows(args: argparse.Namespace, blocks: int, repeats: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as disk:
         disk_slots = 0 if args.no_disk else blocks
         with TorchStorage(
@@ -200,20 +192,50 @@ def main() -> int:
             rows += bench_storage(cpu, paths, blocks, repeats, lambda: None)
             if not args.no_alternatives:
                 rows += bench_alternatives(cpu, blocks, repeats)
+    return rows
 
-    if torch.cuda.is_available():
-        with TorchStorage(TPB, [GEOMETRY], [[blocks], [blocks]], device="cuda") as gpu:
+
+def cuda_rows(blocks: int, repeats: int) -> list[dict[str, Any]]:
+    """Host↔device (pinned) and device copies, through the Triton kernel (the default with
+    Triton) and through torch's per-block copies (``kernel=False``)."""
+    from kvpool.tiers.copy_kernels import available
+
+    rows: list[dict[str, Any]] = []
+    kernels = [True, False] if available(torch.device("cuda")) else [False]
+    for kernel in kernels:
+        how = "Triton kernel" if kernel else "torch _foreach_copy_"
+        with TorchStorage(TPB, [GEOMETRY], [[blocks], [blocks]], device="cuda",
+                          kernel=kernel) as gpu:
             gpu.tensors(0).view(torch.uint8).random_(0, 256)
             paths = [
-                (Tier.GPU, Tier.HOST, "offload, pinned"),
-                (Tier.HOST, Tier.GPU, "onboard, pinned"),
-                (Tier.GPU, Tier.GPU, "device copy"),
+                (Tier.GPU, Tier.HOST, f"offload, pinned, {how}"),
+                (Tier.HOST, Tier.GPU, f"onboard, pinned, {how}"),
+                (Tier.GPU, Tier.GPU, f"device copy, {how}"),
             ]
             rows += bench_storage(gpu, paths, blocks, repeats, torch.cuda.synchronize)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="1,024 blocks, 3 repeats")
+    parser.add_argument("--no-disk", action="store_true", help="skip the disk tier")
+    parser.add_argument("--no-alternatives", action="store_true", help="skip the op comparison")
+    parser.add_argument("--no-cpu", action="store_true", help="the CUDA paths only")
+    parser.add_argument("--out", help="the JSON file (default results/copy.json)")
+    args = parser.parse_args()
+    blocks, repeats = (1024, 3) if args.quick else (args.blocks, args.repeats)
+    block_bytes = GEOMETRY.block_bytes(TPB)
+    rows = [] if args.no_cpu else cpu_rows(args, blocks, repeats)
+    if torch.cuda.is_available():
+        rows += cuda_rows(blocks, repeats)
 
     report(
         "copy",
         rows,
+        out=args.out,
         title=f"copy_blocks vs one contiguous copy_: {blocks} blocks of {block_bytes // 1024} KiB",
         extra={
             "block_bytes": block_bytes,

