@@ -142,3 +142,13 @@ class ManifestError(StorageError):
     """A persistent disk tier's manifest cannot be used: written for another namespace
     (model, geometry, block size or hash algorithm), or damaged. The message says which, and
     that the manifest can be discarded instead."""
+
+
+class HttpRequestError(InvalidArgumentError):
+    """An HTTP request ``kvpool serve`` or ``kvpool router`` refuses before handling it: a body
+    over the size limit (413), one that did not arrive in time (408), or one that is not JSON,
+    not valid UTF-8 or nested too deeply (400). ``status`` is the HTTP status it answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

@@ -10,6 +10,13 @@ format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (
 
 Once listening it prints ``kvpool serve listening on http://HOST:PORT`` on stdout (after the
 ``kvpool serve publishing KV events on ...`` line when events are on).
+
+HTTP options, the same as ``kvpool router``'s ``listen`` keys: ``--auth-token-env NAME`` (the
+name of an environment variable holding the bearer token every endpoint but ``/health``
+requires), ``--max-body-bytes``, ``--max-connections``, ``--keepalive-timeout-s``,
+``--body-timeout-s`` (see :class:`kvpool.httpserve.HttpLimits`). ``/v1/models`` lists
+``--served-model-name``, by default the model's name: the built-in name, or the checkpoint
+directory's or GGUF file's name, never its path.
 """
 
 from __future__ import annotations
@@ -18,10 +25,18 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
-from kvpool.commands._args import cancel_on_signals
+from kvpool.commands._args import cancel_on_signals, nonneg_float
 from kvpool.errors import InvalidArgumentError
+from kvpool.httpserve import bearer_token
+from kvpool.httpserve.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    HttpLimits,
+)
 from kvpool.planner import parse_size
 
 EVENT_HASH_ALGO = "v2_sha256_64"
@@ -65,8 +80,48 @@ def register(subparsers: Any) -> None:
                         help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any)")
     events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
                         help="serve missed event batches here (needs --kv-events-endpoint)")
+    http = p.add_argument_group("HTTP (as kvpool router's listen keys)")
+    http.add_argument("--served-model-name", metavar="NAME",
+                      help="the model's name in /v1/models and answers (default: the built-in "
+                      "name, or the checkpoint directory's or GGUF file's name)")
+    http.add_argument("--auth-token-env", metavar="VAR",
+                      help="name of an environment variable holding the bearer token every "
+                      "endpoint but /health requires (default: no auth)")
+    http.add_argument("--max-body-bytes", type=_size, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="SIZE", help="largest request body accepted, 413 past it "
+                      "(default 10MiB)")
+    http.add_argument("--max-connections", type=_positive, metavar="N",
+                      help="open client connections at most, a JSON 503 past it (default and "
+                      "most: 3/4 of the open-file limit)")
+    http.add_argument("--keepalive-timeout-s", type=_seconds, default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+                      metavar="S", help="close a connection idle, or still sending its request "
+                      f"head, this long (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+    http.add_argument("--body-timeout-s", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S,
+                      metavar="S", help="a body must be all in this long after its head, 408 "
+                      f"otherwise (default {DEFAULT_BODY_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     p.set_defaults(func=run)
+
+
+def served_model_name(model: str) -> str:
+    """The name ``/v1/models`` shows for ``--model``: a built-in name as is, a checkpoint
+    directory's or GGUF file's own name (without ``.gguf``), never the path to it."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    return path.resolve().name if path.exists() else (path.name or model)
+
+
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineServer`` keywords of the HTTP flags: name, limits, bearer token."""
+    if args.max_body_bytes < 1:
+        raise InvalidArgumentError("--max-body-bytes must be at least 1 byte")
+    return {
+        "model_name": args.served_model_name or served_model_name(args.model),
+        "limits": HttpLimits(args.max_body_bytes, args.max_connections,
+                             args.keepalive_timeout_s, args.body_timeout_s),
+        "auth_token": bearer_token(args.auth_token_env, option="--auth-token-env"),
+    }
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InvalidArgumentError(f"--port {args.port} is not a TCP port")
     cache = cache_options(args)
+    http = http_options(args)
     import torch
 
     from kvpool.engine.engine import Engine
@@ -107,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, cache=cache, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens)
     server = EngineServer(
-        engine, model_name=args.model, host=args.host, port=args.port,
+        engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint, **http,
     )
     asyncio.run(_main(server))
     return 0
@@ -137,6 +193,13 @@ def _size(text: str) -> int:
         return parse_size(text)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    value = nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
