@@ -1,10 +1,12 @@
 """aiohttp's low-level server with a connection cap and JSON answers for what aiohttp refuses
 itself, and the listening socket that runs it.
 
-- Past :meth:`HttpLimits.connection_cap` open connections, a new one is answered with the
-  service's JSON 503 (``Retry-After: 1``) and closed at once, before anything is read: the
-  process never runs out of file descriptors, so ``accept()`` never fails and ``/health`` is
-  answered as soon as a connection frees up. Refusals are logged rate limited.
+- At :meth:`HttpLimits.connection_cap` open connections, a new one makes room by closing the
+  oldest connection with no request in progress (idle, or still sending its request head: a
+  slow client's); when every connection has a request in progress, the new one is answered
+  with the service's JSON 503 (``Retry-After: 1``) and closed before anything is read. The
+  process never runs out of file descriptors, so ``accept()`` never fails, and ``/health``
+  gets through however many slow clients hold connections. Both are logged rate limited.
 - aiohttp answers malformed HTTP (a bad request line, headers too long or too many, a bad
   chunk) itself, before any handler runs: those answers get the service's JSON body too, are
   counted, and are one log line (rate limited), not a traceback.
@@ -34,6 +36,9 @@ __all__ = ["GuardedServer", "listen"]
 logger = logging.getLogger(__name__)
 
 _ACCEPT_FAILED: Final = "socket.accept() out of system resource"
+_OVERSHOOT: Final = 8
+"""Connections closed to make room are counted open until their transport is gone; at most
+``cap // _OVERSHOOT`` more than the cap may be open meanwhile."""
 _LINGER_S: Final = 1.0
 """How long an unread body is read and dropped after its response (aiohttp's default: 10 s)."""
 
@@ -50,6 +55,7 @@ class GuardedServer(web.Server):
         self.dispatcher = dispatcher
         self.cap = limits.connection_cap()
         self.open = 0
+        self._hard_cap = self.cap + max(1, self.cap // _OVERSHOOT)
         self.log = RateLimitedLog(logger)
         self._full = dispatcher.shape.raw_response(
             503, f"the server holds its maximum of {self.cap} connections; retry shortly",
@@ -58,7 +64,23 @@ class GuardedServer(web.Server):
     def __call__(self) -> RequestHandler:
         return _GuardedHandler(self, loop=self._loop, **self._kwargs)
 
-    def refuse(self, transport: asyncio.BaseTransport) -> None:
+    def admit(self, transport: asyncio.BaseTransport) -> bool:
+        """Whether a new connection may be served: under the cap, or room was made by
+        closing the oldest connection with no request in progress; else it is refused."""
+        if self.open < self.cap:
+            return True
+        if self.open < self._hard_cap:
+            for handler in self._connections:
+                if not handler._request_in_progress and not handler._force_close:
+                    self.log.log(logging.WARNING, "closed the idle or slow connection of %s "
+                                 "to make room: %d connections open (the cap)",
+                                 handler.peername, self.open)
+                    handler.force_close()
+                    return True
+        self._refuse(transport)
+        return False
+
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
         """Answer a connection past the cap with the 503 and close it."""
         cast(asyncio.Transport, transport).write(self._full)
         transport.close()
@@ -93,9 +115,8 @@ class _GuardedHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
-        if guard.open >= guard.cap:
+        if not guard.admit(transport):
             self._force_close = True
-            guard.refuse(transport)
             return
         guard.open += 1
         self._counted = True
