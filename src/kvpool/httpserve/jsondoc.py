@@ -46,7 +46,7 @@ def check_depth(obj: object, limit: int = MAX_JSON_DEPTH) -> None:
         if not deeper:
             return
         level = deeper
-    raise HttpRequestError(400, f"the JSON body nests more than {limit} levels deep")
+    raise HttpRequestError(400, f"arrays and objects nest more than {limit} levels deep")
 
 
 def decode_json(raw: bytes, what: str, decoder: msgspec.json.Decoder[Any] = _ANY,
@@ -59,7 +59,10 @@ def decode_json(raw: bytes, what: str, decoder: msgspec.json.Decoder[Any] = _ANY
         raise HttpRequestError(
             400, f"bad {what} body ({type(exc).__name__}): {_reason(exc)}") from None
     if depth is not None:
-        check_depth(obj, depth)
+        try:
+            check_depth(obj, depth)
+        except HttpRequestError as exc:
+            raise HttpRequestError(400, f"bad {what} body: {exc}") from None
     return obj
 
 
