@@ -22,7 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvpool.errors import StorageError  # noqa: E402
 from kvpool.tiers.copy_kernels import available, block_index, copy_blocks, reference_copy  # noqa: E402
-from kvpool.tiers.storage import BlockCopy, GroupGeometry, Tier, TorchStorage  # noqa: E402
+from kvpool.tiers.storage import BlockCopy, GroupGeometry, Tier  # noqa: E402
+from kvpool.tiers.torch_storage import TorchStorage  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]

@@ -165,7 +165,7 @@ def test_chat_uses_the_template_and_streams_a_role_first(served: Served) -> None
         ("/v1/completions", {"prompt": [1, -2]}, "token ids"),
         ("/v1/completions", {"prompt": [1, 300]}, "is not an id"),
         ("/v1/completions", [1, 2], "JSON object"),
-        ("/v1/completions", b'{"prompt": "x"', "not JSON"),
+        ("/v1/completions", b'{"prompt": "x"', "bad request body"),
         ("/v1/chat/completions", {"messages": "hi"}, "'messages'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "content"),
         # larger than the cache (24 blocks of 16) can ever hold, though the model allows it

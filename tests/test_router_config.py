@@ -74,7 +74,8 @@ def test_listen_defaults_and_the_body_limit_holds_the_longest_prompt() -> None:
         ({"listen": {"auth_token_env": "my token"}}, "listen.auth_token_env: expected str"),
         ({"listen": {"auth_token_env": 5}}, "listen.auth_token_env: expected str | null, got int"),
         ({"listen": {"hots": "x"}},
-         "listen.hots: unknown key (expected one of host, port, max_body_bytes, auth_token_env)"),
+         "listen.hots: unknown key (expected one of host, port, max_body_bytes, max_connections, "
+         "keepalive_timeout_s, body_timeout_s, auth_token_env)"),
         ({"rooter": {}}, "rooter: unknown key (expected one of workers, router, ingest, listen,"),
         ({"router": {"mode": "fast"}}, "router.mode: 'fast' is not one of approx, cost, trtllm"),
         ({"router": {"seed": True}}, "router.seed: expected int, got bool"),

@@ -166,3 +166,13 @@ class UnsafePathError(StorageError):
     """A file or directory of a disk tier is not safe to use: a symbolic link or another kind
     of file where kvpool keeps its own, a file of another user, or a ``disk_path`` other users
     can write (the message names the path and the fix)."""
+
+
+class HttpRequestError(InvalidArgumentError):
+    """An HTTP request ``kvpool serve`` or ``kvpool router`` refuses before handling it: a body
+    over the size limit (413), one that did not arrive in time (408), or one that is not JSON,
+    not valid UTF-8 or nested too deeply (400). ``status`` is the HTTP status it answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

@@ -15,6 +15,13 @@ Stopping: on SIGINT (Ctrl-C) or SIGTERM it stops accepting connections, lets the
 flight finish for up to ``--shutdown-grace`` seconds (then aborts the rest), stops the engine
 and exits 0. A second SIGINT or SIGTERM aborts the requests in flight at once and exits 130
 (SIGINT) or 143 (SIGTERM) once the engine's current step has ended; a third exits at once.
+
+HTTP options, the same as ``kvpool router``'s ``listen`` keys: ``--auth-token-env NAME`` (the
+name of an environment variable holding the bearer token every endpoint but ``/health``
+requires), ``--max-body-bytes``, ``--max-connections``, ``--keepalive-timeout-s``,
+``--body-timeout-s`` (see :class:`kvpool.httpserve.HttpLimits`). ``/v1/models`` lists
+``--served-model-name``, by default the model's name: the built-in name, or the checkpoint
+directory's or GGUF file's name, never its path.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvpool.commands._args import (
@@ -33,10 +41,18 @@ from kvpool.commands._args import (
     nonneg_float,
     port,
     positive,
+    positive_float,
     size,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
 from kvpool.errors import InvalidArgumentError
+from kvpool.httpserve import bearer_token
+from kvpool.httpserve.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    HttpLimits,
+)
 
 EVENT_HASH_ALGO = "v2_sha256_64"
 # kvpool.engine.server's default, without importing aiohttp and torch to build the parser
@@ -98,7 +114,48 @@ def register(subparsers: Any) -> None:
                    "aborts them at once)")
     p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
                    help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
+    http = p.add_argument_group("HTTP (as kvpool router's listen keys)")
+    http.add_argument("--served-model-name", metavar="NAME",
+                      help="the model's name in /v1/models and answers (default: the built-in "
+                      "name, or the checkpoint directory's or GGUF file's name)")
+    http.add_argument("--auth-token-env", metavar="VAR",
+                      help="name of an environment variable holding the bearer token every "
+                      "endpoint but /health requires (default: no auth)")
+    http.add_argument("--max-body-bytes", type=size, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="SIZE", help="largest request body accepted, 413 past it "
+                      "(default 10MiB)")
+    http.add_argument("--max-connections", type=positive, metavar="N",
+                      help="open client connections at most, a JSON 503 past it (default and "
+                      "most: 3/4 of the open-file limit)")
+    http.add_argument("--keepalive-timeout-s", type=positive_float,
+                      default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="S",
+                      help="close a connection idle, or still sending its request head, this long"
+                      f"  (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+    http.add_argument("--body-timeout-s", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S,
+                      metavar="S", help="a body must be all in this long after its head, 408 "
+                      f"otherwise (default {DEFAULT_BODY_TIMEOUT_S:g})")
     p.set_defaults(func=run)
+
+
+def served_model_name(model: str) -> str:
+    """The name ``/v1/models`` shows for ``--model``: a built-in name as is, a checkpoint
+    directory's or GGUF file's own name (without ``.gguf``), never the path to it."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    return path.resolve().name if path.exists() else (path.name or model)
+
+
+def http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineServer`` keywords of the HTTP flags: name, limits, bearer token."""
+    if args.max_body_bytes < 1:
+        raise InvalidArgumentError("--max-body-bytes must be at least 1 byte")
+    return {
+        "model_name": args.served_model_name or served_model_name(args.model),
+        "limits": HttpLimits(args.max_body_bytes, args.max_connections,
+                             args.keepalive_timeout_s, args.body_timeout_s),
+        "auth_token": bearer_token(args.auth_token_env, option="--auth-token-env"),
+    }
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache = cache_options(args)
+    http = http_options(args)
     import torch
 
     from kvpool.engine.engine import Engine
@@ -137,10 +195,10 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, cache=cache, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens)
     server = EngineServer(
-        engine, model_name=args.model, host=args.host, port=args.port,
+        engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        shutdown_grace_s=args.shutdown_grace,
+        shutdown_grace_s=args.shutdown_grace, **http,
     )
     return asyncio.run(_main(server))
 

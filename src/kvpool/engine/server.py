@@ -20,10 +20,18 @@ Endpoints
     hit rate, a time-to-first-token histogram, generated tokens per second (last 10 s) and free
     and evictable blocks per tier and layer group.
 
-Bad input is a JSON 400 naming the field (malformed JSON, wrong types, an empty prompt, a
-prompt too long for the model, bad sampling values, a request larger than the KV cache can
-ever hold); such a request never reaches the engine or is refused by its admission, and the
-engine goes on. A client that disconnects aborts its request.
+Bad input is a JSON 400 naming the field (malformed JSON, invalid UTF-8 or a lone surrogate,
+nesting deeper than 32, wrong types, an empty prompt, a prompt too long for the model, bad
+sampling values, a request larger than the KV cache can ever hold); such a request never
+reaches the engine or is refused by its admission, and the engine goes on. A client that
+disconnects aborts its request (one log line, no traceback).
+
+The request boundary is :mod:`kvpool.httpserve`, shared with ``kvpool router``: every error,
+aiohttp's own (404, 405, 413, 400 for malformed HTTP) included, is a JSON body in OpenAI's
+shape ``{"error": {"message", "type", "code"}}``; the body limit, connection cap and timeouts
+are :class:`~kvpool.httpserve.HttpLimits`; with a bearer token every endpoint but ``/health``
+requires ``Authorization: Bearer <token>`` (401). Bodies are decoded and tokenized in a
+thread of their own, not on the event loop. ``/metrics`` counts every response by status.
 
 Shutdown: :meth:`EngineServer.stop` stops accepting connections at once, closes idle ones,
 lets the requests in flight finish for up to ``shutdown_grace_s`` seconds and then cancels what
@@ -49,19 +57,36 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpool.engine.engine import Engine, RequestOutput
-from kvpool.engine.protocol import Answer, parse_request
+from kvpool.engine.protocol import Answer, ParsedRequest, parse_request
 from kvpool.engine.sampling import SamplingParams
-from kvpool.errors import CapacityError, InvalidArgumentError, KVPoolError, OutOfBlocksError
+from kvpool.errors import (
+    CapacityError,
+    HttpRequestError,
+    InvalidArgumentError,
+    KVPoolError,
+    OutOfBlocksError,
+)
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
+from kvpool.httpserve import (
+    OPENAI_ERRORS,
+    Dispatcher,
+    GuardedServer,
+    HttpLimits,
+    ResponseCounts,
+    decode_json,
+    listen,
+    read_body,
+)
 
 __all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "EngineLoop", "EngineServer", "EventPublisherThread"]
 
@@ -69,12 +94,14 @@ logger = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException
 _Sink = Callable[[_Item], None]
+_Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_WINDOW_S = 10.0
 _CANCEL_WAIT_S = 1.0  # for a cancelled request's handler to end
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 """How long :meth:`EngineServer.stop` lets the requests in flight finish before it cancels
 them (below the 30 s a supervisor such as Kubernetes waits before SIGKILL)."""
+SIZE_OPTION = "--max-body-bytes"
 
 
 class EngineLoop(threading.Thread):
@@ -264,7 +291,12 @@ class EngineServer:
     """The HTTP front of one engine: :meth:`start` starts the engine thread, the KV event
     publisher (when ``kv_events_endpoint`` is set) and listening, and returns the bound port;
     :meth:`stop` undoes all three, giving the requests in flight up to ``shutdown_grace_s``
-    seconds to finish."""
+    seconds to finish.
+
+    ``model_name`` is what ``/v1/models`` lists and answers carry; ``limits`` the request
+    boundary's (default :class:`~kvpool.httpserve.HttpLimits`); ``auth_token`` the bearer
+    token clients must send (None: no auth).
+    """
 
     def __init__(
         self,
@@ -276,6 +308,8 @@ class EngineServer:
         kv_events_endpoint: str | None = None,
         kv_events_replay_endpoint: str | None = None,
         shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+        limits: HttpLimits | None = None,
+        auth_token: bytes | None = None,
     ) -> None:
         if not shutdown_grace_s >= 0:
             raise InvalidArgumentError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
@@ -285,8 +319,14 @@ class EngineServer:
         self.model_name = model_name
         self.host = host
         self.port = port
+        self.limits = limits or HttpLimits()
+        self.auth_token = auth_token
         self.loop_thread = EngineLoop(engine)
         self.metrics = _Metrics(engine)
+        self.responses = ResponseCounts("kvpool_serve")
+        self.metrics.registry.register(self.responses)
+        # one thread decodes and tokenizes bodies: off the event loop, one body at a time
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="kvpool-serve-parse")
         self.publisher: ZmqEventPublisher | None = None
         self._events_thread: EventPublisherThread | None = None
         if kv_events_endpoint is not None:
@@ -298,36 +338,34 @@ class EngineServer:
             )
             self._events_thread = EventPublisherThread(engine, self.publisher, tpb)
             snapshot_source.append(self._events_thread)
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._created = int(time.time())
         config = engine.manager.config
         full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]
         self._cache_tokens = min(full) * config.tokens_per_block if full else None
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._track])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        return app
+    def server(self) -> GuardedServer:
+        """The HTTP server (built on the running loop): :mod:`kvpool.httpserve`'s."""
+        dispatcher = Dispatcher({
+            "/v1/completions": {"POST": self._tracked(self._completions)},
+            "/v1/chat/completions": {"POST": self._tracked(self._chat)},
+            "/v1/models": {"GET": self._tracked(self._models)},
+            "/health": {"GET": self._tracked(self._health)},
+            "/metrics": {"GET": self._tracked(self._metrics)},
+        }, shape=OPENAI_ERRORS, limits=self.limits, token=self.auth_token,
+            size_option=SIZE_OPTION, counts=self.responses)
+        return GuardedServer(dispatcher, handler_cancellation=True)
 
     async def start(self) -> int:
         self.loop_thread.start()
         if self._events_thread is not None:
             self._events_thread.start()
-        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                               shutdown_timeout=_CANCEL_WAIT_S)
-        await runner.setup()
         try:
-            await web.TCPSite(runner, self.host, self.port).start()
-        except OSError as exc:
-            await runner.cleanup()
+            self._runner, self.port = await listen(self.server(), self.host, self.port,
+                                                   shutdown_timeout=_CANCEL_WAIT_S)
+        except KVPoolError:
             self._stop_threads()
-            raise KVPoolError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+            raise
         return self.port
 
     @property
@@ -343,16 +381,20 @@ class EngineServer:
             task.cancel()
         return len(tasks)
 
-    @web.middleware
-    async def _track(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        task = asyncio.current_task()
-        assert task is not None
-        self._in_flight.add(task)
-        try:
-            response: web.StreamResponse = await handler(request)
-            return response
-        finally:
-            self._in_flight.discard(task)
+    def _tracked(self, handler: _Handler) -> _Handler:
+        """``handler``, counted in :attr:`in_flight` while it runs (what :meth:`stop` drains
+        and :meth:`abort_in_flight` cancels)."""
+
+        async def tracked(request: web.BaseRequest) -> web.StreamResponse:
+            task = asyncio.current_task()
+            assert task is not None
+            self._in_flight.add(task)
+            try:
+                return await handler(request)
+            finally:
+                self._in_flight.discard(task)
+
+        return tracked
 
     async def stop(self) -> None:
         """Stop accepting, give the requests in flight ``shutdown_grace_s`` seconds, cancel
@@ -382,6 +424,7 @@ class EngineServer:
             await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
 
     def _stop_threads(self) -> None:
+        self._parser.shutdown(wait=False, cancel_futures=True)
         self.loop_thread.stop()
         if self.loop_thread.is_alive():
             self.loop_thread.join(timeout=10)
@@ -394,40 +437,63 @@ class EngineServer:
 
     # ------------------------------------------------------------------------------ handlers
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: web.BaseRequest) -> web.Response:
         return web.json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self._created,
             "owned_by": "kvpool", "max_model_len": self.engine.max_model_len,
         }]})
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: web.BaseRequest) -> web.Response:
         ok = self.loop_thread.is_alive()
         return web.json_response({"status": "ok" if ok else "engine stopped"},
                                  status=200 if ok else 503)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: web.BaseRequest) -> web.Response:
         body = await asyncio.get_running_loop().run_in_executor(None, self.metrics.exposition)
         return web.Response(body=body,
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _completions(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self._serve(request, chat=False)
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
-    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
+        """A body decoded (depth-limited) and validated, its prompt tokenized (in the parser
+        thread)."""
+        return parse_request(decode_json(raw, "request"), chat=chat,
+                             tokenizer=self.engine.tokenizer,
+                             max_model_len=self.engine.max_model_len,
+                             cache_tokens=self._cache_tokens)
+
+    async def _serve(self, request: web.BaseRequest, *, chat: bool) -> web.StreamResponse:
+        """A completion, its outcome counted: ``rejected`` (any 4xx), ``disconnected``,
+        ``failed`` (an unexpected error: the dispatcher's 500) or ``ok``."""
         arrived = time.monotonic()
+        outcome = self.metrics.requests
         try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return self._reject(f"body is not JSON: {exc}")
-        try:
-            parsed = parse_request(body, chat=chat, tokenizer=self.engine.tokenizer,
-                                   max_model_len=self.engine.max_model_len,
-                                   cache_tokens=self._cache_tokens)
-        except InvalidArgumentError as exc:
-            return self._reject(str(exc))
+            try:
+                raw = await read_body(request, self.limits, SIZE_OPTION)
+                parsed = await asyncio.get_running_loop().run_in_executor(
+                    self._parser, self._parse, raw, chat)
+            except InvalidArgumentError as exc:
+                if isinstance(exc, HttpRequestError):  # the dispatcher answers: 400, 408, 413
+                    outcome.labels("rejected").inc()
+                    raise
+                return self._reject(str(exc))
+            return await self._generate(request, parsed, chat=chat, arrived=arrived)
+        except HttpRequestError:
+            raise
+        except (ConnectionError, asyncio.CancelledError):
+            outcome.labels("disconnected").inc()
+            raise
+        except Exception:
+            outcome.labels("failed").inc()
+            raise
+
+    async def _generate(self, request: web.BaseRequest, parsed: ParsedRequest, *, chat: bool,
+                        arrived: float) -> web.StreamResponse:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         items: asyncio.Queue[_Item] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -460,14 +526,11 @@ class EngineServer:
             finished = True
             self.metrics.requests.labels("ok").inc()
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.requests.labels("disconnected").inc()
-            raise
         finally:
             if not finished:
                 self.loop_thread.abort(rid)
 
-    async def _stream(self, request: web.Request, answer: Answer, first: RequestOutput,
+    async def _stream(self, request: web.BaseRequest, answer: Answer, first: RequestOutput,
                       items: asyncio.Queue[_Item]) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -494,20 +557,14 @@ class EngineServer:
 
     def _reject(self, message: str) -> web.Response:
         self.metrics.requests.labels("rejected").inc()
-        return _error(400, message, "invalid_request_error")
+        return OPENAI_ERRORS.response(400, message)
 
     def _refused(self, exc: BaseException) -> web.Response:
         if isinstance(exc, CapacityError | OutOfBlocksError | InvalidArgumentError | ValueError):
             return self._reject(str(exc))
         self.metrics.requests.labels("failed").inc()
-        return _error(500, f"engine failed: {exc}", "internal_error")
+        return OPENAI_ERRORS.response(500, f"engine failed: {exc}")
 
 
 async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
-    )

@@ -7,6 +7,9 @@ in ``examples/``)::
       host: 127.0.0.1
       port: 8000                                  # 0: any free port
       max_body_bytes: 10485760                    # largest request body accepted (10 MiB)
+      max_connections: null                       # default: 3/4 of the open-file limit
+      keepalive_timeout_s: 30                     # idle, or request head not all in: closed
+      body_timeout_s: 60                          # a body must be all in by then (408)
       auth_token_env: null                        # name of an env variable holding a token
     router:                                       # Router options (kvpool.router.scoring)
       mode: cost                                  # cost | trtllm | approx
@@ -64,6 +67,13 @@ import yaml
 
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
 from kvpool.hashing.keys import hash_algo as parse_hash_algo
+from kvpool.httpserve.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_PROMPT_TOKENS,
+    HttpLimits,
+)
 from kvpool.router.scoring import DEFAULT_LOAD_WEIGHT, DEFAULT_TIER_WEIGHTS
 from kvpool.router.shared_tier import DEFAULT_SHARED_TIER_BLOCKS, DEFAULT_SHARED_TIER_WEIGHT
 
@@ -79,13 +89,6 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
-
-MAX_PROMPT_TOKENS: Final = 1 << 20
-"""The longest prompt the default body limit is sized for (1 Mi tokens, the longest context
-of today's models)."""
-DEFAULT_MAX_BODY_BYTES: Final = -(-(MAX_PROMPT_TOKENS * 9 + (64 << 10)) // (1 << 20)) << 20
-"""10 MiB: :data:`MAX_PROMPT_TOKENS` token ids of 7 digits written as JSON (``1234567, ``,
-9 bytes each) plus 64 KiB for the rest of the body, rounded up to whole MiB."""
 
 _Positive = Annotated[int, msgspec.Meta(ge=1)]
 _NonNegative = Annotated[float, msgspec.Meta(ge=0)]
@@ -150,8 +153,17 @@ class ListenOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     max_body_bytes: _Positive = DEFAULT_MAX_BODY_BYTES
+    max_connections: _Positive | None = None
+    """Open client connections at most (None: three quarters of the open-file limit, which
+    also caps a larger value); past it a connection gets a JSON 503 and is closed."""
+    keepalive_timeout_s: _Interval = DEFAULT_KEEPALIVE_TIMEOUT_S
+    body_timeout_s: _Interval = DEFAULT_BODY_TIMEOUT_S
     auth_token_env: _EnvName | None = None
     """The name of an environment variable holding the bearer token clients must send."""
+
+    def limits(self) -> HttpLimits:
+        return HttpLimits(self.max_body_bytes, self.max_connections, self.keepalive_timeout_s,
+                          self.body_timeout_s)
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -200,7 +212,7 @@ def parse_config(obj: object) -> ServiceConfig:
         config = msgspec.convert(obj, ServiceConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(_located(str(exc), obj)) from None
-    for section in ("router", "ingest"):
+    for section in ("router", "ingest", "listen"):
         options = getattr(config, section)
         for name in options.__struct_fields__:
             value = getattr(options, name)

@@ -28,39 +28,48 @@ Endpoints
     ``x-kvpool-worker`` response header names the worker.
 
 The service listens where its config says (loopback by default; port 0 picks a free port).
-Request bodies over ``listen.max_body_bytes`` get 413; every error status (400, 401, 404, 405,
-413, 500, 502, 503) comes with a JSON body ``{"error": "..."}``. With ``listen.auth_token_env``
+The request boundary is :mod:`kvpool.httpserve`, shared with ``kvpool serve``: request bodies
+over ``listen.max_body_bytes`` get 413, bodies not in within ``listen.body_timeout_s`` 408;
+every error status (400, 401, 404, 405, 408, 413, 500, 502, 503, and aiohttp's own 400 for
+malformed HTTP) comes with a JSON body ``{"error": "..."}``. With ``listen.auth_token_env``
 set, every endpoint but ``/health`` requires ``Authorization: Bearer <token>``, the token being
 the value of that environment variable (401 otherwise). A 405 names the allowed methods
 (``Allow``); ``HEAD`` works wherever ``GET`` does; a request with ``Expect: 100-continue`` gets
 its 100 before sending the body, or a 413 at once when its ``Content-Length`` is over the limit.
+Past ``listen.max_connections`` open connections a new one gets a JSON 503; a connection idle
+(or still sending its request head) for ``listen.keepalive_timeout_s`` is closed. Bodies over
+:data:`~kvpool.httpserve.OFFLOAD_BYTES` are decoded in an executor thread.
 
-The server is aiohttp's low-level one with the endpoints in one dict (the per-request work of an
-``Application``'s router and middleware chain is not needed here); ``kvpool router`` runs it on
-uvloop when installed (:mod:`kvpool.commands.router`).
+``kvpool router`` runs the service on uvloop when installed (:mod:`kvpool.commands.router`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import itertools
 import logging
-import os
 from array import array
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from kvpool.errors import (
-    ConfigError,
-    InvalidArgumentError,
-    KVPoolError,
-    NoWorkerAvailableError,
+from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
+from kvpool.httpserve import (
+    OFFLOAD_BYTES,
+    ROUTER_ERRORS,
+    Dispatcher,
+    Endpoints,
+    GuardedServer,
+    ResponseCounts,
+    bearer_token,
+    decode_json,
+    listen,
+    read_body,
 )
-from kvpool.events.decoding import INPUT_FAULTS
+from kvpool.httpserve.jsondoc import off_loop
 from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
@@ -89,26 +98,24 @@ class _FinishedBody(msgspec.Struct):
 
 _ROUTE_DECODER = msgspec.json.Decoder(_RouteBody)
 _FINISHED_DECODER = msgspec.json.Decoder(_FinishedBody)
-_ANY_DECODER = msgspec.json.Decoder()
-_T = TypeVar("_T")
+_SIZE_OPTION = "listen.max_body_bytes"
 
 
 def parse_route_body(raw: bytes) -> _RouteBody:
-    """A ``/route`` body; raises :class:`InvalidArgumentError` (the service's 400) for
-    anything else: bad JSON, invalid UTF-8, nesting past the recursion limit, wrong types."""
-    return _parse(_ROUTE_DECODER, raw, "/route")
+    """A ``/route`` body; raises :class:`~kvpool.errors.HttpRequestError` (the service's 400)
+    for anything else: bad JSON, invalid UTF-8, nesting, wrong types (the schema bounds the
+    depth)."""
+    body: _RouteBody = decode_json(raw, "/route", _ROUTE_DECODER, depth=None)
+    return body
 
 
 def parse_finished_body(raw: bytes) -> _FinishedBody:
-    """A ``/finished`` body; raises :class:`InvalidArgumentError` as :func:`parse_route_body`."""
-    return _parse(_FINISHED_DECODER, raw, "/finished")
+    """A ``/finished`` body; raises as :func:`parse_route_body`."""
+    body: _FinishedBody = decode_json(raw, "/finished", _FINISHED_DECODER, depth=None)
+    return body
 
 
-def _parse(decoder: msgspec.json.Decoder[_T], raw: bytes, what: str) -> _T:
-    try:
-        return decoder.decode(raw)
-    except INPUT_FAULTS as exc:
-        raise InvalidArgumentError(f"bad {what} body ({type(exc).__name__}): {exc}") from None
+_parse_proxied = functools.partial(decode_json, what="proxied")
 
 
 def token_array(token_ids: list[int]) -> array[int] | list[int]:
@@ -122,9 +129,6 @@ def token_array(token_ids: list[int]) -> array[int] | list[int]:
     except OverflowError:
         return token_ids
     return out
-
-
-_Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 class RouterService:
@@ -168,21 +172,21 @@ class RouterService:
             self.ingest.add(w)
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
         self._runner: web.ServerRunner | None = None
-        self._endpoints: dict[str, dict[str, _Handler]] = {}
         self._proxy_session: ClientSession | None = None
         self._proxy_ids = itertools.count()
+        self.limits = config.listen.limits()
+        self.responses = ResponseCounts("kvpool_router")
         self.metrics = RouterMetrics(self.router, self.index, self.ingest)
-        self._token = _auth_token(config.listen.auth_token_env)
+        self.metrics.registry.register(self.responses)
+        self._token = bearer_token(config.listen.auth_token_env, option="listen.auth_token_env")
         self.port: int | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def server(self) -> web.Server:
-        """The HTTP server (built on the running loop): aiohttp's low-level one, with the
-        endpoints in one dict (path -> method -> handler). An ``Application`` (router, match
-        info, middleware chain) measured about 20 us more per request, a fifth of the HTTP
-        work of a route."""
-        endpoints: dict[str, dict[str, _Handler]] = {
+    def server(self) -> GuardedServer:
+        """The HTTP server (built on the running loop): :mod:`kvpool.httpserve`'s, with the
+        endpoints in one dict."""
+        endpoints: Endpoints = {
             "/route": {"POST": self._route},
             "/finished": {"POST": self._finished},
             "/workers": {"GET": self._workers_view},
@@ -192,11 +196,10 @@ class RouterService:
         if self.config.proxy:
             endpoints["/v1/completions"] = {"POST": self._proxy}
             endpoints["/v1/chat/completions"] = {"POST": self._proxy}
-        for methods in endpoints.values():  # HEAD as GET (aiohttp sends no body)
-            if "GET" in methods:
-                methods["HEAD"] = methods["GET"]
-        self._endpoints = endpoints
-        limit = self.config.listen.max_body_bytes
+        dispatcher = Dispatcher(endpoints, shape=ROUTER_ERRORS, limits=self.limits,
+                                token=self._token, size_option=_SIZE_OPTION,
+                                counts=self.responses)
+        limit = self.limits.max_body_bytes
         loop = asyncio.get_running_loop()
 
         def make_request(
@@ -205,7 +208,7 @@ class RouterService:
             return web.BaseRequest(message, payload, protocol, writer, task, loop,
                                    client_max_size=limit)
 
-        return web.Server(self._dispatch, request_factory=make_request)
+        return GuardedServer(dispatcher, request_factory=make_request)
 
     async def start(self) -> int:
         """Start ingesting and listening; returns the port bound."""
@@ -215,20 +218,12 @@ class RouterService:
             self._proxy_session = ClientSession(
                 timeout=ClientTimeout(total=None, sock_connect=self.config.ingest.http_timeout_s)
             )
-        runner = web.ServerRunner(self.server(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
         try:
-            await site.start()
-        except OSError as exc:
-            await runner.cleanup()
+            self._runner, self.port = await listen(self.server(), self.config.host,
+                                                   self.config.port)
+        except BaseException:
             await self._close_clients()
-            raise KVPoolError(
-                f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror}"
-            ) from None
-        self._runner = runner
-        address = runner.addresses[0]
-        self.port = int(address[1])
+            raise
         return self.port
 
     async def stop(self) -> None:
@@ -245,72 +240,10 @@ class RouterService:
 
     # ------------------------------------------------------------------------------ handlers
 
-    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
-        """Bearer-token check (every endpoint but ``/health``), then the endpoint's handler;
-        JSON bodies for every error status: 401, 404, 405, 413 and an unexpected failure's
-        500. ``Expect: 100-continue`` is answered before the body is read."""
-        path = request.path
-        if self._token is not None and path != "/health":
-            given = request.headers.get("Authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self._token
-            ):
-                resp = _error(401, "missing or wrong bearer token (Authorization: Bearer ...)")
-                resp.headers["WWW-Authenticate"] = "Bearer"
-                return resp
-        methods = self._endpoints.get(path)
-        if methods is None:
-            return _error(404, f"no endpoint {path}")
-        handler = methods.get(request.method)
-        if handler is None:
-            resp = _error(405, f"{request.method} is not allowed on {path}")
-            resp.headers["Allow"] = ", ".join(methods)
-            return resp
-        if request.headers.get("Expect", "").lower() == "100-continue":
-            if request.content_length is not None and (
-                request.content_length > self.config.listen.max_body_bytes
-            ):
-                return self._too_large()
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            request.writer.output_size = 0  # the response proper has not started
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return self._too_large()
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return _error(exc.status, exc.text or exc.reason)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("%s %s failed", request.method, path)
-            return _error(500, f"internal error in {path} (logged by the router)")
-
-    def _too_large(self) -> web.Response:
-        return _error(413, f"request body is over listen.max_body_bytes "
-                           f"({self.config.listen.max_body_bytes} bytes)")
-
-    async def _body(self, request: web.BaseRequest) -> bytes:
-        """The request's body. When all of it has arrived (nearly always: a route body comes
-        in the segments of its head), it is taken from the payload's buffer in one call, not
-        through :meth:`~aiohttp.web.BaseRequest.read`'s read loop (measured 5-13 us less per
-        request); over ``listen.max_body_bytes`` it is a 413 either way."""
-        content = request.content
-        if not content.is_eof():
-            return await request.read()
-        raw = content.read_nowait()
-        limit = self.config.listen.max_body_bytes
-        if len(raw) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-        return raw
-
     async def _route(self, request: web.BaseRequest) -> web.Response:
-        try:
-            body = parse_route_body(await self._body(request))
-        except InvalidArgumentError as exc:
-            return _error(400, str(exc))
+        raw = await read_body(request, self.limits, _SIZE_OPTION)
+        body = (parse_route_body(raw) if len(raw) <= OFFLOAD_BYTES
+                else await off_loop(raw, parse_route_body))
         try:
             decision = self.router.route(
                 token_array(body.token_ids),
@@ -325,10 +258,8 @@ class RouterService:
         return web.Response(body=msgspec.json.encode(decision), content_type=_JSON)
 
     async def _finished(self, request: web.BaseRequest) -> web.Response:
-        try:
-            body = parse_finished_body(await self._body(request))
-        except InvalidArgumentError as exc:
-            return _error(400, str(exc))
+        raw = await read_body(request, self.limits, _SIZE_OPTION)
+        body = await off_loop(raw, parse_finished_body)
         done = self.router.request_finished(body.request_id)
         return web.json_response({"request_id": body.request_id, "finished": done})
 
@@ -379,11 +310,8 @@ class RouterService:
         return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            obj = _ANY_DECODER.decode(raw)
-        except INPUT_FAULTS as exc:
-            return _error(400, f"body is not JSON ({type(exc).__name__}): {exc}")
+        raw = await read_body(request, self.limits, _SIZE_OPTION)
+        obj = await off_loop(raw, _parse_proxied)
         tokens = obj.get("prompt_token_ids") if isinstance(obj, dict) else None
         if tokens is None and isinstance(obj, dict) and request.path == "/v1/completions":
             prompt = obj.get("prompt")
@@ -429,19 +357,7 @@ class RouterService:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
-def _auth_token(variable: str | None) -> bytes | None:
-    """The bearer token held by the environment variable ``variable`` (None: no auth)."""
-    if variable is None:
-        return None
-    token = os.environ.get(variable, "").strip()
-    if not token:
-        raise ConfigError(
-            f"listen.auth_token_env: the environment variable {variable!r} is not set or empty"
-        )
-    return token.encode()
+    return ROUTER_ERRORS.response(status, message)
 
 
 async def serve(config: ServiceConfig, on_ready: Callable[[int], None] | None = None) -> None:
