@@ -130,7 +130,7 @@ def register(subparsers: Any) -> None:
     http.add_argument("--keepalive-timeout-s", type=positive_float,
                       default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="S",
                       help="close a connection idle, or still sending its request head, this long"
-                      f"  (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+                      f" (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
     http.add_argument("--body-timeout-s", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S,
                       metavar="S", help="a body must be all in this long after its head, 408 "
                       f"otherwise (default {DEFAULT_BODY_TIMEOUT_S:g})")
