@@ -21,7 +21,9 @@ name of an environment variable holding the bearer token every endpoint but ``/h
 requires), ``--max-body-bytes``, ``--max-connections``, ``--keepalive-timeout-s``,
 ``--body-timeout-s`` (see :class:`kvpool.httpserve.HttpLimits`). ``/v1/models`` lists
 ``--served-model-name``, by default the model's name: the built-in name, or the checkpoint
-directory's or GGUF file's name, never its path.
+directory's or GGUF file's name, never its path. A request's ``model`` may be left out, or be
+the served name or that default name (an alias when ``--served-model-name`` renames it);
+any other is OpenAI's 404 ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -150,8 +152,10 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineServer`` keywords of the HTTP flags: name, limits, bearer token."""
     if args.max_body_bytes < 1:
         raise InvalidArgumentError("--max-body-bytes must be at least 1 byte")
+    default_name = served_model_name(args.model)
     return {
-        "model_name": args.served_model_name or served_model_name(args.model),
+        "model_name": args.served_model_name or default_name,
+        "model_aliases": (default_name,),
         "limits": HttpLimits(args.max_body_bytes, args.max_connections,
                              args.keepalive_timeout_s, args.body_timeout_s),
         "auth_token": bearer_token(args.auth_token_env, option="--auth-token-env"),
