@@ -59,6 +59,10 @@ from kvpool.httpserve.limits import (
 EVENT_HASH_ALGO = "v2_sha256_64"
 # kvpool.engine.server's default, without importing aiohttp and torch to build the parser
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
+# kvpool.engine.layout's and kvpool.config.CacheConfig's defaults (tests check they agree)
+DEFAULT_TOKENS_PER_BLOCK = 16
+DEFAULT_GPU_MEM = "1GiB"
+DEFAULT_EVICTION_POLICY = "2q"
 EXIT_STATUS = """exit status:
   0    stopped by SIGINT or SIGTERM: requests in flight finished, or were
        aborted after --shutdown-grace
@@ -83,22 +87,36 @@ def register(subparsers: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
-                   help="'smollm2' (built in), a checkpoint directory or a .gguf file")
+                   help="'smollm2' (built in), a checkpoint directory or a .gguf file "
+                   "(default smollm2)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, metavar="PORT",
-                   help="listen port (default 8000; 0: any)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype")
+                   help="listen port, checked before the model loads (default 8000; 0: any)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32",
+                   help="the dtype the weights are loaded in (default float32)")
     pools = p.add_argument_group("KV cache")
-    pools.add_argument("--tokens-per-block", type=positive, metavar="N")
+    pools.add_argument("--tokens-per-block", type=positive, default=DEFAULT_TOKENS_PER_BLOCK,
+                       metavar="N", help="tokens per KV block "
+                       f"(default {DEFAULT_TOKENS_PER_BLOCK})")
     pools.add_argument("--gpu-blocks", type=positive, metavar="N",
-                       help="device-tier blocks per layer group")
+                       help="device-tier blocks per layer group (default: what --gpu-mem "
+                       "holds)")
     pools.add_argument("--gpu-mem", type=size, metavar="SIZE",
-                       help="device-tier budget for the planner, e.g. 512MiB")
-    pools.add_argument("--host-blocks", type=positive, metavar="N")
-    pools.add_argument("--host-mem", type=size, metavar="SIZE", help="host-tier budget")
-    pools.add_argument("--disk-mem", type=size, metavar="SIZE", help="disk-tier budget")
-    pools.add_argument("--disk-path", metavar="PATH", help="directory of the disk tier")
-    pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"))
+                       help="device-tier budget for the planner, e.g. 512MiB (default: "
+                       f"{DEFAULT_GPU_MEM} unless --gpu-blocks is given)")
+    pools.add_argument("--host-blocks", type=positive, metavar="N",
+                       help="host-tier blocks per layer group (default: what --host-mem "
+                       "holds)")
+    pools.add_argument("--host-mem", type=size, metavar="SIZE",
+                       help="host-tier budget (default: no host tier)")
+    pools.add_argument("--disk-mem", type=size, metavar="SIZE",
+                       help="disk-tier budget (default: no disk tier)")
+    pools.add_argument("--disk-path", metavar="PATH",
+                       help="directory of the disk tier (default: none; --disk-mem needs it)")
+    pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"),
+                       default=DEFAULT_EVICTION_POLICY,
+                       help=f"which cached block is evicted first (default "
+                       f"{DEFAULT_EVICTION_POLICY})")
     sched = p.add_argument_group("scheduler")
     sched.add_argument("--max-batch-size", type=positive, default=8, metavar="N",
                        help="concurrent sequences per step (default 8)")
@@ -106,9 +124,11 @@ def register(subparsers: Any) -> None:
                        help="tokens per step, prefill chunks included (default 2048)")
     events = p.add_argument_group("KV events")
     events.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
-                        help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any)")
+                        help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any; "
+                        "default: none, no events)")
     events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
-                        help="serve missed event batches here (needs --kv-events-endpoint)")
+                        help="serve missed event batches here (needs --kv-events-endpoint; "
+                        "default: none)")
     p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS",
                    help="on SIGINT or SIGTERM, how long requests in flight may go on before "
