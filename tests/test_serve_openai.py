@@ -4,12 +4,18 @@ with help and its default, and a busy port refused at once, before the model loa
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kvpool.cli import build_parser
 from kvpool.commands import serve
+from kvpool.errors import KVPoolError
 
 _DEFAULT = re.compile(r"\(default ([^;)\s]+)[;)]")
 
@@ -60,3 +66,43 @@ def test_help_defaults_are_the_engines() -> None:
     assert parse_size(serve.DEFAULT_GPU_MEM) == layout.DEFAULT_GPU_MEM
     assert serve.DEFAULT_SHUTDOWN_GRACE_S == pytest.importorskip(
         "kvpool.engine.server").DEFAULT_SHUTDOWN_GRACE_S
+
+
+_BUSY_PORT_PROBE = """
+import sys, time
+from kvpool.cli import main
+began = time.perf_counter()
+code = main(["serve", "--port", sys.argv[1], "--model", sys.argv[2]])
+print(code, round(time.perf_counter() - began, 3), "torch" in sys.modules)
+"""
+
+
+def test_a_busy_port_is_refused_at_once_before_the_model_loads(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        busy = holder.getsockname()[1]
+        # a model path that does not exist: loading it first would be a different error
+        probe = subprocess.run(
+            [sys.executable, "-c", _BUSY_PORT_PROBE, str(busy), str(tmp_path / "absent")],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1] / "src"),
+                 os.environ.get("PYTHONPATH", "")])},
+        )
+    code, seconds, torch_loaded = probe.stdout.split()
+    assert code == "2", probe
+    assert float(seconds) < 1.0
+    assert torch_loaded == "False"  # nothing of the model was loaded
+    assert probe.stderr.splitlines() == [
+        f"kvpool serve: error: cannot listen on 127.0.0.1:{busy}: Address already in use"]
+
+
+def test_a_free_port_is_held_and_let_go() -> None:
+    sock = serve.hold_address("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(OSError), socket.create_server(("127.0.0.1", port)):
+        pass  # held: no other process takes it while the model loads
+    with pytest.raises(KVPoolError, match=f"cannot listen on 127.0.0.1:{port}: "):
+        serve.hold_address("127.0.0.1", port)
+    sock.close()
+    with socket.create_server(("127.0.0.1", port)):  # free again once let go
+        pass

@@ -8,8 +8,10 @@ Loads the model (``--model smollm2``, a checkpoint directory or a GGUF file; see
 format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (worker
 ``kind: kvpool``, ``hash_algo: v2_sha256_64``).
 
-Once listening it prints ``kvpool serve listening on http://HOST:PORT`` on stdout (after the
-``kvpool serve publishing KV events on ...`` line when events are on).
+The listen address is bound (and let go again) before the model loads, so a port in use is
+refused at once: one line, exit status 2. Once listening it prints ``kvpool serve listening
+on http://HOST:PORT`` on stdout (after the ``kvpool serve publishing KV events on ...`` line
+when events are on).
 
 Stopping: on SIGINT (Ctrl-C) or SIGTERM it stops accepting connections, lets the requests in
 flight finish for up to ``--shutdown-grace`` seconds (then aborts the rest), stops the engine
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,7 +50,7 @@ from kvpool.commands._args import (
     size,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import InvalidArgumentError, KVPoolError
 from kvpool.httpserve import bearer_token
 from kvpool.httpserve.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -209,6 +212,40 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache = cache_options(args)
     http = http_options(args)
+    held = hold_address(args.host, args.port)  # a busy port is refused before the model loads
+    try:
+        server = _load(args, cache, http)
+    finally:
+        held.close()  # the server binds it again (SO_REUSEADDR) once the model is loaded
+    return asyncio.run(_main(server))
+
+
+def hold_address(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``, so that a port in use, or a host that is not this
+    machine's, is refused before anything is loaded, and no other process takes the port while
+    the model loads (a client connecting meanwhile is reset when it is let go).
+
+    Raises:
+        KVPoolError: the address cannot be bound, in the words :func:`kvpool.httpserve.listen`
+            uses.
+    """
+    sock: socket.socket | None = None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1)
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        raise KVPoolError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _load(args: argparse.Namespace, cache: dict[str, Any], http: dict[str, Any]) -> Any:
+    """The model loaded and the ``EngineServer`` over it (not started)."""
     import torch
 
     from kvpool.engine.engine import Engine
@@ -218,13 +255,12 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     engine = Engine(model, tokenizer, cache=cache, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens)
-    server = EngineServer(
+    return EngineServer(
         engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         shutdown_grace_s=args.shutdown_grace, **http,
     )
-    return asyncio.run(_main(server))
 
 
 async def _main(server: Any) -> int:
