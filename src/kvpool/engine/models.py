@@ -17,8 +17,9 @@ package's name and version and the file's size (a reinstall of the same version 
 entry), any other GGUF file by the SHA-256 of its bytes. A new entry replaces the entries of
 the same file name it supersedes (another version, other bytes). Entries are written into a
 temporary directory and renamed into place, so a crash never leaves a half-written entry and
-two processes converting at once both end with a complete one. The conversion's quantized
-and dequantized models are freed before the entry is loaded, once, in the asked dtype.
+two processes converting at once both end with a complete one. The conversion runs in a
+process of its own, so its quantized and dequantized copies are gone before the entry is
+loaded, once, in the asked dtype.
 
 Every failure is a :class:`~kvpool.errors.ModelLoadError` (an unknown name, a path that is
 not a model, an install that failed) naming what was asked and what to do.
@@ -26,7 +27,6 @@ not a model, an install that failed) naming what was asked and what to do.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import importlib.util
 import os
@@ -191,7 +191,7 @@ def _converted(gguf: Path, key: str) -> Path:
           file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        _convert_apart(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -205,6 +205,31 @@ def _converted(gguf: Path, key: str) -> Path:
         if old != target and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _convert_apart(gguf: Path, out: Path) -> None:
+    """:func:`_convert_gguf` in a process of its own: the quantized and dequantized copies
+    (1.6 GB peak for smollm2) never count against the server's memory, which would keep
+    most of it after they are freed."""
+    code = ("import sys; from pathlib import Path; from kvpool.engine import models; "
+            "models._convert_main(Path(sys.argv[1]), Path(sys.argv[2]))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(gguf), str(out)],
+                              capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot start the conversion of {gguf}: {exc}") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise ModelLoadError(lines[-1].removeprefix("kvpool: "))
+
+
+def _convert_main(gguf: Path, out: Path) -> None:
+    """The conversion process: :func:`_convert_gguf`, its error as one line on stderr."""
+    try:
+        _convert_gguf(gguf, out)
+    except ModelLoadError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -228,8 +253,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     del quantized  # the dequantized copy is the only one kept while saving
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    del plain
-    gc.collect()  # both models freed before the entry is loaded in the asked dtype
 
 
 def _load_dir(path: Path, dtype: torch.dtype, asked: str) -> tuple[Any, Any]:
