@@ -85,7 +85,8 @@ def served(model_dir: Path) -> Iterator[Served]:
     model, tokenizer = load_model(str(model_dir))
     engine = Engine(model, tokenizer, cache={"tokens_per_block": TPB, "gpu_blocks": GPU_BLOCKS},
                     max_batch_size=4, max_num_tokens=256)
-    s = Served(engine)
+    s = Served(engine, EngineServer(engine, model_name="tiny", port=0,
+                                    model_aliases=("tiny-alias",)))
     yield s
     s.close()
 
@@ -338,3 +339,49 @@ def test_serve_memory_budgets_size_the_pools_through_the_planner(
     gpu, host, disk = (engine.manager.config.slots[t][0] for t in range(3))
     for slots, budget in ((gpu, 4 << 20), (host, 2 << 20), (disk, 8 << 20)):
         assert budget // 2 < slots * block <= budget
+
+
+def test_created_is_the_time_of_each_response(served: Served) -> None:
+    time.sleep(1.1)  # past the server's start: a start time would be a second old
+    before = time.time()
+    _, answer = served.post("/v1/completions", {"prompt": "now", "max_tokens": 1})
+    chunks = served.stream("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                  "content": "now"}],
+                                                    "max_tokens": 2})
+    _, raw = served.request("GET", "/v1/models")
+    after = time.time()
+    stamps = [answer["created"], json.loads(raw)["data"][0]["created"],
+              *(c["created"] for c in chunks)]
+    assert all(before - 1 < t <= after for t in stamps), (before, after, stamps)
+
+
+@pytest.mark.parametrize("role", ["wizard", "tool", "User"])
+def test_an_unknown_chat_role_is_a_400_naming_it(served: Served, role: str) -> None:
+    status, answer = served.post("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "s"}, {"role": role, "content": "hi"}],
+        "max_tokens": 1})
+    assert status == 400
+    err = answer["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    assert f"messages[1].role {role!r}" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_model_is_the_served_name_an_alias_or_left_out(served: Served, path: str) -> None:
+    base: dict[str, Any] = {"max_tokens": 1}
+    if path.endswith("chat/completions"):
+        base["messages"] = [{"role": "system", "content": "s"},
+                            {"role": "assistant", "content": "a"},
+                            {"role": "user", "content": "u"}]
+    else:
+        base["prompt"] = "hello"
+    for model in ("tiny", "tiny-alias", None):
+        body = base if model is None else {**base, "model": model}
+        status, answer = served.post(path, body)
+        assert status == 200, answer
+        assert answer["model"] == "tiny"
+    status, answer = served.post(path, {**base, "model": "gpt-4"})
+    assert status == 404
+    assert answer["error"]["code"] == "model_not_found"
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "'gpt-4'" in answer["error"]["message"] and "'tiny'" in answer["error"]["message"]

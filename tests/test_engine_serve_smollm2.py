@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,13 +20,33 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Iterator[str]:
+def smollm2_process() -> Iterator[tuple[KvpoolProcess, str]]:
     proc = KvpoolProcess("serve", "--model", "smollm2", "--port", "0")
     try:
         # a first run dequantizes the GGUF file (about 30 s on 2 cores); later runs load it
-        yield proc.wait_line("kvpool serve listening on ", timeout=600).split()[-1]
+        yield proc, proc.wait_line("kvpool serve listening on ", timeout=600).split()[-1]
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_process: tuple[KvpoolProcess, str]) -> str:
+    return smollm2_process[1]
+
+
+RSS_LIMIT_KB = 1_200_000  # issue 33: <= 1.2 GB peak resident after start
+
+
+@pytest.mark.slow
+def test_smollm2_peak_rss_after_start_is_at_most_1_2_gb(
+    smollm2_process: tuple[KvpoolProcess, str],
+) -> None:
+    status_file = Path(f"/proc/{smollm2_process[0].proc.pid}/status")
+    if not status_file.is_file():
+        pytest.skip("peak RSS is read from /proc (Linux)")
+    fields = dict(line.split(":", 1) for line in status_file.read_text().splitlines())
+    peak_kb = int(fields["VmHWM"].split()[0])  # the process's peak RSS, kB
+    assert peak_kb <= RSS_LIMIT_KB, f"peak RSS {peak_kb} kB"
 
 
 @pytest.mark.slow

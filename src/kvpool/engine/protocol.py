@@ -3,12 +3,14 @@ a prompt of token ids and :class:`~kvpool.engine.SamplingParams`), responses and
 out. Used by :mod:`kvpool.engine.server`; no I/O here.
 
 Every invalid body is an :class:`~kvpool.errors.InvalidArgumentError` whose message names the
-field, so the server answers 400 with it.
+field, so the server answers 400 with it; a ``model`` the server does not serve is an
+:class:`UnknownModelError` (OpenAI's 404 ``model_not_found``). A chat message's ``role`` is one
+of :data:`CHAT_ROLES` (``tool`` is not: kvpool serve takes no tools).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,9 @@ from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import InvalidArgumentError
 
-__all__ = ["Answer", "ParsedRequest", "parse_request"]
+__all__ = ["CHAT_ROLES", "Answer", "ParsedRequest", "UnknownModelError", "parse_request"]
+
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
 _UNSUPPORTED = ("logprobs", "echo", "best_of", "suffix", "tools", "functions", "logit_bias")
 _DEFAULT_COMPLETION_TOKENS = 16
@@ -30,9 +34,17 @@ class ParsedRequest:
     include_usage: bool = False
 
 
+class UnknownModelError(InvalidArgumentError):
+    """The request names a model this server does not serve."""
+
+
 def parse_request(body: object, *, chat: bool, tokenizer: Any, max_model_len: int,
-                  cache_tokens: int | None = None) -> ParsedRequest:
+                  cache_tokens: int | None = None,
+                  models: Collection[str] | None = None) -> ParsedRequest:
     """Validate a request body and turn it into token ids and sampling parameters.
+
+    ``models``: the names a request's ``model`` may give (None: any); a request without
+    ``model`` is for the served one.
 
     A chat request without ``max_tokens`` may generate up to the model's length, or up to
     ``cache_tokens`` (the most tokens one request's KV fits in) when that is smaller.
@@ -40,9 +52,11 @@ def parse_request(body: object, *, chat: bool, tokenizer: Any, max_model_len: in
     Raises:
         InvalidArgumentError: the body is not an object, a field has the wrong type or value,
             the prompt is empty or leaves no room to generate within ``max_model_len``.
+        UnknownModelError: ``model`` is not one of ``models``.
     """
     if not isinstance(body, Mapping):
         raise InvalidArgumentError("the request body must be a JSON object")
+    _check_model(body.get("model"), models)
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False, 0, [], {}):
             raise InvalidArgumentError(f"{name!r} is not supported by kvpool serve")
@@ -96,6 +110,18 @@ def parse_request(body: object, *, chat: bool, tokenizer: Any, max_model_len: in
     return ParsedRequest(prompt, params, stream, include_usage)
 
 
+def _check_model(model: object, models: Collection[str] | None) -> None:
+    if model is None or models is None:
+        return
+    if not isinstance(model, str):
+        raise InvalidArgumentError(f"'model' must be a string, got {type(model).__name__}")
+    if model not in models:
+        names = ", ".join(repr(m) for m in models)
+        raise UnknownModelError(
+            f"the model {model!r} does not exist on this server; it serves {names}"
+        )
+
+
 def _prompt(body: Mapping[str, Any], *, chat: bool, tokenizer: Any) -> list[int]:
     ids = body.get("prompt_token_ids")
     if ids is not None:
@@ -131,6 +157,11 @@ def _chat_prompt(messages: object, tokenizer: Any) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidArgumentError(
+                f"messages[{i}].role {m['role']!r} is not a chat role; expected one of "
+                f"{', '.join(CHAT_ROLES)}"
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is understood
             parts = []

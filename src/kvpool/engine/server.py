@@ -65,7 +65,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpool.engine.engine import Engine, RequestOutput
-from kvpool.engine.protocol import Answer, ParsedRequest, parse_request
+from kvpool.engine.protocol import Answer, ParsedRequest, UnknownModelError, parse_request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import (
     CapacityError,
@@ -293,7 +293,8 @@ class EngineServer:
     :meth:`stop` undoes all three, giving the requests in flight up to ``shutdown_grace_s``
     seconds to finish.
 
-    ``model_name`` is what ``/v1/models`` lists and answers carry; ``limits`` the request
+    ``model_name`` is what ``/v1/models`` lists and answers carry; a request's ``model`` must be
+    it or one of ``model_aliases`` (else a 404 ``model_not_found``); ``limits`` the request
     boundary's (default :class:`~kvpool.httpserve.HttpLimits`); ``auth_token`` the bearer
     token clients must send (None: no auth).
     """
@@ -310,6 +311,7 @@ class EngineServer:
         shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
         limits: HttpLimits | None = None,
         auth_token: bytes | None = None,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         if not shutdown_grace_s >= 0:
             raise InvalidArgumentError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
@@ -317,6 +319,7 @@ class EngineServer:
         self.shutdown_grace_s = shutdown_grace_s
         self._in_flight: set[asyncio.Task[Any]] = set()
         self.model_name = model_name
+        self.model_names = tuple(dict.fromkeys((model_name, *model_aliases)))
         self.host = host
         self.port = port
         self.limits = limits or HttpLimits()
@@ -339,7 +342,6 @@ class EngineServer:
             self._events_thread = EventPublisherThread(engine, self.publisher, tpb)
             snapshot_source.append(self._events_thread)
         self._runner: web.ServerRunner | None = None
-        self._created = int(time.time())
         config = engine.manager.config
         full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]
         self._cache_tokens = min(full) * config.tokens_per_block if full else None
@@ -439,7 +441,7 @@ class EngineServer:
 
     async def _models(self, request: web.BaseRequest) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self._created,
+            "id": self.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvpool", "max_model_len": self.engine.max_model_len,
         }]})
 
@@ -465,7 +467,7 @@ class EngineServer:
         return parse_request(decode_json(raw, "request"), chat=chat,
                              tokenizer=self.engine.tokenizer,
                              max_model_len=self.engine.max_model_len,
-                             cache_tokens=self._cache_tokens)
+                             cache_tokens=self._cache_tokens, models=self.model_names)
 
     async def _serve(self, request: web.BaseRequest, *, chat: bool) -> web.StreamResponse:
         """A completion, its outcome counted: ``rejected`` (any 4xx), ``disconnected``,
@@ -477,6 +479,11 @@ class EngineServer:
                 raw = await read_body(request, self.limits, SIZE_OPTION)
                 parsed = await asyncio.get_running_loop().run_in_executor(
                     self._parser, self._parse, raw, chat)
+            except UnknownModelError as exc:
+                self.metrics.requests.labels("rejected").inc()
+                return web.json_response({"error": {
+                    "message": str(exc), "type": "invalid_request_error", "param": "model",
+                    "code": "model_not_found"}}, status=404)
             except InvalidArgumentError as exc:
                 if isinstance(exc, HttpRequestError):  # the dispatcher answers: 400, 408, 413
                     outcome.labels("rejected").inc()
@@ -510,7 +517,8 @@ class EngineServer:
                 return self._refused(first)
             self.metrics.ttft.observe(time.monotonic() - arrived)
             self.metrics.count_prompt(len(parsed.prompt), first.cached_tokens)
-            answer = Answer(rid, self.model_name, chat, self._created, parsed)
+            # ``created``: when this response begins (every chunk of a stream carries it)
+            answer = Answer(rid, self.model_name, chat, int(time.time()), parsed)
             if parsed.stream:
                 response = await self._stream(request, answer, first, items)
             else:
