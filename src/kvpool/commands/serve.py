@@ -50,6 +50,7 @@ from kvpool.commands._args import (
     size,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
+from kvpool.config import EVICTION_POLICIES, CacheConfig
 from kvpool.errors import InvalidArgumentError, KVPoolError
 from kvpool.httpserve import bearer_token
 from kvpool.httpserve.limits import (
@@ -64,7 +65,7 @@ EVENT_HASH_ALGO = "v2_sha256_64"
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 # kvpool.engine.layout's and kvpool.config.CacheConfig's defaults (tests check they agree)
 DEFAULT_TOKENS_PER_BLOCK = 16
-DEFAULT_EVICTION_POLICY = "2q"
+DEFAULT_EVICTION_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
 # serve runs the model on the CPU, its device tier in host memory: half the engine's 1 GiB
 # (smollm2 needs 360 MiB for one full-length sequence); 1.0 GB peak RSS for smollm2, not 1.6
 DEFAULT_GPU_MEM = "512MiB"
@@ -118,7 +119,7 @@ def register(subparsers: Any) -> None:
                        help="disk-tier budget (default: no disk tier)")
     pools.add_argument("--disk-path", metavar="PATH",
                        help="directory of the disk tier (default: none; --disk-mem needs it)")
-    pools.add_argument("--eviction-policy", choices=("2q", "lru", "s3fifo", "arc"),
+    pools.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
                        default=DEFAULT_EVICTION_POLICY,
                        help=f"which cached block is evicted first (default "
                        f"{DEFAULT_EVICTION_POLICY})")
