@@ -1,12 +1,18 @@
 """Shared test settings: a bounded hypothesis profile so the suite fits CI's time; a cache
 directory of the suite's own, so that no test writes into ``~/.cache/kvpool``; a real
-redis-server for the remote tier's tests."""
+redis-server for the remote tier's tests.
+
+The tests sit in folders that mirror ``src/kvpool``'s packages (``tests/core``,
+``tests/router``, ...). They import the helper modules of this folder (``redis_server``,
+``http_raw``, ...) and a few import each other across folders by module name, so every test
+folder is put on ``sys.path`` here, before any of them is collected."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +20,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from redis_server import RedisServer
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_folder) not in sys.path:
+        sys.path.insert(1, str(_folder))
+
+from redis_server import RedisServer  # noqa: E402
 
 # Where kvpool keeps what it stores (the converted model, kvpool.engine.models.cache_dir):
 # a temporary directory for the session, removed at its end, inherited by every process a test

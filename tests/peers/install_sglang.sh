@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install SGLang 0.5.23's own code into a virtual environment for kvpool's SGLang tests
-# (tests/test_integration_sglang*.py), from PyPI only:
+# (tests/integrations/test_integration_sglang*.py), from PyPI only:
 #
 #   tests/peers/install_sglang.sh VENV        (e.g. tests/peers/install_sglang.sh .venv)
 #

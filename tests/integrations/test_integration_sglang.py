@@ -24,7 +24,7 @@ import torch
 
 from kvpool.errors import ConfigError, InvalidArgumentError, StorageError
 
-sys.path.insert(0, str(Path(__file__).parent / "peers"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "peers"))
 import sglang_env
 
 sglang_env.install_torchvision_shim()
@@ -165,7 +165,7 @@ def test_kvpool_never_imports_sglang_and_says_when_it_is_missing() -> None:
         "    assert isinstance(e, ImportError) and 'sglang==0.5.23' in str(e)\n"
         "    print('OK')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.stdout.strip() == "OK", done.stderr[-2000:]
@@ -374,7 +374,7 @@ def test_new_process_finds_every_page_and_a_full_disk_fails_stores_only(
                  'mount -t tmpfs -o size=256k tmpfs "$1" && shift && exec "$@"', "sh",
                  str(full), *child, str(full)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parents[1] / "src"), str(Path(__file__).parent)])}
+        [str(Path(__file__).parents[2] / "src"), str(Path(__file__).parent)])}
     done = subprocess.run(child, capture_output=True, text=True, timeout=480, env=env)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]

@@ -79,7 +79,7 @@ def test_a_busy_port_is_refused_at_once_before_the_model_loads(tmp_path: Path) -
             [sys.executable, "-c", _BUSY_PORT_PROBE, str(busy), str(tmp_path / "absent")],
             capture_output=True, text=True, timeout=60,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(Path(__file__).resolve().parents[1] / "src"),
+                [str(Path(__file__).resolve().parents[2] / "src"),
                  os.environ.get("PYTHONPATH", "")])},
         )
     code, seconds, torch_loaded = probe.stdout.split()

@@ -20,7 +20,7 @@ from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys, to_t
 from kvpool.events.vllm_msgpack import decode_vllm_batch, decode_vllm_keys, encode_vllm_batch
 from kvpool.router.service import parse_route_body
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 VLLM: list[Callable[[bytes], object]] = [
     decode_vllm_batch,

@@ -89,7 +89,7 @@ def test_the_router_at_1024_descriptors_answers_health_past_1000_slow_clients(
     config = tmp_path / "router.yaml"
     config.write_text("listen: {host: 127.0.0.1, port: 0}\n"
                       "workers:\n  - {id: a, kind: kvpool, tokens_per_block: 16}\n")
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
 
     def limit_descriptors() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))

@@ -35,7 +35,7 @@ from typing import Any
 from test_manager_storage_failures import in_private_tmpfs
 
 HERE = Path(__file__).resolve()
-SRC = str(HERE.parents[1] / "src")
+SRC = str(HERE.parents[2] / "src")
 TPB = 32  # long records: a tmpfs page of manifest fills after a few calls
 BLOCK_BYTES = 512  # GroupGeometry(1, 1, 2, "float32") at 32 tokens per block
 DISK_BLOCKS = 12

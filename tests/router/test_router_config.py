@@ -24,7 +24,7 @@ from kvpool.router.config import (
     parse_config,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 ONE = [{"id": "a", "kind": "kvpool"}]
 

@@ -29,7 +29,7 @@ from kvpool.errors import KVPoolError, StorageError
 from kvpool.events.index import EventIndex
 from kvpool.tiers.storage import BlockCopy, GroupGeometry, MetadataStorage
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def snapshot(m: KVCacheManager) -> dict[str, Any]:

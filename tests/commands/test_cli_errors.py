@@ -18,7 +18,7 @@ from kvpool.cli import main
 from kvpool.commands import replay as replay_command
 from kvpool.commands.router import GC_THRESHOLDS, loop_factory, settle_gc
 
-EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "router-vllm.yaml")
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "router-vllm.yaml")
 # A synthetic workload and cluster that replay in well under a second.
 SMALL = (
     "--requests", "30", "--system-prompt-tokens", "96", "--agent-prefix-tokens", "192",

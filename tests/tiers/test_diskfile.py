@@ -23,7 +23,7 @@ from kvpool.tiers.diskfile import (
     reclaim,
 )
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def test_pools_are_named_after_their_owner_sized_and_removed_on_close(tmp_path: Path) -> None:
