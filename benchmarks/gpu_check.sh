@@ -34,7 +34,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, keep its status and time
     echo "$name $rc $(( $(date +%s) - start ))" >> "$work/steps"
 }
 
-tests=(tests/test_copy_kernels.py tests/test_engine_static.py tests/test_engine_logits.py)
+tests=(tests/tiers/test_copy_kernels.py tests/engine/test_engine_static.py tests/engine/test_engine_logits.py)
 if [ "$dry" = 1 ]; then
     step tests 300 "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" -k "not gpt_oss"
     step bench_copy 120 "$py" benchmarks/bench_copy.py --blocks 64 --repeats 1 \
@@ -43,7 +43,7 @@ if [ "$dry" = 1 ]; then
         --random-weights smollm2 --layers 2 --quick --batch 4 --out "$work/engine_smollm2.json"
 else
     step tests 120 env KVPOOL_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider \
-        "${tests[@]}" tests/test_storage.py
+        "${tests[@]}" tests/tiers/test_storage.py
     step bench_copy 45 "$py" benchmarks/bench_copy.py --quick --no-cpu \
         --out "$work/bench_copy.json"
     for shape in smollm2 llama-3.2-1b llama-3-8b; do

@@ -40,7 +40,7 @@ policies' full-block hit rates; partial-block reuse is reported apart.
   that another worker held (what perfect routing would have found). A single bound for the
   workload in arrival order would not be one: a busy cluster time-shares its capacity (an
   answer still being generated takes no cache while other requests reuse theirs) and can beat
-  Belady on the arrival-order stream (``tests/test_replay_sim.py`` holds such a case).
+  Belady on the arrival-order stream (``tests/replay/test_replay_sim.py`` holds such a case).
 """
 
 from __future__ import annotations
