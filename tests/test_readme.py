@@ -1,8 +1,11 @@
 """The README and docs as a newcomer reads them: the first screen says who kvpool is for and
 links the comparison; their Python runs as written; every command in them parses with the
-real command line, names files that exist, and the test command is what CI runs; every figure
-table equals what ``python -m kvpool.replay.figures`` writes from the replays' JSON, and the
-replays print that JSON today; every link stays inside the repository and leads somewhere."""
+real command line, names files that exist, and runs as written from the repository root (the
+quick ones to their end, the long benchmarks and trace replays for their first seconds, the
+few that cannot run here named with the reason); the test command is what CI runs; every
+figure table equals what ``python -m kvpool.replay.figures`` writes from the replays' JSON, and
+the replays print that JSON today; every link stays inside the repository and leads
+somewhere."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +201,132 @@ def test_the_licences_are_shipped_and_named() -> None:
         assert (ROOT / name).is_file(), name
     assert "src/kvpool/data/LICENSE-mooncake-traces.txt" in project["license-files"]
     assert "LICENSE-mooncake-traces.txt" in (ROOT / "src/kvpool/data/README.md").read_text()
+
+
+# Every command of README and docs is run here as written, or named below with the reason it
+# is not. The quickstart sections run whole (test_a_quickstart_runs_as_written); the install
+# lines are the test command's own, which CI runs before this suite exists.
+_INSTALLS = ("python3 -m venv .venv", ".venv/bin/pip install", "bash tests/peers/install.sh")
+NOT_RUN = {
+    'pip install "kvpool[remote]"':
+        "installs kvpool into an engine's own environment (the test command installs the "
+        "same extra into this one)",
+    "python -m sglang.launch_server":
+        "starts SGLang itself: it needs a GPU and the model's weights (tests/integrations "
+        "drives SGLang's own storage code instead)",
+}
+# Commands that finish within FULL_S seconds run to their end. The longer ones (benchmarks of a
+# minute or more, 1,000-request trace replays: together well over the suite's ten minutes) start
+# together and run for START_S seconds: long enough to import, parse their options, find their
+# data and begin, which is where a command "as written" breaks (a missing module, a renamed
+# flag, a moved file); then they get the reader's Ctrl-C. Replays that a figure test above
+# already runs with the same options are not run twice.
+FULL_S = 90.0
+START_S = 20.0
+LONG = ("benchmarks/bench_hashing.py", "benchmarks/bench_admission.py",
+        "benchmarks/bench_events.py", "benchmarks/bench_router.py",
+        "benchmarks/bench_router_service.py", "benchmarks/bench_hitrate.py",
+        "benchmarks/bench_copy.py", "benchmarks/bench_persist.py", "benchmarks/bench_remote.py",
+        "benchmarks/bench_engine.py", "benchmarks/bench_vllm_tier.py",
+        "benchmarks/fuzz_decoders.py", "--trace conversation")
+
+
+def _quickstart_lines() -> set[str]:
+    titles = re.findall(r"^## (Quickstart [23]: .+)$", README, re.M)
+    return {c for t in titles for c in commands(README.split(f"## {t}\n")[1].split("\n## ")[0])}
+
+
+def _run_by_a_figure_test(command: str) -> bool:
+    """Does a figure test run this replay (the same parsed options)?"""
+    words = shlex.split(command)
+    if words[:2] != [".venv/bin/kvpool", "replay"]:
+        return False
+    parser = build_parser()
+    args = vars(parser.parse_args(words[1:]))
+    run = [f for f in figures.FIGURES if f.quick or f.name == "synthetic"]
+    return any(args == vars(parser.parse_args(["replay", *argv]))
+               for f in run for argv in f.runs)
+
+
+def _runnable() -> list[tuple[str, str]]:
+    quick = _quickstart_lines()
+    test_command = next(line for code in blocks(README, "bash") for line in code.splitlines()
+                        if line.endswith("python -m pytest"))
+    quick |= {part.strip() for part in test_command.split("&&")}  # this suite, CI's command
+    out = []
+    for doc in DOCS:
+        for command in commands((ROOT / doc).read_text()):
+            if (command in quick or command.startswith(_INSTALLS)
+                    or any(command.startswith(k) for k in NOT_RUN)
+                    or _run_by_a_figure_test(command)):
+                continue
+            if (doc, command) not in out:
+                out.append((doc, command))
+    return out
+
+
+def test_every_command_is_run_or_says_why_not() -> None:
+    named = [k for k in NOT_RUN if not any(c.startswith(k) for d in DOCS
+                                           for c in commands((ROOT / d).read_text()))]
+    assert named == [], "NOT_RUN names commands no document has any more"
+    assert _runnable(), "no command found"
+    for doc, command in _runnable():
+        assert command.startswith((".venv/bin/kvpool ", ".venv/bin/python benchmarks/")), (
+            f"{doc}: {command!r} is neither run here nor named in NOT_RUN")
+
+
+def _start(command: str, tmp_path: Path, name: str) -> subprocess.Popen[bytes]:
+    """The command from the repository root as the reader pastes it; its results go to a
+    temporary directory (KVPOOL_RESULTS_DIR) so the repository's own stay as they are."""
+    if not (ROOT / ".venv" / "bin" / "kvpool").exists():
+        command = command.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    env = {**os.environ, "KVPOOL_RESULTS_DIR": str(tmp_path / name)}
+    with open(tmp_path / f"{name}.out", "wb") as out, open(tmp_path / f"{name}.err", "wb") as err:
+        return subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=out,
+                                stderr=err, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("doc", "command"),
+                         [(d, c) for d, c in _runnable() if not any(m in c for m in LONG)])
+def test_a_documented_command_runs_as_written(doc: str, command: str, tmp_path: Path) -> None:
+    proc = _start(command, tmp_path, "cmd")
+    try:
+        proc.wait(timeout=FULL_S)
+    finally:
+        _stop(proc)
+    err = (tmp_path / "cmd.err").read_text()
+    assert proc.returncode == 0, f"{doc}: {command!r} exited {proc.returncode}: {err[-2000:]}"
+    assert "Traceback" not in err, err[-2000:]
+    assert (tmp_path / "cmd.out").read_text().strip(), f"{doc}: {command!r} printed nothing"
+
+
+@pytest.mark.slow
+def test_the_long_commands_start_as_written(tmp_path: Path) -> None:
+    long = [(d, c) for d, c in _runnable() if any(m in c for m in LONG)]
+    assert len(long) >= 10
+    procs = [_start(c, tmp_path, str(i)) for i, (_, c) in enumerate(long)]
+    try:
+        time.sleep(START_S)
+        running = [p for p in procs if p.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)  # the reader's Ctrl-C
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+    finally:
+        for proc in procs:
+            _stop(proc)
+    for i, ((doc, command), proc) in enumerate(zip(long, procs, strict=True)):
+        err = (tmp_path / f"{i}.err").read_text()
+        if proc not in running:  # it ended by itself within START_S
+            assert proc.returncode == 0, f"{doc}: {command!r}: {err[-2000:]}"
+        before_ctrl_c = err.split("KeyboardInterrupt")[0]
+        assert "Error" not in before_ctrl_c, f"{doc}: {command!r}: {err[-2000:]}"
