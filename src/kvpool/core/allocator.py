@@ -15,7 +15,7 @@ block table enters the queue - a run at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId, detach, prune
@@ -32,8 +32,8 @@ def alloc(st: CacheState, g: int) -> SlotId:
     st.new_count[g] += 1
     pool = st.gpu[g]
     if pool.free:
-        return pool.free.pop()
-    s, prio = cast("tuple[SlotId, int]", pool.queue.pop())
+        return pool.take_free()
+    s, prio = pool.pop_victim()
     evict(st, 0, g, s, prio)
     return s
 
@@ -47,18 +47,18 @@ def alloc_n(st: CacheState, g: int, n: int) -> list[SlotId]:
     out = pool.take(n)
     if len(out) == n:
         return out
-    if st.tiers > 1 or st.copies or st.remote is not None:  # remote: evict() sees each block
+    if st.layout.tiers > 1 or st.copies or st.remote is not None:  # remote: evict() sees each block
         free = pool.free
-        pop = cast("Callable[[], tuple[SlotId, int]]", pool.queue.pop)
+        pop = pool.pop_victim
         while len(out) < n:
             if free:  # an eviction's cascade freed its descendants' slots
-                out.append(free.pop())
+                out.append(pool.take_free())
                 continue
             s, prio = pop()
             evict(st, 0, g, s, prio)
             out.append(s)
         return out
-    victims = cast("list[SlotId]", pool.queue.pop_slots(n - len(out)))
+    victims = pool.pop_victims(n - len(out))
     _drop_victims(st, g, victims)
     out += victims
     return out
@@ -76,14 +76,13 @@ def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
     """
     pool = st.gpu[g]
     run_at, idx_at = pool.run_at, pool.idx_at
-    single = st.num_groups == 1
+    single = st.layout.num_groups == 1
     stats = st.stats
     if single:
         tails = leaf_tails(pool.run_at, pool.idx_at, g, slots)
         if tails is not None:
             drop_tails(st, g, tails)
-            stats.evicted_blocks += len(slots)
-            stats.dropped_blocks += len(slots)
+            stats.evicted(len(slots), len(slots))
             return
     events = st.emit.sink is not None
     removed: list[BlockKey] = []
@@ -105,7 +104,7 @@ def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
             slow += 1
             evict(st, 0, g, s, DEFAULT_PRIORITY)  # counts its own evictions and drops
             continue
-        run_at[s] = None
+        pool.clear(s)
         run.slot[g][i] = NO_SLOT
         if events:
             removed.append(run.keys[i])
@@ -120,8 +119,7 @@ def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
         else:
             prev = None
     cut_runs(cut)
-    stats.evicted_blocks += len(slots) - slow
-    stats.dropped_blocks += len(slots) - slow
+    stats.evicted(len(slots) - slow, len(slots) - slow)
     st.emit.removed(g, removed)
 
 
@@ -153,13 +151,12 @@ def leaf_tails(run_at: list[Run | None], idx_at: list[int], g: int,
 def drop_tails(st: CacheState, g: int, tails: list[tuple[Run, int]]) -> None:
     """Evict whole leaf-run tails found by :func:`leaf_tails`: what evicting their blocks one
     by one does, a run at a time."""
-    run_at = st.gpu[g].run_at
+    pool = st.gpu[g]
     events = st.emit.sink is not None
     removed: list[BlockKey] = []
     for run, keep in tails:
         sl = run.slot[g]
-        for s in sl[keep:]:
-            run_at[s] = None
+        pool.clear_all(sl[keep:])
         if events:
             gone = run.keys[keep:]
             gone.reverse()
@@ -187,10 +184,10 @@ def lower_slot(st: CacheState, t: int, g: int) -> SlotId | None:
     """A slot on colder tier t for an offloaded block, or None if none can be had."""
     pool = st.pools[t][g]
     if pool.free:
-        return pool.free.pop()
+        return pool.take_free()
     if not len(pool.queue):
         return None
-    s, prio = cast("tuple[SlotId, int]", pool.queue.pop())
+    s, prio = pool.pop_victim()
     evict(st, t, g, s, prio)
     return s
 
@@ -206,8 +203,7 @@ def evict(st: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
     i = pool.idx_at[slot]
     assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
     pool.clear(slot)
-    st.stats.evicted_blocks += 1
-    if (offload and t + 1 < st.tiers and priority >= st.config.offload_min_priority
+    if (offload and t + 1 < st.layout.tiers and priority >= st.config.offload_min_priority
             and pool.queue.should_offload(slot)):
         s2 = lower_slot(st, t + 1, g)
         if s2 is not None:
@@ -215,10 +211,10 @@ def evict(st: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
             run.slot[g][i] = s2
             lower = st.pools[t + 1][g]
             lower.place(s2, run, i)
-            lower.queue.push(s2, run.priority(i), key=run.keys[i])
+            lower.enqueue(s2, run.priority(i), key=run.keys[i])
             st.copies.add(BlockCopy(t, slot, t + 1, s2, g))
-            st.stats.offload_blocks += 1
-            st.stats.offload_bytes += st.storage.block_bytes(g)
+            st.stats.evicted(1, 0)
+            st.stats.offloaded(1, st.storage.block_bytes(g))
             st.emit.updated(g, run.keys[i], t, t + 1)
             return
     if offload and st.remote is not None:  # remote tier: the block leaves the local tiers
@@ -227,14 +223,14 @@ def evict(st: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
         st.copies.cancel_into(t, g, slot)
     run.slot[g][i] = NO_SLOT
     run.tier[g][i] = 0
-    st.stats.dropped_blocks += 1
+    st.stats.evicted(1, 1)
     if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
         st.emit.removed(g, [run.keys[i]])
         if not run.has_slot(i):
             prune(run)
         return
     removed = [run.keys[i]]
-    if not st.kinds[g].windowed:
+    if not st.layout.kinds[g].windowed:
         removed += _drop_below(st, g, run, i, offload)
     st.emit.removed(g, removed)
     _prune_subtree(run)
@@ -254,15 +250,15 @@ def _drop_below(st: CacheState, g: int, run: Run, i: int, offload: bool) -> list
         pool = st.pools[dt][g]
         if ds not in pool.queue:
             continue
-        pool.queue.remove(ds)
+        pool.dequeue(ds)
         if offload and st.remote is not None:  # remote tier, as in evict()
             st.remote.dropped(dt, g, ds, r, j)
         st.copies.cancel_into(dt, g, ds)
         pool.clear(ds)
-        pool.free.append(ds)
+        pool.give_one(ds)
         r.slot[g][j] = NO_SLOT
         r.tier[g][j] = 0
-        st.stats.dropped_blocks += 1
+        st.stats.evicted(0, 1)
         removed.append(r.keys[j])
     return removed
 
@@ -289,11 +285,10 @@ def clear_queues(st: CacheState) -> None:
     """Drop every queued block on every tier (nothing offloaded)."""
     for t, tier in enumerate(st.pools):
         for g, pool in enumerate(tier):
-            q = pool.queue
-            while len(q):
-                s, prio = cast("tuple[SlotId, int]", q.pop())
+            while len(pool.queue):
+                s, prio = pool.pop_victim()
                 evict(st, t, g, s, prio, offload=False)
-                pool.free.append(s)
+                pool.give_one(s)
 
 
 def drop_unwritten(st: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCopy]:
@@ -306,9 +301,9 @@ def drop_unwritten(st: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCop
         t, g, s = c.dst_tier, c.layer_group, SlotId(c.dst_slot)
         pool = st.pools[t][g]
         if s in pool.queue:
-            pool.queue.remove(s)
+            pool.dequeue(s)
             evict(st, t, g, s, DEFAULT_PRIORITY, offload=False)
-            pool.free.append(s)
+            pool.give_one(s)
         elif pool.run_at[s] is not None or s in pool.held or (t == 0 and st.gpu[g].ref[s]):
             unrepaired.append(c)
     return unrepaired
@@ -322,21 +317,21 @@ def onboard(st: CacheState, run: Run, i: int, g: int, refs: int) -> int:
     now, 0 if an earlier request of the batch already brought it up."""
     t, s = run.tier[g][i], run.slot[g][i]
     if t == 0:
-        st.gpu[g].ref[s] += refs
+        st.gpu[g].hold_one(s, refs)
         return 0
     new = alloc(st, g)
     st.copies.add(BlockCopy(t, s, 0, new, g))
     colder = st.pools[t][g]
     colder.clear(s)
     if s not in colder.held:
-        st.pending_free.append((t, g, s))
+        st.free_at_call_end(t, g, s)
     # else: a suspended sequence holds that copy; it stays held, no longer cached
     run.tier[g][i] = 0
     run.slot[g][i] = new
     gpu = st.gpu[g]
     gpu.place(new, run, i)
-    gpu.ref[new] = refs
-    st.stats.onboard_bytes += st.storage.block_bytes(g)
+    gpu.set_refs(new, refs)
+    st.stats.onboarded(0, st.storage.block_bytes(g))
     st.emit.updated(g, run.keys[i], t, 0)
     return 1
 
@@ -348,7 +343,7 @@ def take_over(st: CacheState, run: Run, i: int, g: int, refs: int) -> SlotId:
     assert run.tier[g][i] == 0 and pool.ref[s] == 0
     pool.clear(s)
     run.slot[g][i] = NO_SLOT
-    pool.ref[s] = refs
+    pool.set_refs(s, refs)
     st.emit.removed(g, [run.keys[i]])
     if not run.has_slot(i):
         prune(run)
@@ -359,7 +354,7 @@ def release_partials(st: CacheState, release: list[tuple[Run, int]]) -> None:
     """Queue again the partial sources a batch claimed and did not take over (unless a full
     match of the batch holds one, or it moved)."""
     for run, i in release:
-        for g in st.self_groups:
+        for g in st.layout.self_groups:
             t, s = run.tier[g][i], run.slot[g][i]
             pool = st.pools[t][g]
             if s == NO_SLOT or s in pool.queue or s in pool.held:
@@ -367,7 +362,7 @@ def release_partials(st: CacheState, release: list[tuple[Run, int]]) -> None:
             if t == 0 and pool.ref[s] > 0:
                 continue  # a full match holds it: the release is cancelled
             if pool.run_at[s] is run and pool.idx_at[s] == i:
-                pool.queue.push(s, run.priority(i), key=run.keys[i])
+                pool.enqueue(s, run.priority(i), key=run.keys[i])
 
 
 # ------------------------------------------------------------------ releasing references
@@ -376,18 +371,15 @@ def release_partials(st: CacheState, release: list[tuple[Run, int]]) -> None:
 def unref(st: CacheState, g: int, s: SlotId) -> None:
     """Drop one reference on GPU slot s of group g; at zero it is queued (cached) or freed."""
     pool = st.gpu[g]
-    ref = pool.ref
-    ref[s] -= 1
-    assert ref[s] >= 0
-    if ref[s] == 0:
+    if pool.drop_ref(s) == 0:
         run = pool.run_at[s]
         if run is None:
-            pool.free.append(s)
+            pool.give_one(s)
         else:
             i = pool.idx_at[s]
             dur = run.duration(i)
             expires = st.clock() + dur if dur is not None else None
-            pool.queue.push(s, run.priority(i), expires, run.keys[i])
+            pool.enqueue(s, run.priority(i), expires, run.keys[i])
 
 
 def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
@@ -404,21 +396,22 @@ def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
         return
     run_at = cast("list[Run]", pool.run_at)  # (every slot in ``gone`` holds a block)
     queue = pool.queue
+    push_many = pool.enqueue_many
     idx_at = pool.idx_at
     if not st.retention_seen:  # the common case: default priority, no duration
         if queue.uses_keys:
             keys = [run_at[s].keys[idx_at[s]] for s in gone]
-            queue.push_many(gone, DEFAULT_PRIORITY, keys)
+            push_many(gone, DEFAULT_PRIORITY, keys)
         else:
-            queue.push_many(gone, DEFAULT_PRIORITY)
+            push_many(gone, DEFAULT_PRIORITY)
         return
     cached = [run_at[s] for s in gone]
     if all(r.prio is None for r in cached):
         if queue.uses_keys:
             keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
-            queue.push_many(gone, DEFAULT_PRIORITY, keys)
+            push_many(gone, DEFAULT_PRIORITY, keys)
         else:
-            queue.push_many(gone, DEFAULT_PRIORITY)
+            push_many(gone, DEFAULT_PRIORITY)
         return
     batch: list[SlotId] = []
     batch_keys: list[BlockKey] = []
@@ -428,13 +421,13 @@ def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
         prio = run.priority(i)
         dur = run.duration(i)
         if batch and (dur is not None or prio != batch_prio):
-            queue.push_many(batch, batch_prio, batch_keys)
+            push_many(batch, batch_prio, batch_keys)
             batch, batch_keys = [], []
         if dur is not None:
-            queue.push(s, prio, st.clock() + dur, run.keys[i])
+            pool.enqueue(s, prio, st.clock() + dur, run.keys[i])
             continue
         batch_prio = prio
         batch.append(s)
         batch_keys.append(run.keys[i])
     if batch:
-        queue.push_many(batch, batch_prio, batch_keys)
+        push_many(batch, batch_prio, batch_keys)

@@ -56,14 +56,14 @@ def _walk_path(st: CacheState, seq: Seq, blocks: int, rebuild: bool) -> tuple[Ru
     with ``rebuild`` the blocks past the match are recreated as a path run without slots,
     else None."""
     root = seq.root = st.root((seq.lora_id, seq.cache_salt))
-    path = match_full(root, seq.tokens.tobytes(), blocks, st.step)
+    path = match_full(root, seq.tokens.tobytes(), blocks, st.layout.step)
     run, n = (path[-1][0], path[-1][2]) if path else (root, 0)
     d = sum(b - a for _, a, b in path)
     if d == blocks:
         return run, n
     if not rebuild:
         return None
-    slots = [[NO_SLOT] * (blocks - d) for _ in range(st.num_groups)]
+    slots = [[NO_SLOT] * (blocks - d) for _ in range(st.layout.num_groups)]
     return new_run(st, seq, run, n, d, blocks, slots), blocks - d
 
 
@@ -73,17 +73,17 @@ def new_run(st: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
     """Blocks [first, upto) of ``seq`` (keys known, or given) as a new run after block n - 1
     of ``run`` (split there if needed), holding ``slots`` per group (GPU). ``raw``: the
     sequence's tokens as bytes, when the caller has them."""
-    step = st.step
+    step = st.layout.step
     if n < len(run.keys):
         reindex(st, run.split(n, step))
-    tk = (seq.tokens[first * st.tpb:upto * st.tpb].tobytes() if raw is None
+    tk = (seq.tokens[first * st.layout.tpb:upto * st.layout.tpb].tobytes() if raw is None
           else raw[first * step:upto * step])
     new = Run(run, tk, tk[:step], seq.keys[first:upto] if keys is None else keys, slots,
               [[0] * (upto - first) for _ in slots])
     run.add_child(new)
     if seq.retention is not None:
         for j in range(upto - first):
-            set_priority(st, seq, new, j, (first + j) * st.tpb)
+            set_priority(st, seq, new, j, (first + j) * st.layout.tpb)
     return new
 
 
@@ -138,7 +138,7 @@ def _follow_existing(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: 
     """Follow blocks [i, upto) of the sequence while the tree has them (another sequence
     committed them); a block without a slot in a group takes this sequence's. Returns where
     the path ends (run, n) and the first block not in the tree."""
-    step = st.step
+    step = st.layout.step
     events = st.emit.sink is not None
     keys = seq.keys
     group_tables = None
@@ -154,7 +154,7 @@ def _follow_existing(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: 
             run, n = child, 0
         keys.append(run.keys[n])
         if group_tables is None:
-            group_tables = [(g, seq.tables[g][0], st.gpu[g]) for g in st.self_groups]
+            group_tables = [(g, seq.tables[g][0], st.gpu[g]) for g in st.layout.self_groups]
         for g, tb, pool in group_tables:
             s = tb[i] if i < len(tb) else NO_SLOT
             if s != NO_SLOT and run.slot[g][n] == NO_SLOT and pool.run_at[s] is None:
@@ -178,15 +178,15 @@ def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int,
              chains: dict[int, list[Segment]]) -> tuple[Run, int]:
     """Blocks [first, upto), none in the tree, as a chain after block n - 1 of ``run``:
     appended to the sequence's own run, or a new run. Returns where the path ends."""
-    step = st.step
+    step = st.layout.step
     k = upto - first
     keys = seq.keys
     new_keys = st.hasher(seq).keys_after(keys[:first] if first < len(keys) else keys,
                                          raw[first * step:upto * step])
     keys.extend(new_keys)
     slots: list[list[SlotId]] = []
-    for g in range(st.num_groups):
-        if st.kinds[g].cross:
+    for g in range(st.layout.num_groups):
+        if st.layout.kinds[g].cross:
             slots.append([NO_SLOT] * k)
             continue
         sl = seq.tables[g][0][first:upto]
@@ -200,13 +200,13 @@ def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int,
         run.extend(raw[first * step:upto * step], new_keys, slots, [[0] * k for _ in slots], step)
         if seq.retention is not None:
             for j in range(k):
-                set_priority(st, seq, run, base + j, (first + j) * st.tpb)
+                set_priority(st, seq, run, base + j, (first + j) * st.layout.tpb)
     else:
         base = 0
         run = new_run(st, seq, run, n, first, upto, slots, new_keys, raw)
     seq.own_run = run
     events = st.emit.sink is not None
-    for g in st.self_groups:
+    for g in st.layout.self_groups:
         sl = slots[g]
         if not events and NO_SLOT not in sl:  # the common case, in two C-speed loops
             st.gpu[g].place_all(sl, run, base)
@@ -219,13 +219,12 @@ def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: 
                      chains: dict[int, list[Segment]], events: bool) -> None:
     """Point new blocks' slots at ``run`` (from block ``base``) and extend group g's stored
     chain with them; a block without a slot ends the chain (its event is sent)."""
-    na, ia = st.gpu[g].run_at, st.gpu[g].idx_at
+    place = st.gpu[g].place
     piece = chains.pop(g, [])  # a chain still open ends at the block just before these
     start = -1  # first block of the stretch being stored
     for j, s in enumerate(sl, base):
         if s != NO_SLOT:
-            na[s] = run
-            ia[s] = j
+            place(s, run, j)
             if start < 0:
                 start = j
             continue
@@ -243,7 +242,7 @@ def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: 
 
 def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
     """Store the trailing partial block as a leaf keyed by its (short) token chain."""
-    tpb = st.tpb
+    tpb = st.layout.tpb
     full = computed // tpb
     if seq.committed_blocks < full:
         return
@@ -257,9 +256,9 @@ def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
         return
     stored = []
     slots: list[list[SlotId]] = []
-    for g in range(st.num_groups):
+    for g in range(st.layout.num_groups):
         s = NO_SLOT
-        if g in st.self_groups:
+        if g in st.layout.self_groups:
             tb = seq.tables[g][0]
             s = tb[full] if full < len(tb) else NO_SLOT
             if s != NO_SLOT and st.gpu[g].run_at[s] is not None:
@@ -270,7 +269,7 @@ def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
     if not stored:
         return
     if n < len(run.keys):
-        reindex(st, run.split(n, st.step))
+        reindex(st, run.split(n, st.layout.step))
     key = hasher_after(st, seq, full).key_of_prefix_block(tokens)
     leaf = Run(run, tk, tk, [key], slots, [[0] for _ in slots])
     run.add_child(leaf)

@@ -45,7 +45,7 @@ def tree_blocks(st: CacheState) -> list[tuple[array[int], list[int], list[int]]]
     """(tokens up to and including the block, slot per group, tier per group) of every block
     in the tree."""
     out: list[tuple[array[int], list[int], list[int]]] = []
-    step = st.step
+    step = st.layout.step
     for _, r, j in blocks(st):
         chain = [r.tkey[:(j + 1) * step]]
         p = r.parent
@@ -85,14 +85,14 @@ def check_invariants(st: CacheState) -> None:
     """Assert ARCHITECTURE §7 (1-3) over the whole state (see the module docstring)."""
     refs = [[0] * n for n in st.config.slots[0]]
     for seq in st.sequences.values():
-        for g in range(st.num_groups):
+        for g in range(st.layout.num_groups):
             for tb in seq.tables[g]:
                 for s in tb:
                     if s != NO_SLOT:
                         refs[g][s] += 1
     assert refs == [p.ref for p in st.gpu], "reference counts differ from the block tables"
-    for t in range(st.tiers):
-        for g in range(st.num_groups):
+    for t in range(st.layout.tiers):
+        for g in range(st.layout.num_groups):
             _check_pool(st, t, g)
     _check_tree(st)
 
@@ -124,7 +124,7 @@ def _check_pool(st: CacheState, t: int, g: int) -> None:
 
 def _check_tree(st: CacheState) -> None:
     """Runs are well formed, keys unique, tree slots agree with the back-pointers."""
-    step = st.step
+    step = st.layout.step
     seen: set[tuple[Scope, BlockKey | None, BlockKey]] = set()
     for scope, root in st.roots.items():
         rk = st.view.root_key(*scope)
@@ -147,7 +147,7 @@ def _check_tree(st: CacheState) -> None:
                 assert (scope, pk, key) not in seen, "two blocks with the same key"
                 seen.add((scope, pk, key))
                 pk = key
-                for g in range(st.num_groups):
+                for g in range(st.layout.num_groups):
                     s = r.slot[g][j]
                     if s != NO_SLOT:
                         pool = st.pools[r.tier[g][j]][g]

@@ -31,9 +31,9 @@ def growth(st: CacheState, seq: Seq, new_len: int) -> tuple[dict[int, int], dict
     """(new slots needed, slots freed to the pool by window release) per group."""
     need: dict[int, int] = {}
     freed: dict[int, int] = {}
-    blocks_after = -(-new_len // st.tpb)
-    for g in range(st.num_groups):
-        kind = st.kinds[g]
+    blocks_after = -(-new_len // st.layout.tpb)
+    for g in range(st.layout.num_groups):
+        kind = st.layout.kinds[g]
         if kind.cross:
             need[g] = freed[g] = 0
             continue
@@ -73,7 +73,9 @@ def add_tokens(st: CacheState, seq_id: SeqId, token_ids: Sequence[int]) -> None:
     if not toks:
         return
     new_len = seq.num_tokens + len(toks)
-    if st.full_attention_only and new_len <= len(seq.tables[st.self_groups[0]][0]) * st.tpb:
+    layout = st.layout
+    if layout.full_attention_only and \
+            new_len <= len(seq.tables[layout.self_groups[0]][0]) * layout.tpb:
         # the common decode step: the tokens fit the blocks held, no window moves
         seq.tokens.extend(toks)
         return
@@ -84,27 +86,27 @@ def add_tokens(st: CacheState, seq_id: SeqId, token_ids: Sequence[int]) -> None:
             f"sequence {seq_id!r} cannot grow to {new_len} tokens: missing {_missing(deficit)}",
             deficit,
         )
-    if st.tiers > 1:
+    if st.layout.tiers > 1:
         st.check_storage()  # evictions may offload: fail before changing anything
     st.begin_call()
-    for g in st.self_groups:
+    for g in st.layout.self_groups:
         # The step computes the new tokens' KV; its first token still attends back a window
         # from the old end, so staleness is judged at old length + 1.
         _release_stale(st, seq, g, seq.num_tokens + 1)
-    blocks_after = -(-new_len // st.tpb)
-    for g in st.self_groups:
-        ref = st.gpu[g].ref
+    blocks_after = -(-new_len // st.layout.tpb)
+    for g in st.layout.self_groups:
+        pool = st.gpu[g]
         for tb in seq.tables[g]:
             while len(tb) < blocks_after:
                 s = alloc(st, g)
-                ref[s] += 1
+                pool.hold_one(s, 1)
                 tb.append(s)
     seq.tokens.extend(toks)
     st.finish_call()
 
 
 def _release_stale(st: CacheState, seq: Seq, g: int, length: int) -> None:
-    kind = st.kinds[g]
+    kind = st.layout.kinds[g]
     limit = kind.stale_limit(length)
     for tb in seq.tables[g]:
         for i in range(kind.first_kept, min(limit, len(tb))):
@@ -120,15 +122,15 @@ def rewind_tokens(st: CacheState, seq_id: SeqId, num_tokens: int) -> None:
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     new_len = seq.num_tokens - num_tokens
-    floor = max(seq.committed_floor, seq.committed_blocks * st.tpb)
+    floor = max(seq.committed_floor, seq.committed_blocks * st.layout.tpb)
     if new_len < floor:
         raise RewindError(
             f"cannot rewind sequence {seq_id!r} by {num_tokens} tokens to {new_len}: "
             f"its first {floor} tokens are committed"
         )
-    keep = -(-new_len // st.tpb)
-    for g in st.self_groups:
-        kind = st.kinds[g]
+    keep = -(-new_len // st.layout.tpb)
+    for g in st.layout.self_groups:
+        kind = st.layout.kinds[g]
         if not kind.windowed:
             continue
         tb = seq.tables[g][0]
@@ -138,7 +140,7 @@ def rewind_tokens(st: CacheState, seq_id: SeqId, num_tokens: int) -> None:
                     f"cannot rewind sequence {seq_id!r} to {new_len} tokens: layer "
                     f"group {g} already released block {i} of its window"
                 )
-    for g in st.self_groups:
+    for g in st.layout.self_groups:
         for tb in seq.tables[g]:
             while len(tb) > keep:
                 s = tb.pop()
@@ -157,13 +159,13 @@ def remove_sequence(st: CacheState, seq_id: SeqId, store_for_reuse: bool) -> Non
         _release_moved(st, seq)
     elif store_for_reuse and st.config.enable_block_reuse:
         computed = seq.num_tokens - (1 if seq.num_tokens > seq.prompt_len else 0)
-        commit(st, seq, computed // st.tpb)
-        if st.config.enable_partial_reuse and computed % st.tpb:
+        commit(st, seq, computed // st.layout.tpb)
+        if st.config.enable_partial_reuse and computed % st.layout.tpb:
             commit_partial(st, seq, computed)
     for g, tables in enumerate(seq.tables):
         for tb in tables:
             unref_many(st, g, tb)
-    del st.sequences[seq_id]
+    st.drop_sequence(seq_id)
     st.finish_call()
 
 
@@ -171,13 +173,13 @@ def _release_moved(st: CacheState, seq: Seq) -> None:
     """A suspended sequence goes: its held colder-tier slots are queued (cached) or freed."""
     for (g, _), (t, h, _pos) in seq.moved.items():
         pool = st.pools[t][g]
-        pool.held.discard(h)
+        pool.unkeep(h)
         run = pool.run_at[h]
         if run is None:
-            pool.free.append(h)
+            pool.give_one(h)
         else:
             i = pool.idx_at[h]
-            pool.queue.push(h, run.priority(i), key=run.keys[i])
+            pool.enqueue(h, run.priority(i), key=run.keys[i])
     seq.moved.clear()
     seq.suspended = False
 
@@ -190,10 +192,10 @@ def suspend(st: CacheState, seq_id: SeqId) -> dict[int, int]:
     seq = st.seq(seq_id)
     if seq.suspended:
         raise SequenceStateError(f"sequence {seq_id!r} is already suspended")
-    freed = dict.fromkeys(range(st.num_groups), 0)
-    if st.tiers > 1:
+    freed = dict.fromkeys(range(st.layout.num_groups), 0)
+    if st.layout.tiers > 1:
         st.check_storage()
-        for g in range(st.num_groups):
+        for g in range(st.layout.num_groups):
             freed[g] = _offload_own(st, seq, g)
     seq.suspended = True
     st.finish_call()
@@ -218,15 +220,14 @@ def _offload_own(st: CacheState, seq: Seq, g: int) -> int:
             continue  # no room below: stays on the GPU, still held
         st.copies.add(BlockCopy(0, s, 1, h, g))
         _move_tree_entry(st, g, 0, s, 1, h)
-        host.held.add(h)
-        gpu.ref[s] = 0
-        gpu.free.append(s)
+        host.keep(h)
+        gpu.set_refs(s, 0)
+        gpu.give_one(s)
         for b, i in pos:
             seq.tables[g][b][i] = NO_SLOT
         seq.moved[(g, s)] = (1, h, pos)
         freed += 1
-        st.stats.offload_blocks += 1
-        st.stats.offload_bytes += st.storage.block_bytes(g)
+        st.stats.offloaded(1, st.storage.block_bytes(g))
     return freed
 
 
@@ -235,7 +236,7 @@ def resume(st: CacheState, seq_id: SeqId) -> None:
     seq = st.seq(seq_id)
     if not seq.suspended:
         raise SequenceStateError(f"sequence {seq_id!r} is not suspended")
-    need = dict.fromkeys(range(st.num_groups), 0)
+    need = dict.fromkeys(range(st.layout.num_groups), 0)
     for g, _ in seq.moved:
         need[g] += 1
     deficit = _deficit(st, need)
@@ -250,13 +251,12 @@ def resume(st: CacheState, seq_id: SeqId) -> None:
         st.copies.add(BlockCopy(t, h, 0, new, g))
         colder, gpu = st.pools[t][g], st.gpu[g]
         _move_tree_entry(st, g, t, h, 0, new)
-        colder.held.discard(h)
-        st.pending_free.append((t, g, h))
-        gpu.ref[new] = len(pos)
+        colder.unkeep(h)
+        st.free_at_call_end(t, g, h)
+        gpu.set_refs(new, len(pos))
         for b, i in pos:
             seq.tables[g][b][i] = new
-        st.stats.onboard_blocks += 1
-        st.stats.onboard_bytes += st.storage.block_bytes(g)
+        st.stats.onboarded(1, st.storage.block_bytes(g))
     seq.moved.clear()
     seq.suspended = False
     st.finish_call()

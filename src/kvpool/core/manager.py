@@ -109,15 +109,15 @@ class KVCacheManager:
         self.events = events
         self._st = st = CacheState(config, storage or MetadataStorage(self.tpb), events)
         st.repair_copies = drop_unwritten
-        self.step = st.step
-        self.self_groups = st.self_groups
-        self.full_attention_only = st.full_attention_only
+        self.step = st.layout.step
+        self.self_groups = st.layout.self_groups
+        self.full_attention_only = st.layout.full_attention_only
         self.roots = st.roots
         self.sequences = st.sequences
         self._iter_base = CacheStats()
         # does a batch copy (and so need the storage checked) whatever it matches?
-        self._batch_may_copy = st.tiers > 1
-        self._has_disk = st.tiers > 2
+        self._batch_may_copy = st.layout.tiers > 1
+        self._has_disk = st.layout.tiers > 2
         if events is not None:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
@@ -176,12 +176,11 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            partials = plan.partials
-            if self._batch_may_copy or partials:
+            if self._batch_may_copy or plan.partials:
                 st.check_storage()  # the batch may copy: fail before changing anything
                 if self._has_disk:  # and read what it onboards from disk, for the same reason
-                    st.read_ahead(disk_reads(st, plan, partials))
-            results = admit(st, plan, partials)
+                    st.read_ahead(disk_reads(st, plan))
+            results = admit(st, plan)
             st.finish_call()
             return results
 

@@ -1,4 +1,5 @@
-"""Two-phase batch admission (seeds 001 and 002): plan every request, claim, then allocate.
+"""Two-phase batch admission: plan every request, claim every match, then allocate, so that no
+request of a batch evicts what another reuses.
 
 ``plan`` is pure: it walks the tree for every request of a batch, decides what each one
 reuses (full matches, one partial match), how the batch shares partial sources
@@ -27,6 +28,7 @@ from typing import cast
 
 from kvpool.config import SequenceRequest
 from kvpool.core.groups import CrossAttention
+from kvpool.core.layout import TOKEN_BYTES
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId, common_prefix, first_token, match_full
 from kvpool.core.views import PlanView
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
@@ -47,51 +49,79 @@ class PartialMode(Enum):
 
 
 class RequestPlan:
-    """What one request of a batch reuses and needs.
+    """What one request of a batch reuses and needs: the contract between planning (here)
+    and execution (:mod:`kvpool.core.execute`), every field public and typed.
 
-    Public: ``seq_id``, ``reused_tokens``, ``new_blocks`` (layer group -> GPU slots the
-    request takes: fresh + copies + onboards) and the queries below. The rest is what the
-    execution (:mod:`kvpool.core.execute`) needs; the tree objects (``_matched``, ``_partial``) stay
-    private.
+    For callers of ``plan_batch``: ``seq_id``, ``reused_tokens``, ``new_blocks`` (layer group
+    -> GPU slots the request takes: fresh + copies + onboards) and the queries below. The
+    execution also reads the tree blocks (``matched``, ``partial``) and the claims; it fills
+    ``partial_loc`` in its phase 1. A plan is spent once executed.
     """
 
+    request: SequenceRequest
+    seq_id: int | str
+    root_key: BlockKey
+    matched: list[Segment]
+    """The fully matched blocks, as tree segments in block order."""
+    num_matched: int
+    """Blocks in ``matched``."""
+    partial: Block | None
+    """The partially matched source block (a tree block), or None."""
+    partial_tokens: int
+    """Tokens reused from ``partial``."""
+    reused_tokens: int
+    num_blocks: int
+    """The prompt's context blocks."""
+    last_shared: bool
+    """Is the last context block shared by all beams?"""
+    new_blocks: dict[int, int]
+    claimed: dict[int, Sequence[int]]
+    """Layer group -> indices (into the matched blocks) of the blocks it claims."""
+    claim_slots: dict[int, list[SlotId]]
+    """Layer group -> the slots of its claimed blocks."""
+    claim_tiers: dict[int, Sequence[int]]
+    """Layer group -> the tiers of its claimed blocks (() when all are on the GPU)."""
+    partial_mode: PartialMode | None
+    partial_loc: dict[int, tuple[int, int]]
+    """Layer group -> (tier, slot) of the partial source when the execution claimed it."""
+    queued: dict[int, list[SlotId]]
+    """Layer group -> claimed GPU slots that were queued (unreferenced) when planned, for the
+    batch's first request, whose claims the execution starts with (later ones recount)."""
+
     __slots__ = (
-        "_blocks", "_matched", "_partial", "claim_slots", "claim_tiers", "claimed",
-        "last_shared", "new_blocks", "num_blocks", "num_matched", "partial_loc",
-        "partial_mode", "partial_tokens", "queued", "request", "reused_tokens", "root_key",
-        "seq_id",
+        "_blocks", "claim_slots", "claim_tiers", "claimed",
+        "last_shared", "matched", "new_blocks", "num_blocks", "num_matched", "partial",
+        "partial_loc", "partial_mode", "partial_tokens", "queued", "request", "reused_tokens",
+        "root_key", "seq_id",
     )
 
     def __init__(self, request: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                  num_matched: int, partial: Block | None, partial_tokens: int,
-                 claim_slots: dict[int, list[SlotId]], tpb: int, groups: range) -> None:
+                 claim_slots: dict[int, list[SlotId]], tpb: int) -> None:
         n = len(request.tokens)
         self.request = request
-        self.seq_id: int | str = request.seq_id
+        self.seq_id = request.seq_id
         self.root_key = root_key
-        self._matched = matched  # full matches, block order (tree objects: internal)
-        self.num_matched = num_matched  # blocks in ``_matched``
-        self._partial = partial  # the partial source (a tree block: internal)
+        self.matched = matched
+        self.num_matched = num_matched
+        self.partial = partial
         self.partial_tokens = partial_tokens
         self.reused_tokens = num_matched * tpb + partial_tokens
         self.num_blocks = -(-n // tpb)  # context blocks
         self.last_shared = request.beam_width == 1 or n % tpb == 0  # shared by all beams
-        self.new_blocks: dict[int, int] = {}  # plan fills every group, in group order
-        # layer group -> indices of matched blocks it claims, their slots and tiers
-        self.claimed: dict[int, Sequence[int]] = {}
+        self.new_blocks = {}  # plan fills every group, in group order
+        self.claimed = {}
         self.claim_slots = claim_slots
-        self.claim_tiers: dict[int, Sequence[int]] = {}  # () when every claim is on the GPU
-        self.partial_mode: PartialMode | None = None
-        self.partial_loc: dict[int, tuple[int, int]] = {}  # (tier, slot) per group
-        # group -> claimed GPU slots that were queued (unreferenced) when planned, for the
-        # batch's first request whose claims the execution starts with (later ones recount)
-        self.queued: dict[int, list[SlotId]] = {}
+        self.claim_tiers = {}
+        self.partial_mode = None
+        self.partial_loc = {}
+        self.queued = {}
         self._blocks: list[Block] | None = None
 
     def blocks(self) -> list[Block]:
         """The matched blocks one by one (built on first use: only slow paths need them)."""
         if self._blocks is None:
-            self._blocks = flat_blocks(self._matched)
+            self._blocks = flat_blocks(self.matched)
         return self._blocks
 
     def tier_tokens(self, g: int, tiers: int = 3) -> list[int]:
@@ -99,24 +129,24 @@ class RequestPlan:
         d = self.num_matched
         tpb = (self.reused_tokens - self.partial_tokens) // d if d else 0  # tokens per block
         out = [0] * tiers
-        for run, a, b in self._matched:
+        for run, a, b in self.matched:
             for t in run.tier[g][a:b]:
                 out[t] += tpb
-        if self._partial is not None:
-            prun, i = self._partial
+        if self.partial is not None:
+            prun, i = self.partial
             out[prun.tier[g][i]] += self.partial_tokens
         return out
 
     def partial_source(self, g: int) -> tuple[int, int] | None:
         """(tier, slot) of the partially matched block in layer group g, or None."""
-        if self._partial is None:
+        if self.partial is None:
             return None
-        run, i = self._partial
+        run, i = self.partial
         return run.tier[g][i], run.slot[g][i]
 
     def matched_keys(self) -> list[BlockKey]:
         keys: list[BlockKey] = []
-        for run, a, b in self._matched:
+        for run, a, b in self.matched:
             keys += run.keys[a:b]
         return keys
 
@@ -133,7 +163,7 @@ class BatchPlan:
     @property
     def fits(self) -> bool:
         available = self.available
-        for g, n in self.new_blocks.items():  # noqa: SIM110 (a loop: no generator per call)
+        for g, n in self.new_blocks.items():  # noqa: SIM110 (CPython costs, docs/architecture.md §3.10)
             if n > available[g]:
                 return False
         return True
@@ -225,7 +255,7 @@ def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
                        target: bytes) -> tuple[Block | None, int]:
     """The block after the matched path sharing the longest token prefix with ``target``
     that holds a slot in every self-attention group; (block, shared tokens) or (None, 0)."""
-    step = 4 * view.tpb
+    step = view.layout.step
     if segments:
         run, _, b = segments[-1]
         if b < len(run.keys):  # inside a run: its next block is the only candidate
@@ -236,7 +266,7 @@ def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
         cands = [(c, 0) for c in root.children_starting_with(first_token(target))]
     best: Block | None = None
     best_k = 0
-    groups = view.self_groups
+    groups = view.layout.self_groups
     for run, i in cands:
         if any(run.slot[g][i] == NO_SLOT for g in groups):
             continue
@@ -257,21 +287,21 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     """
     cfg = view.config
     root_key = view.root_key(request.lora_id, request.cache_salt)
-    groups = view.self_groups
+    groups = view.layout.self_groups
     root = view.roots.get((request.lora_id, request.cache_salt)) if cfg.enable_block_reuse \
         else None
     if root is None:
         return root_key, [], None, 0, {g: [] for g in groups}
-    tpb = view.tpb
+    tpb = view.layout.tpb
     tokens = request.tokens
     body = len(tokens) - 1
     raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
-    step = view.step
+    step = view.layout.step
     matched = match_full(root, raw, body // tpb, step)
     if len(matched) == 1:
         run, a, b = matched[0]
         d = b - a
-        slots = {}  # loops, not comprehensions: each of those is a call in Python 3.11
+        slots = {}  # loops, not comprehensions (CPython costs, docs/architecture.md §3.10)
         for g in groups:
             slots[g] = run.slot[g][a:b]
     else:
@@ -279,9 +309,9 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
         slots = {}
         for g in groups:
             slots[g] = flat(matched, g)
-    kinds = view.kinds
+    kinds = view.layout.kinds
     if cfg.enable_partial_reuse and d * tpb < body:
-        target = raw[d * step:min((d + 1) * tpb, body) * 4]
+        target = raw[d * step:min((d + 1) * tpb, body) * TOKEN_BYTES]
         cand, k = _partial_candidate(view, matched, root, target)
         if cand is not None:
             length = d * tpb + k
@@ -292,7 +322,7 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     for g in groups:  # full attention needs every block: nothing past its first hole
         if not kinds[g].windowed and NO_SLOT in slots[g]:
             d = min(d, slots[g].index(NO_SLOT))
-    if not view.full_attention_only:
+    if not view.layout.full_attention_only:
         while d > 0:
             if all(kinds[g].reusable(slots[g] if d == full else slots[g][:d], d * tpb)
                    for g in groups):
@@ -332,10 +362,10 @@ def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
     root_key, matched, pblock, pk, matched_slots = walk(view, r)
     d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
         b - a for _, a, b in matched)
-    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb, view.groups)
-    kinds = view.kinds
+    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.layout.tpb)
+    kinds = view.layout.kinds
     claimed = p.claimed
-    for g in view.self_groups:
+    for g in view.layout.self_groups:
         claimed[g] = kinds[g].claimed(d, p.reused_tokens)
     return p
 
@@ -350,7 +380,8 @@ class _BatchClaims:
 
     def __init__(self, groups: int, single: bool) -> None:
         self.count = [0] * groups
-        # one set per group (a list display: no comprehension call for the common one group)
+        # one set per group (a list display for the common one group: CPython costs,
+        # docs/architecture.md §3.10)
         self.evictable: list[set[int]] | None = None if single else [set()] if groups == 1 \
             else [set() for _ in range(groups)]
         self.onboarded: set[tuple[int, int, int]] | None = None
@@ -380,7 +411,7 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
     """GPU slots request ``p`` takes in self-attention group g (fresh + copies + onboards);
     records its claims in ``claims`` and its claimed slots and tiers in ``p``."""
     d = p.num_matched
-    partial = p._partial
+    partial = p.partial
     fresh = p.num_blocks - d
     copies = 0
     if partial is not None:
@@ -396,17 +427,17 @@ def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -
     ref = view.refs(g)
     idxs = p.claimed[g]
     slots = p.claim_slots[g]  # every matched block's, from the walk
-    if view.one_tier:  # every claim on the GPU: no tier list
+    if view.layout.one_tier:  # every claim on the GPU: no tier list
         if len(idxs) != d:
             slots = p.claim_slots[g] = [slots[i] for i in idxs]
         p.claim_tiers[g] = _GPU_ONLY
         queued = p.queued[g] = [s for s in slots if not ref[s]]
-        if claims.evictable is None:  # (claims.claim inline: the common case)
+        if claims.evictable is None:  # claims.claim inline (docs/architecture.md §3.10)
             claims.count[g] += len(queued)
         else:
             claims.evictable[g].update(queued)
         return fresh + copies
-    tiers = flat_tiers(p._matched, g)
+    tiers = flat_tiers(p.matched, g)
     if len(idxs) != d:
         tiers = [tiers[i] for i in idxs]
         slots = p.claim_slots[g] = [slots[i] for i in idxs]
@@ -434,7 +465,7 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     for r in requests:
         p = _plan_request(view, r)
         out.append(p)
-        if p._partial is not None:
+        if p.partial is not None:
             partials.append(p)
     tracker = PartialClaimTracker() if partials else None
     if tracker is not None:
@@ -444,14 +475,14 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             for idxs in p.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
-    groups = view.groups
-    kinds = view.kinds
+    groups = view.layout.groups
+    kinds = view.layout.kinds
     claims = _BatchClaims(len(groups), len(out) == 1 and not partials)
     for p in out:
-        if p._partial is not None:
+        if p.partial is not None:
             assert tracker is not None
             shared = p.last_shared or p.num_matched < p.num_blocks - 1
-            p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
+            p.partial_mode = tracker.decide(view, p.partial, p.seq_id, shared)
         new_blocks = p.new_blocks
         for g in groups:
             kind = kinds[g]

@@ -106,7 +106,7 @@ class Run:
 
     def has_slot(self, i: int) -> bool:
         """Does block i hold a slot in any layer group?"""
-        for sl in self.slot:  # noqa: SIM110 (any() over a generator costs more for few groups)
+        for sl in self.slot:  # noqa: SIM110 (CPython costs: docs/architecture.md §3.10)
             if sl[i] != NO_SLOT:
                 return True
         return False

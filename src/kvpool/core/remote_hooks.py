@@ -176,20 +176,18 @@ class ManagerRemote:
         if run.priority(i) < st.config.offload_min_priority or (
                 not write and self.events is None):
             return
-        pending = st.copies._dst.get((t, g, slot))
-        if pending is not None:  # a copy of this call was bringing it: read its source
-            copy = st.copies._copies[pending]
-            assert copy is not None
+        copy = st.copies.filling(t, g, slot)
+        if copy is not None:  # a copy of this call was bringing it: read its source
             t, slot = copy.src_tier, copy.src_slot
         lora, salt = self.scope_of(run)
         key = run.keys[i]
         event = None
         if self.events is not None:
             emit = st.emit
-            parent = emit._parent_key(run, i)
+            parent = emit.parent_key(run, i)
             hashes = emit.hashes([key] if parent is None else [parent, key])
             event = (None if parent is None else hashes[0], hashes[-1],
-                     run.block_tokens(i, st.step), run.priority(i), lora)
+                     run.block_tokens(i, st.layout.step), run.priority(i), lora)
         self._noted.append(_Noted(self.tier.scope(lora, salt), key, t, g, slot, write, event))
 
     def stored(self, seq: Seq, start: int, upto: int) -> None:
@@ -197,7 +195,7 @@ class ManagerRemote:
         if self.mode != "store" or upto <= start:
             return
         scope = self.tier.scope(seq.lora_id, seq.cache_salt)
-        for g in self.st.self_groups:
+        for g in self.st.layout.self_groups:
             table = seq.tables[g][0]
             for b in range(start, min(upto, len(table))):
                 s = table[b]
@@ -225,13 +223,13 @@ class ManagerRemote:
                 parent, h, tokens, prio, lora = n.event
                 block = StoredBlock(h, TokenIds("I", tokens), REMOTE_CACHE_LEVEL, prio, lora)
                 sink.on_stored(n.group, st.config.window_size(n.group), parent, [block])
-        st.stats.remote_offload_blocks = stats.offloaded_blocks
+        st.stats.remote_offloaded(stats.offloaded_blocks)
 
     def failed(self, error: RemoteTierError) -> None:
         """A remote call failed: counted; the manager carries on with its local tiers."""
         self.stats.errors += 1
         self.stats.last_error = str(error)
-        self.st.stats.remote_errors += 1
+        self.st.stats.remote(errors=1)
 
     def snapshot(self) -> RemoteStats:
         """The counters, the writer's included."""

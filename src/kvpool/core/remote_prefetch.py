@@ -76,9 +76,9 @@ def local_blocks(st: CacheState, r: SequenceRequest, nblocks: int) -> tuple[list
     root = st.roots.get((r.lora_id, r.cache_salt))
     if root is None or not nblocks:
         return [], 0
-    path = match_full(root, _raw(r), nblocks, st.step)
+    path = match_full(root, _raw(r), nblocks, st.layout.step)
     n = 0
-    groups = st.self_groups
+    groups = st.layout.self_groups
     for run, a, b in path:
         for j in range(a, b):
             if any(run.slot[g][j] == NO_SLOT for g in groups):
@@ -88,13 +88,13 @@ def local_blocks(st: CacheState, r: SequenceRequest, nblocks: int) -> tuple[list
 
 
 def _plan(st: CacheState, r: SequenceRequest) -> _Plan | None:
-    nblocks = (len(r.tokens) - 1) // st.tpb
+    nblocks = (len(r.tokens) - 1) // st.layout.tpb
     _, local = local_blocks(st, r, nblocks)
     if local >= nblocks:
         return None
-    hasher = BlockHasher(st.config.hash_algo, st.tpb, lora_id=r.lora_id,
+    hasher = BlockHasher(st.config.hash_algo, st.layout.tpb, lora_id=r.lora_id,
                          cache_salt=r.cache_salt, root=st.view.root_key(r.lora_id, r.cache_salt))
-    keys = hasher.extend(r.tokens[:nblocks * st.tpb])
+    keys = hasher.extend(r.tokens[:nblocks * st.layout.tpb])
     return _Plan(_raw(r), keys, local)
 
 
@@ -106,7 +106,7 @@ def prefetch(st: CacheState, remote: ManagerRemote | None, lock: AbstractContext
     if remote is None:
         return [0] * len(reqs)
     out: list[int] = []
-    groups = list(st.self_groups)
+    groups = list(st.layout.self_groups)
     remote.stats.prefetch_calls += 1
     for r in reqs:
         with lock:
@@ -127,8 +127,8 @@ def prefetch(st: CacheState, remote: ManagerRemote | None, lock: AbstractContext
             continue
         with lock:
             made = _install(st, remote, r, plan, blocks)
-        out.append(made * st.tpb)
-        remote.stats.prefetched_tokens += made * st.tpb
+        out.append(made * st.layout.tpb)
+        remote.stats.prefetched_tokens += made * st.layout.tpb
     return out
 
 
@@ -164,8 +164,8 @@ def _install(st: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _P
              blocks: list[list[memoryview]]) -> int:
     """Install the fetched blocks; return how many leading blocks became local."""
     st.check_storage()
-    t = 1 if st.tiers > 1 else 0
-    groups = list(st.self_groups)
+    t = 1 if st.layout.tiers > 1 else 0
+    groups = list(st.layout.self_groups)
     n = len(blocks)
     claimed = _claim(st, t, groups, n)
     n = min(n, *(len(c) for c in claimed.values()))
@@ -189,10 +189,10 @@ def _install(st: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _P
             if path:
                 parent, _, at = path[-1]
                 if at < len(parent.keys):
-                    reindex(st, parent.split(at, st.step))
+                    reindex(st, parent.split(at, st.layout.step))
             _new_run(st, t, groups, claimed, parent, plan, pos, end, blocks, placed)
     for g in groups:
-        st.pools[t][g].free.extend(claimed[g])
+        st.pools[t][g].give(claimed[g])
     for g in groups:
         chain = _segments(placed[g])
         for seg in chain:
@@ -200,7 +200,7 @@ def _install(st: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _P
         stats = remote.stats
         stats.prefetched_blocks += len(placed[g])
         stats.prefetched_bytes += len(placed[g]) * st.storage.block_bytes(g)
-        st.stats.remote_prefetch_blocks += len(placed[g])
+        st.stats.remote(prefetched=len(placed[g]))
     st.emit.flush_removed()
     _, after = local_blocks(st, r, end)
     return max(0, after - plan.local)
@@ -213,14 +213,14 @@ def _put(st: CacheState, t: int, g: int, s: SlotId, run: Run, j: int,
     run.tier[g][j] = t
     pool = st.pools[t][g]
     pool.place(s, run, j)
-    pool.queue.push(s, run.priority(j), key=run.keys[j])
+    pool.enqueue(s, run.priority(j), key=run.keys[j])
 
 
 def _new_run(st: CacheState, t: int, groups: list[int], claimed: dict[int, list[SlotId]],
              parent: Run, plan: _Plan, d: int, end: int,
              blocks: list[list[memoryview]], placed: dict[int, list[tuple[Run, int]]]) -> None:
     """Blocks [d, end) of the request as a new run under the last block of ``parent``."""
-    step = st.step
+    step = st.layout.step
     k = end - d
     tk = plan.raw[d * step:end * step]
     slots = [[NO_SLOT] * k for _ in range(st.config.num_groups)]
