@@ -66,12 +66,12 @@ _PROJECT_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
     """One big-endian u64 out of each 32-byte key (``field`` places it in the digest)."""
     n = len(keys)
-    st = _PROJECT_STRUCTS.get((field, n))
-    if st is None:
-        st = struct.Struct(">" + field * n)
+    packer = _PROJECT_STRUCTS.get((field, n))
+    if packer is None:
+        packer = struct.Struct(">" + field * n)
         if len(_PROJECT_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
-            _PROJECT_STRUCTS[field, n] = st
-    return list(st.unpack(b"".join(keys)))  # type: ignore[arg-type]
+            _PROJECT_STRUCTS[field, n] = packer
+    return list(packer.unpack(b"".join(keys)))  # type: ignore[arg-type]
 
 
 _FIRST = itemgetter(0)

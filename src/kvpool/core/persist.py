@@ -146,23 +146,23 @@ def _path_entry(key: BlockKey, b: _Block) -> ManifestEntry:
     return ManifestEntry(0, 0, key, b.tokens, b.parent, 0, *scope)
 
 
-def attach(st: CacheState, *, owns_storage: bool,
+def attach(state: CacheState, *, owns_storage: bool,
            lock: AbstractContextManager[Any]) -> PersistentDisk | None:
     """The persistent disk tier of a new manager's state (None when ``disk_persistent`` is
     off), its recorded blocks already re-indexed; ``lock`` is the manager's (re-entrant) lock,
     which :meth:`PersistentDisk.sync` takes. On an error the storage is closed if the manager
     built it (``owns_storage``), so its files are unlocked."""
-    if not st.config.disk_persistent:
+    if not state.config.disk_persistent:
         return None
     disk: PersistentDisk | None = None
     try:
-        disk = PersistentDisk(st, lock)
+        disk = PersistentDisk(state, lock)
         disk.restore()
     except BaseException:
         if disk is not None:
             disk.manifest.close()
         if owns_storage:
-            st.storage.close()
+            state.storage.close()
         raise
     return disk
 
@@ -170,16 +170,16 @@ def attach(st: CacheState, *, owns_storage: bool,
 class PersistentDisk:
     """A manager's persistent disk tier: its manifest, kept in step (module docstring)."""
 
-    def __init__(self, st: CacheState, lock: AbstractContextManager[Any]) -> None:
-        config = st.config
-        storage = st.storage
+    def __init__(self, state: CacheState, lock: AbstractContextManager[Any]) -> None:
+        config = state.config
+        storage = state.storage
         if not isinstance(storage, PersistentStorage) or not storage.persistent:
             raise InvalidArgumentError(
                 "disk_persistent needs a storage with a persistent disk tier "
                 f"(TorchStorage(..., persistent=True)), got {storage!r:.80}"
             )
         assert config.disk_path is not None  # CacheConfig checks it
-        self._st = st
+        self._st = state
         self._lock = lock
         self._storage = storage
         self.namespace = RemoteNamespace.from_config(config, model=config.model_id)

@@ -14,6 +14,7 @@ Token layout of one request of n prompt tokens (tpb = tokens per block):
 ```
 | full matches (d blocks) | partial (k tokens) |  fresh blocks ...            |last|
 0                        d*tpb            d*tpb+k = L (reused)        n-1   n
+d = num_matched, k = partial_tokens: a RequestPlan's fields
 keys cover tokens[:n-1]: the last prompt token is computed in the step that samples
 ```
 """
@@ -126,8 +127,9 @@ class RequestPlan:
 
     def tier_tokens(self, g: int, tiers: int = 3) -> list[int]:
         """Reused tokens per tier their blocks are on now, in layer group g."""
-        d = self.num_matched
-        tpb = (self.reused_tokens - self.partial_tokens) // d if d else 0  # tokens per block
+        num_matched = self.num_matched
+        tpb = ((self.reused_tokens - self.partial_tokens) // num_matched  # tokens per block
+               if num_matched else 0)
         out = [0] * tiers
         for run, a, b in self.matched:
             for t in run.tier[g][a:b]:
@@ -202,16 +204,16 @@ def flat_tiers(segments: list[Segment], g: int) -> list[int]:
     return out
 
 
-def cut(segments: list[Segment], d: int) -> list[Segment]:
-    """The first ``d`` blocks of a path."""
+def cut(segments: list[Segment], keep: int) -> list[Segment]:
+    """The first ``keep`` blocks of a path."""
     out: list[Segment] = []
     for run, a, b in segments:
-        if d <= 0:
+        if keep <= 0:
             break
-        if b - a > d:
-            b = a + d
+        if b - a > keep:
+            b = a + keep
         out.append((run, a, b))
-        d -= b - a
+        keep -= b - a
     return out
 
 
@@ -259,21 +261,21 @@ def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
     if segments:
         run, _, b = segments[-1]
         if b < len(run.keys):  # inside a run: its next block is the only candidate
-            cands: list[Block] = [(run, b)]
+            candidates: list[Block] = [(run, b)]
         else:
-            cands = [(c, 0) for c in run.children_starting_with(first_token(target))]
+            candidates = [(c, 0) for c in run.children_starting_with(first_token(target))]
     else:
-        cands = [(c, 0) for c in root.children_starting_with(first_token(target))]
+        candidates = [(c, 0) for c in root.children_starting_with(first_token(target))]
     best: Block | None = None
-    best_k = 0
+    best_shared = 0
     groups = view.layout.self_groups
-    for run, i in cands:
+    for run, i in candidates:
         if any(run.slot[g][i] == NO_SLOT for g in groups):
             continue
-        k = common_prefix(run.tkey[i * step:(i + 1) * step], target)
-        if k > best_k:
-            best, best_k = (run, i), k
-    return best, best_k
+        shared = common_prefix(run.tkey[i * step:(i + 1) * step], target)
+        if shared > best_shared:
+            best, best_shared = (run, i), shared
+    return best, best_shared
 
 
 def walk(view: PlanView, request: SequenceRequest) -> tuple[
@@ -300,74 +302,77 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     matched = match_full(root, raw, body // tpb, step)
     if len(matched) == 1:
         run, a, b = matched[0]
-        d = b - a
+        num_matched = b - a
         slots = {}  # loops, not comprehensions (CPython costs, docs/architecture.md §3.10)
         for g in groups:
             slots[g] = run.slot[g][a:b]
     else:
-        d = sum(b - a for _, a, b in matched)
+        num_matched = sum(b - a for _, a, b in matched)
         slots = {}
         for g in groups:
             slots[g] = flat(matched, g)
     kinds = view.layout.kinds
-    if cfg.enable_partial_reuse and d * tpb < body:
-        target = raw[d * step:min((d + 1) * tpb, body) * TOKEN_BYTES]
-        cand, k = _partial_candidate(view, matched, root, target)
-        if cand is not None:
-            length = d * tpb + k
-            run, i = cand
+    if cfg.enable_partial_reuse and num_matched * tpb < body:
+        target = raw[num_matched * step:min((num_matched + 1) * tpb, body) * TOKEN_BYTES]
+        candidate, partial_tokens = _partial_candidate(view, matched, root, target)
+        if candidate is not None:
+            length = num_matched * tpb + partial_tokens
+            run, i = candidate
             if all(kinds[g].reusable([*slots[g], run.slot[g][i]], length) for g in groups):
-                return root_key, matched, cand, k, slots
-    full = d
+                return root_key, matched, candidate, partial_tokens, slots
+    full = num_matched
     for g in groups:  # full attention needs every block: nothing past its first hole
         if not kinds[g].windowed and NO_SLOT in slots[g]:
-            d = min(d, slots[g].index(NO_SLOT))
+            num_matched = min(num_matched, slots[g].index(NO_SLOT))
     if not view.layout.full_attention_only:
-        while d > 0:
-            if all(kinds[g].reusable(slots[g] if d == full else slots[g][:d], d * tpb)
+        while num_matched > 0:
+            if all(kinds[g].reusable(slots[g] if num_matched == full
+                                     else slots[g][:num_matched], num_matched * tpb)
                    for g in groups):
                 break
-            d -= 1
-    if d == full:
+            num_matched -= 1
+    if num_matched == full:
         return root_key, matched, None, 0, slots
-    return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
+    return root_key, cut(matched, num_matched), None, 0, {
+        g: sl[:num_matched] for g, sl in slots.items()}
 
 
 def _check_requests(view: PlanView, requests: list[SequenceRequest]) -> None:
     """Refuse a batch with a bad request (nothing is planned)."""
     cfg = view.config
     seen: set[int | str] | None = set() if len(requests) > 1 else None  # a batch of one: none
-    for r in requests:
-        if not isinstance(r, SequenceRequest):
-            raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
-        if r.seq_id in view.sequences or (seen is not None and r.seq_id in seen):
-            where = "already in use" if r.seq_id in view.sequences else "twice in this batch"
-            raise DuplicateSequenceError(f"sequence id {r.seq_id!r} is {where}")
+    for request in requests:
+        if not isinstance(request, SequenceRequest):
+            raise InvalidArgumentError(f"expected SequenceRequest, got {request!r}")
+        if request.seq_id in view.sequences or (seen is not None and request.seq_id in seen):
+            where = "already in use" if request.seq_id in view.sequences else "twice in this batch"
+            raise DuplicateSequenceError(f"sequence id {request.seq_id!r} is {where}")
         if seen is not None:
-            seen.add(r.seq_id)
-        if r.beam_width > cfg.max_beam_width:
+            seen.add(request.seq_id)
+        if request.beam_width > cfg.max_beam_width:
             raise InvalidArgumentError(
-                f"request {r.seq_id!r}: beam_width {r.beam_width} > max_beam_width "
+                f"request {request.seq_id!r}: beam_width {request.beam_width} > max_beam_width "
                 f"{cfg.max_beam_width}"
             )
-        if cfg.cross_attention_groups and r.encoder_tokens is None:
+        if cfg.cross_attention_groups and request.encoder_tokens is None:
             raise InvalidArgumentError(
-                f"request {r.seq_id!r} has no encoder_tokens but layer groups "
+                f"request {request.seq_id!r} has no encoder_tokens but layer groups "
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
 
 
-def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
+def _plan_request(view: PlanView, request: SequenceRequest) -> RequestPlan:
     """One request's reuse (its walk) and the blocks each group claims of it."""
-    root_key, matched, pblock, pk, matched_slots = walk(view, r)
-    d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
+    root_key, matched, partial, partial_tokens, matched_slots = walk(view, request)
+    num_matched = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
         b - a for _, a, b in matched)
-    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.layout.tpb)
+    plan = RequestPlan(request, root_key, matched, num_matched, partial, partial_tokens,
+                       matched_slots, view.layout.tpb)
     kinds = view.layout.kinds
-    claimed = p.claimed
+    claimed = plan.claimed
     for g in view.layout.self_groups:
-        claimed[g] = kinds[g].claimed(d, p.reused_tokens)
-    return p
+        claimed[g] = kinds[g].claimed(num_matched, plan.reused_tokens)
+    return plan
 
 
 class _BatchClaims:
@@ -407,47 +412,49 @@ class _BatchClaims:
         return True
 
 
-def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -> int:
-    """GPU slots request ``p`` takes in self-attention group g (fresh + copies + onboards);
-    records its claims in ``claims`` and its claimed slots and tiers in ``p``."""
-    d = p.num_matched
-    partial = p.partial
-    fresh = p.num_blocks - d
+def _group_needs(view: PlanView, plan: RequestPlan, g: int, claims: _BatchClaims) -> int:
+    """GPU slots request ``plan`` takes in self-attention group g (fresh + copies + onboards);
+    records its claims in ``claims`` and its claimed slots and tiers in ``plan``."""
+    num_matched = plan.num_matched
+    partial = plan.partial
+    fresh = plan.num_blocks - num_matched
     copies = 0
     if partial is not None:
         fresh -= 1
-        beams = p.request.beam_width
-        copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
-        copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-        prun, pi = partial
-        if view.evictable(prun, pi, g):
-            claims.claim(g, [prun.slot[g][pi]])  # a batch with a partial keeps sets
-    if fresh > 0 and not p.last_shared:
-        fresh += p.request.beam_width - 1
+        beams = plan.request.beam_width
+        on_last = not plan.last_shared and num_matched == plan.num_blocks - 1
+        copies_needed = beams if on_last else 1
+        copies = copies_needed - (1 if plan.partial_mode is PartialMode.TAKEOVER else 0)
+        partial_run, partial_index = partial
+        if view.evictable(partial_run, partial_index, g):
+            # (a batch with a partial keeps sets)
+            claims.claim(g, [partial_run.slot[g][partial_index]])
+    if fresh > 0 and not plan.last_shared:
+        fresh += plan.request.beam_width - 1
     ref = view.refs(g)
-    idxs = p.claimed[g]
-    slots = p.claim_slots[g]  # every matched block's, from the walk
+    idxs = plan.claimed[g]
+    slots = plan.claim_slots[g]  # every matched block's, from the walk
     if view.layout.one_tier:  # every claim on the GPU: no tier list
-        if len(idxs) != d:
-            slots = p.claim_slots[g] = [slots[i] for i in idxs]
-        p.claim_tiers[g] = _GPU_ONLY
-        queued = p.queued[g] = [s for s in slots if not ref[s]]
+        if len(idxs) != num_matched:
+            slots = plan.claim_slots[g] = [slots[i] for i in idxs]
+        plan.claim_tiers[g] = _GPU_ONLY
+        queued = plan.queued[g] = [s for s in slots if not ref[s]]
         if claims.evictable is None:  # claims.claim inline (docs/architecture.md §3.10)
             claims.count[g] += len(queued)
         else:
             claims.evictable[g].update(queued)
         return fresh + copies
-    tiers = flat_tiers(p.matched, g)
-    if len(idxs) != d:
+    tiers = flat_tiers(plan.matched, g)
+    if len(idxs) != num_matched:
         tiers = [tiers[i] for i in idxs]
-        slots = p.claim_slots[g] = [slots[i] for i in idxs]
-    p.claim_tiers[g] = tiers
+        slots = plan.claim_slots[g] = [slots[i] for i in idxs]
+    plan.claim_tiers[g] = tiers
     if not any(tiers):
-        queued = p.queued[g] = [s for s in slots if not ref[s]]
+        queued = plan.queued[g] = [s for s in slots if not ref[s]]
         claims.claim(g, queued)
         return fresh + copies
     onboard = 0
-    blocks = p.blocks()
+    blocks = plan.blocks()
     for i, t, s in zip(idxs, tiers, slots, strict=True):
         if t:
             run, j = blocks[i]
@@ -462,39 +469,41 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     _check_requests(view, requests)
     out: list[RequestPlan] = []
     partials: list[RequestPlan] = []
-    for r in requests:
-        p = _plan_request(view, r)
-        out.append(p)
-        if p.partial is not None:
-            partials.append(p)
+    for request in requests:
+        request_plan = _plan_request(view, request)
+        out.append(request_plan)
+        if request_plan.partial is not None:
+            partials.append(request_plan)
     tracker = PartialClaimTracker() if partials else None
     if tracker is not None:
         # partial sources are decided once every full match of the batch is known
-        for p in out:
-            blocks = p.blocks()
-            for idxs in p.claimed.values():
+        for request_plan in out:
+            blocks = request_plan.blocks()
+            for idxs in request_plan.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
     groups = view.layout.groups
     kinds = view.layout.kinds
     claims = _BatchClaims(len(groups), len(out) == 1 and not partials)
-    for p in out:
-        if p.partial is not None:
+    for request_plan in out:
+        if request_plan.partial is not None:
             assert tracker is not None
-            shared = p.last_shared or p.num_matched < p.num_blocks - 1
-            p.partial_mode = tracker.decide(view, p.partial, p.seq_id, shared)
-        new_blocks = p.new_blocks
+            shared = (request_plan.last_shared
+                      or request_plan.num_matched < request_plan.num_blocks - 1)
+            request_plan.partial_mode = tracker.decide(
+                view, request_plan.partial, request_plan.seq_id, shared)
+        new_blocks = request_plan.new_blocks
         for g in groups:
             kind = kinds[g]
             if kind.cross:
                 new_blocks[g] = cast(CrossAttention, kind).blocks(
-                    len(p.request.encoder_tokens or ()))
+                    len(request_plan.request.encoder_tokens or ()))
             else:
-                new_blocks[g] = _group_needs(view, p, g, claims)
+                new_blocks[g] = _group_needs(view, request_plan, g, claims)
     if len(out) == 1:
         totals = out[0].new_blocks.copy()
     else:
-        totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
+        totals = {g: sum(request_plan.new_blocks[g] for request_plan in out) for g in groups}
     available = {}
     for g in groups:
         available[g] = view.available(g) - claims.claimed(g)

@@ -117,8 +117,8 @@ class CacheState:
         self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[SeqId, Seq] = {}
         gpu = self.gpu
-        self.view = PlanView(config, layout, self.roots, self.sequences, [p.ref for p in gpu],
-                             [p.free for p in gpu], [p.queue for p in gpu])
+        self.view = PlanView(config, layout, self.roots, self.sequences, [pool.ref for pool in gpu],
+                             [pool.free for pool in gpu], [pool.queue for pool in gpu])
         self.storage = storage
         self.emit = Emitter(config, events, layout.step)
         self.copies = CallCopies()  # the copies of the call in progress
