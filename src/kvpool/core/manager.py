@@ -107,17 +107,17 @@ class KVCacheManager:
 
             events = EventManager(config.event_buffer_max_size, hash_algo=event_algo(config))
         self.events = events
-        self._st = st = CacheState(config, storage or MetadataStorage(self.tpb), events)
-        st.repair_copies = drop_unwritten
-        self.step = st.step
-        self.self_groups = st.self_groups
-        self.full_attention_only = st.full_attention_only
-        self.roots = st.roots
-        self.sequences = st.sequences
+        self._st = state = CacheState(config, storage or MetadataStorage(self.tpb), events)
+        state.repair_copies = drop_unwritten
+        self.step = state.layout.step
+        self.self_groups = state.layout.self_groups
+        self.full_attention_only = state.layout.full_attention_only
+        self.roots = state.roots
+        self.sequences = state.sequences
         self._iter_base = CacheStats()
         # does a batch copy (and so need the storage checked) whatever it matches?
-        self._batch_may_copy = st.tiers > 1
-        self._has_disk = st.tiers > 2
+        self._batch_may_copy = state.layout.tiers > 1
+        self._has_disk = state.layout.tiers > 2
         if events is not None:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
@@ -126,13 +126,13 @@ class KVCacheManager:
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(config.num_tiers)])
         # persist hook: a persistent disk tier re-indexes the blocks its manifest records
-        self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
+        self.persistent_disk = state.persist = persist.attach(state, owns_storage=owns_storage,
                                                            lock=self._lock)
         self._remote: ManagerRemote | None = None
         if config.remote_url is not None or config.remote_store is not None:
             from kvpool.core.remote_hooks import ManagerRemote  # the shared remote tier
 
-            self._remote = st.remote = ManagerRemote(st, events)
+            self._remote = state.remote = ManagerRemote(state, events)
 
     @property
     def storage(self) -> Storage:
@@ -165,8 +165,8 @@ class KVCacheManager:
         that failed beyond repair, is in the module docstring.)
         """
         with self._lock:
-            st = self._st
-            plan = admission.plan(st.view, _request_list(requests))
+            state = self._st
+            plan = admission.plan(state.view, _request_list(requests))
             if not plan.fits:
                 detail = ", ".join(
                     f"group {g}: need {plan.new_blocks[g]}, have {plan.available[g]}"
@@ -176,13 +176,12 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            partials = plan.partials
-            if self._batch_may_copy or partials:
-                st.check_storage()  # the batch may copy: fail before changing anything
+            if self._batch_may_copy or plan.partials:
+                state.check_storage()  # the batch may copy: fail before changing anything
                 if self._has_disk:  # and read what it onboards from disk, for the same reason
-                    st.read_ahead(disk_reads(st, plan, partials))
-            results = admit(st, plan, partials)
-            st.finish_call()
+                    state.read_ahead(disk_reads(state, plan))
+            results = admit(state, plan)
+            state.finish_call()
             return results
 
     def count_reusable_tokens(
@@ -193,8 +192,8 @@ class KVCacheManager:
             enc = [0] if self.config.cross_attention_groups else None
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
-            _, matched, _, k, _ = admission.walk(self._st.view, req)
-            return sum(b - a for _, a, b in matched) * self.tpb + k
+            _, matched, _, partial_tokens, _ = admission.walk(self._st.view, req)
+            return sum(b - a for _, a, b in matched) * self.tpb + partial_tokens
 
     # ------------------------------------------------------------------ sequence life
 
@@ -232,16 +231,16 @@ class KVCacheManager:
     def store_context_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """Commit the full blocks within the first ``num_computed_tokens`` tokens for reuse."""
         with self._lock:
-            st = self._st
-            seq = st.active(seq_id)
+            state = self._st
+            seq = state.active(seq_id)
             if (isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int)
                     or not 0 <= num_computed_tokens <= seq.num_tokens):
                 raise InvalidArgumentError(
                     f"num_computed_tokens must be in [0, {seq.num_tokens}], "
                     f"got {num_computed_tokens!r}"
                 )
-            commit(st, seq, num_computed_tokens // self.tpb)
-            st.finish_call()
+            commit(state, seq, num_computed_tokens // self.tpb)
+            state.finish_call()
 
     def remove_sequence(self, seq_id: SeqId, *, store_for_reuse: bool = True) -> None:
         """Release a finished sequence; with ``store_for_reuse`` commit what it computed first
@@ -277,13 +276,13 @@ class KVCacheManager:
     def clear_cache(self) -> int:
         """Drop every cached block no sequence holds, on every tier; returns how many."""
         with self._lock:
-            st = self._st
-            dropped = st.stats.dropped_blocks
-            clear_queues(st)
+            state = self._st
+            dropped = state.stats.dropped_blocks
+            clear_queues(state)
             if self.persistent_disk is not None:  # persist hook: the manifest forgets them
                 self.persistent_disk.cleared()
-            st.finish_call()
-            return st.stats.dropped_blocks - dropped
+            state.finish_call()
+            return state.stats.dropped_blocks - dropped
 
     def tensors(self, layer_group: int, tier: int = 0) -> Any:
         """The KV pool of one layer group and tier, for attention kernels:
