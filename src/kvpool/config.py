@@ -21,6 +21,7 @@ from kvpool.eviction.priority import MAX_PRIORITY as MAX_PRIORITY
 from kvpool.eviction.priority import MIN_PRIORITY as MIN_PRIORITY
 from kvpool.eviction.priority import OFFLOAD_GATES as OFFLOAD_GATES
 from kvpool.hashing.keys import HashAlgo, hash_algo, tokens_to_u32
+from kvpool.validation import check_bool, check_int, check_number, is_int
 
 if TYPE_CHECKING:
     from kvpool.planner.capacity import PoolPlan
@@ -33,14 +34,6 @@ DISK_MANIFEST_DAMAGED: tuple[str, ...] = ("refuse", "keep_prefix", "discard")
 or foreign manifest (``kvpool.core.persist``)."""
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _as_tuple(name: str, value: object) -> tuple[Any, ...]:
     """A sequence field as a tuple (a str, a mapping or a non-iterable is refused)."""
     if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
@@ -49,18 +42,12 @@ def _as_tuple(name: str, value: object) -> tuple[Any, ...]:
 
 
 def _check_priority(name: str, value: object) -> int:
-    p = _check_int(name, value, MIN_PRIORITY)
-    if p > MAX_PRIORITY:
-        raise InvalidArgumentError(f"{name} must be in [0, 100], got {p}")
-    return p
+    return check_int(name, value, MIN_PRIORITY, MAX_PRIORITY)
 
 
 def _check_duration(name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    """None, or a positive finite number of seconds."""
+    return None if value is None else check_number(name, value, 0, above=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +64,9 @@ class TokenRangeRetention:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_int("TokenRangeRetention.start", self.start, 0)
+        check_int("TokenRangeRetention.start", self.start, 0)
         if self.end is not None:
-            _check_int("TokenRangeRetention.end", self.end, self.start + 1)
+            check_int("TokenRangeRetention.end", self.end, self.start + 1)
         _check_priority("TokenRangeRetention.priority", self.priority)
         _check_duration("TokenRangeRetention.duration_s", self.duration_s)
 
@@ -128,15 +115,15 @@ class SequenceRequest:
     encoder_tokens: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.seq_id, int | str) or isinstance(self.seq_id, bool):
+        if not (is_int(self.seq_id) or isinstance(self.seq_id, str)):
             raise InvalidArgumentError(f"seq_id must be an int or str, got {self.seq_id!r}")
         # validated once, kept as a compact u32 array (a Sequence[int]); slices are memcpys
         self.tokens = tokens_to_u32(self.tokens)
         if not self.tokens:
             raise InvalidArgumentError(f"request {self.seq_id!r} has no tokens")
-        _check_int("beam_width", self.beam_width, 1)
+        check_int("beam_width", self.beam_width, 1)
         if self.lora_id is not None:
-            _check_int("lora_id", self.lora_id, 0)
+            check_int("lora_id", self.lora_id, 0)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidArgumentError(f"cache_salt must be a str, got {self.cache_salt!r}")
         if self.retention is not None and not isinstance(self.retention, RetentionConfig):
@@ -158,12 +145,12 @@ def _per_group(name: str, value: int | Mapping[int, int] | Sequence[int], groups
         missing = sorted(set(range(groups)) - set(value))
         if missing and minimum > 0:
             raise InvalidArgumentError(f"{name} lacks layer groups {missing}")
-        return tuple(_check_int(f"{name}[{g}]", value.get(g, 0), minimum) for g in range(groups))
+        return tuple(check_int(f"{name}[{g}]", value.get(g, 0), minimum) for g in range(groups))
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != groups:
             raise InvalidArgumentError(f"{name} has {len(value)} entries for {groups} layer groups")
-        return tuple(_check_int(f"{name}[{g}]", v, minimum) for g, v in enumerate(value))
-    v = _check_int(name, value, minimum)
+        return tuple(check_int(f"{name}[{g}]", v, minimum) for g, v in enumerate(value))
+    v = check_int(name, value, minimum)
     return (v,) * groups
 
 
@@ -190,10 +177,8 @@ def _check_remote(config: CacheConfig) -> None:
         raise InvalidArgumentError(
             f"remote_write must be one of {list(REMOTE_WRITE_MODES)}, got {config.remote_write!r}"
         )
-    t = config.remote_timeout_s
-    if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
-        raise InvalidArgumentError(f"remote_timeout_s must be a positive number, got {t!r}")
-    _check_int("remote_max_pending_bytes", config.remote_max_pending_bytes, 1)
+    check_number("remote_timeout_s", config.remote_timeout_s, 0, above=True)
+    check_int("remote_max_pending_bytes", config.remote_max_pending_bytes, 1)
 
 
 
@@ -205,7 +190,7 @@ def _windows(window_sizes: Sequence[int | None]) -> tuple[int | None, ...]:
         raise InvalidArgumentError("window_sizes needs at least one layer group")
     for g, w in enumerate(windows):
         if w is not None:
-            _check_int(f"window_sizes[{g}]", w, 1)
+            check_int(f"window_sizes[{g}]", w, 1)
     return windows
 
 
@@ -284,7 +269,7 @@ class CacheConfig:
     sinks: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        _check_int("tokens_per_block", self.tokens_per_block, 1)
+        check_int("tokens_per_block", self.tokens_per_block, 1)
         windows = _windows(self.window_sizes)
         object.__setattr__(self, "window_sizes", windows)
         groups = len(windows)
@@ -307,17 +292,17 @@ class CacheConfig:
         object.__setattr__(self, "sinks", sinks)
         cross = _as_tuple("cross_attention_groups", self.cross_attention_groups)
         for g in cross:
-            if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < groups:
+            if not is_int(g) or not 0 <= g < groups:
                 raise InvalidArgumentError(f"cross_attention_groups names unknown group {g!r}")
             if windows[g] is not None:
                 raise InvalidArgumentError(f"cross-attention group {g} cannot have a window")
         if len(set(cross)) == groups:
             raise InvalidArgumentError("at least one layer group must be self attention")
         object.__setattr__(self, "cross_attention_groups", cross)
-        _check_int("max_beam_width", self.max_beam_width, 1)
-        _check_int("max_seq_len", self.max_seq_len, 1)
+        check_int("max_beam_width", self.max_beam_width, 1)
+        check_int("max_seq_len", self.max_seq_len, 1)
         _check_priority("offload_min_priority", self.offload_min_priority)
-        _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
+        check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
         self._normalise_hash_algos()
         if self.layer_geometry is not None:
             from kvpool.tiers.storage import GroupGeometry
@@ -340,8 +325,7 @@ class CacheConfig:
             raise InvalidArgumentError("a disk tier needs a host tier (host_blocks > 0)")
         self._check_persistence(any(disk))
         for name in ("enable_block_reuse", "enable_partial_reuse"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if (not isinstance(self.eviction_policy, str)
                 or self.eviction_policy not in EVICTION_POLICIES):
             raise InvalidArgumentError(
@@ -352,11 +336,7 @@ class CacheConfig:
             raise InvalidArgumentError(
                 f"offload_gate must be one of {list(OFFLOAD_GATES)}, got {self.offload_gate!r}"
             )
-        m = self.eviction_history_multiple
-        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m <= 1024:
-            raise InvalidArgumentError(
-                f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
-            )
+        check_number("eviction_history_multiple", self.eviction_history_multiple, 0, 1024)
         _check_remote(self)
 
     def _normalise_hash_algos(self) -> None:
@@ -373,10 +353,7 @@ class CacheConfig:
         object.__setattr__(self, "event_hash_algo", ev)
 
     def _check_persistence(self, has_disk: bool) -> None:
-        if not isinstance(self.disk_persistent, bool):
-            raise InvalidArgumentError(
-                f"disk_persistent must be a bool, got {self.disk_persistent!r}"
-            )
+        check_bool("disk_persistent", self.disk_persistent)
         if self.disk_manifest_damaged not in DISK_MANIFEST_DAMAGED:
             raise InvalidArgumentError(
                 f"disk_manifest_damaged must be one of {list(DISK_MANIFEST_DAMAGED)}, "

@@ -46,6 +46,7 @@ from kvpool.errors import InvalidArgumentError, OutOfBlocksError, StorageError
 from kvpool.events.model import KVCacheEvent
 from kvpool.hashing import jit
 from kvpool.tiers.storage import MetadataStorage, Storage
+from kvpool.validation import check_int, is_int
 
 if TYPE_CHECKING:
     from kvpool.core.remote_hooks import ManagerRemote, RemoteStats
@@ -55,7 +56,7 @@ __all__ = ["AdmitResult", "KVCacheManager"]
 
 def _is_index(value: object, size: int) -> bool:
     """Is ``value`` an int (not a bool) in [0, size)?"""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
+    return is_int(value) and 0 <= value < size
 
 
 def _check_hooks(name: str, obj: object, methods: tuple[str, ...]) -> None:
@@ -202,9 +203,7 @@ class KVCacheManager:
         """GPU slots per layer group that growing by ``num_new_tokens`` tokens would take."""
         with self._lock:
             seq = self._st.seq(seq_id)
-            if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) \
-                    or num_new_tokens < 0:
-                raise InvalidArgumentError(f"num_new_tokens must be >= 0, got {num_new_tokens!r}")
+            check_int("num_new_tokens", num_new_tokens, 0)
             return lifecycle.growth(self._st, seq, seq.num_tokens + num_new_tokens)[0]
 
     def add_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
@@ -234,8 +233,7 @@ class KVCacheManager:
         with self._lock:
             st = self._st
             seq = st.active(seq_id)
-            if (isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int)
-                    or not 0 <= num_computed_tokens <= seq.num_tokens):
+            if not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
                 raise InvalidArgumentError(
                     f"num_computed_tokens must be in [0, {seq.num_tokens}], "
                     f"got {num_computed_tokens!r}"

@@ -82,6 +82,7 @@ from kvpool.replay.workloads import Request, Workload
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import Ingest
 from kvpool.router.scoring import Router
+from kvpool.validation import check_int
 
 __all__ = [
     "KV_POLICIES",
@@ -526,8 +527,7 @@ def replay(
         raise InvalidArgumentError(f"routing policies repeat: {', '.join(policies)}")
     if not len(workload):
         raise InvalidArgumentError(f"workload {workload.name!r} has no requests")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
+    check_int("jobs", jobs, 1)
     t0 = time.perf_counter()
     bounds = workload_bounds(workload, config.cache.tokens_per_block, seed=config.seed)
     bounds_wall = time.perf_counter() - t0

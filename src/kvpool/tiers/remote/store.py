@@ -47,6 +47,7 @@ from kvpool.errors import (
     RemoteWriteRefusedError,
     StorageError,
 )
+from kvpool.validation import check_int, check_number
 
 __all__ = ["DEFAULT_BATCH_BYTES", "WRITE_REFUSALS", "BlockStore", "RemoteStore",
            "RemoteStoreStats", "is_write_refusal"]
@@ -178,12 +179,6 @@ def _pipelined_gets(client: Any, keys: list[bytes]) -> list[Value | None]:
     return values
 
 
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
 class RemoteStore:
     """Batched block reads and writes on a Redis- or Valkey-compatible server (module doc).
 
@@ -207,12 +202,11 @@ class RemoteStore:
                 "the remote tier needs redis-py: install kvpool with the 'remote' extra "
                 "(pip install 'kvpool[remote]')"
             )
-        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
-            raise InvalidArgumentError(f"batch_bytes must be an int >= 1, got {batch_bytes!r}")
-        self.batch_bytes = batch_bytes
-        self.timeout_s = _check_positive("timeout_s", timeout_s)
-        self.backoff_s = _check_positive("backoff_s", backoff_s)
-        self.backoff_max_s = max(_check_positive("backoff_max_s", backoff_max_s), self.backoff_s)
+        self.batch_bytes = check_int("batch_bytes", batch_bytes, 1)
+        self.timeout_s = check_number("timeout_s", timeout_s, 0, above=True)
+        self.backoff_s = check_number("backoff_s", backoff_s, 0, above=True)
+        self.backoff_max_s = max(check_number("backoff_max_s", backoff_max_s, 0, above=True),
+                                 self.backoff_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._client: Any = None
