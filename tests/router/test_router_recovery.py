@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.events.keyed import normalize_hash
 from kvpool.events.snapshot import PublishedState
@@ -49,7 +49,7 @@ class Worker:
         self.m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=gpu_blocks,
                                             hash_algo=HashAlgo.V2_SHA256_64,
                                             enable_partial_reuse=False,
-                                            event_buffer_max_size=10_000))
+                                            events=EventsConfig(buffer_max_size=10_000)))
         self.snapshots = snapshots
         self.buffer_steps = buffer_steps
         self.state = PublishedState(ALGO)

@@ -207,7 +207,7 @@ def evict(st: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
     assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
     pool.clear(slot)
     st.stats.evicted_blocks += 1
-    if (offload and t + 1 < st.tiers and priority >= st.config.offload_min_priority
+    if (offload and t + 1 < st.tiers and priority >= st.config.eviction.offload_min_priority
             and pool.queue.should_offload(slot)):
         s2 = lower_slot(st, t + 1, g)
         if s2 is not None:

@@ -101,12 +101,12 @@ class KVCacheManager:
             from kvpool.tiers.torch_storage import TorchStorage
 
             storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
-                                   device=config.device, disk_path=config.disk_path,
-                                   persistent=config.disk_persistent)
-        if events is None and config.event_buffer_max_size > 0:
+                                   device=config.device, disk_path=config.disk.path,
+                                   persistent=config.disk.persistent)
+        if events is None and config.events.buffer_max_size > 0:
             from kvpool.events.manager import EventManager
 
-            events = EventManager(config.event_buffer_max_size, hash_algo=event_algo(config))
+            events = EventManager(config.events.buffer_max_size, hash_algo=event_algo(config))
         self.events = events
         self._st = st = CacheState(config, storage or MetadataStorage(self.tpb), events)
         st.repair_copies = drop_unwritten
@@ -130,7 +130,7 @@ class KVCacheManager:
         self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
                                                            lock=self._lock)
         self._remote: ManagerRemote | None = None
-        if config.remote_url is not None or config.remote_store is not None:
+        if config.remote.url is not None or config.remote.store is not None:
             from kvpool.core.remote_hooks import ManagerRemote  # the shared remote tier
 
             self._remote = st.remote = ManagerRemote(st, events)

@@ -118,8 +118,9 @@ class CacheState:
             config.window_sizes[g] is None for g in self.self_groups
         )
         queues: list[list[EvictionPolicy]] = make_policies(
-            config.eviction_policy, config.slots, self.clock, offload_gate=config.offload_gate,
-            history_multiple=config.eviction_history_multiple)
+            config.eviction.policy, config.slots, self.clock,
+            offload_gate=config.eviction.offload_gate,
+            history_multiple=config.eviction.history_multiple)
         self.pools: list[list[Pool]] = [
             [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
             for t in range(self.tiers)

@@ -53,9 +53,10 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 class Engine:
     """A continuous-batching engine over one transformers causal LM (see the module docstring).
 
-    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide
-    (``tokens_per_block``, ``gpu_blocks`` or ``gpu_mem``, ``host_blocks`` or ``host_mem``,
-    ``disk_blocks``, ``disk_path``, ``eviction_policy``, ``event_buffer_max_size``, ...).
+    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide, as
+    :meth:`CacheConfig.from_mapping` reads them (``tokens_per_block``, ``gpu_blocks`` or
+    ``gpu_mem``, ``host_blocks`` or ``host_mem``, ``disk_blocks``, ``disk={"path": ...}``,
+    ``eviction={"policy": ...}``, ``events={"buffer_max_size": ...}``, ...).
     The model's attention implementation is switched to kvpool's; called outside the engine
     it computes transformers' sdpa attention. ``static_decode`` (None: on CUDA) pads
     decode-only steps to bucketed shapes and replays them from CUDA graphs

@@ -137,7 +137,4 @@ def cache_config(layout: ModelLayout, cache: Mapping[str, Any] | None, *, device
     elif mems:
         raise InvalidArgumentError("cache gives both gpu_blocks and a *_mem budget; pick one")
     base.update(fields)
-    try:
-        return CacheConfig(**base)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"bad cache field: {exc}") from None
+    return CacheConfig.from_mapping(base)

@@ -276,7 +276,8 @@ class _Replay:
         cache = dataclasses.replace(config.cache, clock=self._clock)
         self.shared = shared_store(config.cache, config.remote_bytes, config.remote_block_bytes)
         if self.shared is not None:
-            cache = dataclasses.replace(cache, remote_store=self.shared)
+            cache = dataclasses.replace(
+                cache, remote=dataclasses.replace(cache.remote, store=self.shared))
         self.worker_ids = [f"w{i}" for i in range(config.workers)]
         self.events = [
             EventManager(1 << 20, hash_algo=cache.hash_algo) for _ in self.worker_ids

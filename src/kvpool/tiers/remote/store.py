@@ -125,17 +125,17 @@ class _Refused(Exception):
         self.refused = refused
 
 
-def split_url(url: str) -> tuple[str, bool]:
-    """(the URL redis-py connects to, whether it names a cluster); InvalidArgumentError for
-    anything but a redis/rediss/unix/valkey URL or a ``+cluster`` one."""
+def split_url(url: str, name: str = "remote_url") -> tuple[str, bool]:
+    """(the URL redis-py connects to, whether it names a cluster); InvalidArgumentError (naming
+    the setting ``name``) for anything but a redis/rediss/unix/valkey URL or a ``+cluster`` one."""
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidArgumentError(f"remote_url must be a redis:// URL, got {url!r}")
+        raise InvalidArgumentError(f"{name} must be a redis:// URL, got {url!r}")
     scheme, rest = url.split("://", 1)
     if scheme in _CLUSTER_SCHEMES:
         return f"{_CLUSTER_SCHEMES[scheme]}://{rest}", True
     if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
         raise InvalidArgumentError(
-            f"remote_url scheme {scheme!r} is not redis://, rediss://, unix://, "
+            f"{name} scheme {scheme!r} is not redis://, rediss://, unix://, "
             f"redis+cluster:// or rediss+cluster://"
         )
     if scheme.startswith("valkey"):
