@@ -117,15 +117,16 @@ class Workload:
     """One random workload against a persistent disk tier (see the module docstring)."""
 
     def __init__(self, disk: Disk, sync_every_call: bool, totals: dict[str, int]) -> None:
-        from kvpool import CacheConfig, GroupGeometry
+        from kvpool import CacheConfig, DiskConfig, GroupGeometry
 
         self.disk = disk
         self.totals = totals
         self.config = CacheConfig(
             tokens_per_block=TPB, gpu_blocks=8, host_blocks=2, disk_blocks=DISK_BLOCKS,
             layer_geometry=[GroupGeometry(1, 1, 2, "float32")], device="cpu",
-            disk_path=disk.path, disk_persistent=True, model_id="test/disk-full",
-            enable_partial_reuse=False, disk_sync_interval_s=1e-9 if sync_every_call else None,
+            model_id="test/disk-full", enable_partial_reuse=False,
+            disk=DiskConfig(path=disk.path, persistent=True,
+                            sync_interval_s=1e-9 if sync_every_call else None),
         )
         self.live: dict[int, list[int]] = {}
         self.next_id = 0

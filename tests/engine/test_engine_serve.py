@@ -265,8 +265,8 @@ def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
 
     model, tokenizer = load_model(str(model_dir))
     engine = Engine(model, tokenizer, cache={
-        "tokens_per_block": TPB, "gpu_blocks": GPU_BLOCKS, "event_buffer_max_size": 1000,
-        "event_hash_algo": "v2_sha256_64"})
+        "tokens_per_block": TPB, "gpu_blocks": GPU_BLOCKS,
+        "events": {"buffer_max_size": 1000, "hash_algo": "v2_sha256_64"}})
     server = EngineServer(engine, model_name="tiny", port=0,
                           kv_events_endpoint="tcp://127.0.0.1:0",
                           kv_events_replay_endpoint="tcp://127.0.0.1:0")

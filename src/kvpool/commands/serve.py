@@ -50,7 +50,7 @@ from kvpool.commands._args import (
     size,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
-from kvpool.config import EVICTION_POLICIES, CacheConfig
+from kvpool.config import EVICTION_POLICIES, EvictionConfig
 from kvpool.errors import InvalidArgumentError, KVPoolError
 from kvpool.httpserve import bearer_token
 from kvpool.httpserve.limits import (
@@ -65,7 +65,7 @@ EVENT_HASH_ALGO = "v2_sha256_64"
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 # kvpool.engine.layout's and kvpool.config.CacheConfig's defaults (tests check they agree)
 DEFAULT_TOKENS_PER_BLOCK = 16
-DEFAULT_EVICTION_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
+DEFAULT_EVICTION_POLICY = EvictionConfig().policy
 # serve runs the model on the CPU, its device tier in host memory: half the engine's 1 GiB
 # (smollm2 needs 360 MiB for one full-length sequence); 1.0 GB peak RSS for smollm2, not 1.6
 DEFAULT_GPU_MEM = "512MiB"
@@ -200,15 +200,18 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     cache: dict[str, Any] = {}
     for name in ("tokens_per_block", "gpu_blocks", "gpu_mem", "host_blocks", "host_mem",
-                 "disk_mem", "disk_path", "eviction_policy"):
+                 "disk_mem"):
         value = getattr(args, name)
         if value is not None:
             cache[name] = value
     if args.gpu_blocks is None and args.gpu_mem is None:
         cache["gpu_mem"] = DEFAULT_GPU_MEM
+    if args.disk_path is not None:
+        cache["disk"] = {"path": args.disk_path}
+    if args.eviction_policy is not None:
+        cache["eviction"] = {"policy": args.eviction_policy}
     if args.kv_events_endpoint is not None:
-        cache["event_buffer_max_size"] = _EVENT_BUFFER
-        cache["event_hash_algo"] = EVENT_HASH_ALGO
+        cache["events"] = {"buffer_max_size": _EVENT_BUFFER, "hash_algo": EVENT_HASH_ALGO}
     return cache
 
 

@@ -204,7 +204,8 @@ def evict(state: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
     i = pool.idx_at[slot]
     assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
     pool.clear(slot)
-    if (offload and t + 1 < state.layout.tiers and priority >= state.config.offload_min_priority
+    if (offload and t + 1 < state.layout.tiers
+            and priority >= state.config.eviction.offload_min_priority
             and pool.queue.should_offload(slot)):
         s2 = lower_slot(state, t + 1, g)
         if s2 is not None:

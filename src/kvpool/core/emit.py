@@ -80,7 +80,7 @@ _FIRST = itemgetter(0)
 
 def event_algo(config: CacheConfig) -> HashAlgo:
     """The algorithm events carry: ``event_hash_algo``, else the cache's own."""
-    algo = config.event_hash_algo
+    algo = config.events.hash_algo
     return hash_algo(algo if algo is not None else config.hash_algo)
 
 

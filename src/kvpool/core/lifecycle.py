@@ -16,13 +16,13 @@ from kvpool.core.radix import NO_SLOT, SlotId
 from kvpool.core.sequence import Sequence as Seq
 from kvpool.core.state import CacheState, SeqId
 from kvpool.errors import (
-    InvalidArgumentError,
     OutOfBlocksError,
     RewindError,
     SequenceStateError,
 )
 from kvpool.hashing.keys import tokens_to_u32
 from kvpool.tiers.storage import BlockCopy
+from kvpool.validation import check_int
 
 # ------------------------------------------------------------------ growth
 
@@ -119,8 +119,7 @@ def _release_stale(state: CacheState, seq: Seq, g: int, length: int) -> None:
 def rewind_tokens(state: CacheState, seq_id: SeqId, num_tokens: int) -> None:
     """See :meth:`KVCacheManager.rewind_tokens`."""
     seq = state.active(seq_id)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise InvalidArgumentError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, 0)
     new_len = seq.num_tokens - num_tokens
     floor = max(seq.committed_floor, seq.committed_blocks * state.layout.tpb)
     if new_len < floor:

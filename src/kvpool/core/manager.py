@@ -46,6 +46,7 @@ from kvpool.errors import InvalidArgumentError, OutOfBlocksError, StorageError
 from kvpool.events.model import KVCacheEvent
 from kvpool.hashing import jit
 from kvpool.tiers.storage import MetadataStorage, Storage
+from kvpool.validation import check_int, is_int
 
 if TYPE_CHECKING:
     from kvpool.core.remote_hooks import ManagerRemote, RemoteStats
@@ -55,7 +56,7 @@ __all__ = ["AdmitResult", "KVCacheManager"]
 
 def _is_index(value: object, size: int) -> bool:
     """Is ``value`` an int (not a bool) in [0, size)?"""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
+    return is_int(value) and 0 <= value < size
 
 
 def _check_hooks(name: str, obj: object, methods: tuple[str, ...]) -> None:
@@ -100,12 +101,12 @@ class KVCacheManager:
             from kvpool.tiers.torch_storage import TorchStorage
 
             storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
-                                   device=config.device, disk_path=config.disk_path,
-                                   persistent=config.disk_persistent)
-        if events is None and config.event_buffer_max_size > 0:
+                                   device=config.device, disk_path=config.disk.path,
+                                   persistent=config.disk.persistent)
+        if events is None and config.events.buffer_max_size > 0:
             from kvpool.events.manager import EventManager
 
-            events = EventManager(config.event_buffer_max_size, hash_algo=event_algo(config))
+            events = EventManager(config.events.buffer_max_size, hash_algo=event_algo(config))
         self.events = events
         self._st = state = CacheState(config, storage or MetadataStorage(self.tpb), events)
         state.repair_copies = drop_unwritten
@@ -129,7 +130,7 @@ class KVCacheManager:
         self.persistent_disk = state.persist = persist.attach(state, owns_storage=owns_storage,
                                                            lock=self._lock)
         self._remote: ManagerRemote | None = None
-        if config.remote_url is not None or config.remote_store is not None:
+        if config.remote.url is not None or config.remote.store is not None:
             from kvpool.core.remote_hooks import ManagerRemote  # the shared remote tier
 
             self._remote = state.remote = ManagerRemote(state, events)
@@ -201,9 +202,7 @@ class KVCacheManager:
         """GPU slots per layer group that growing by ``num_new_tokens`` tokens would take."""
         with self._lock:
             seq = self._st.seq(seq_id)
-            if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) \
-                    or num_new_tokens < 0:
-                raise InvalidArgumentError(f"num_new_tokens must be >= 0, got {num_new_tokens!r}")
+            check_int("num_new_tokens", num_new_tokens, 0)
             return lifecycle.growth(self._st, seq, seq.num_tokens + num_new_tokens)[0]
 
     def add_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
@@ -233,8 +232,7 @@ class KVCacheManager:
         with self._lock:
             state = self._st
             seq = state.active(seq_id)
-            if (isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int)
-                    or not 0 <= num_computed_tokens <= seq.num_tokens):
+            if not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
                 raise InvalidArgumentError(
                     f"num_computed_tokens must be in [0, {seq.num_tokens}], "
                     f"got {num_computed_tokens!r}"

@@ -1,7 +1,7 @@
 """Warm restart of a persistent disk tier: a manifest kept in step with the disk slots, and the
 blocks it names put back into a new manager's tree.
 
-A manager with ``CacheConfig(disk_persistent=True)`` opens its disk files under stable names
+A manager with ``CacheConfig.disk.persistent`` set opens its disk files under stable names
 (:func:`kvpool.tiers.diskfile.open_persistent_pools`) and a manifest beside them
 (``kvpool-persistent.manifest``, :mod:`kvpool.tiers.manifest`) whose header is the manager's
 namespace (:class:`~kvpool.tiers.remote.namespace.RemoteNamespace`: ``model_id``, geometry per layer
@@ -29,7 +29,7 @@ record on disk whose bytes were not (a machine crash), a ``drop`` that was lost,
 file - leaves bytes that differ from the recorded hash, and the block is a miss (serving a
 wrong block would take a 64-bit hash collision). Each record carries its own checksum too
 (:mod:`kvpool.tiers.manifest`), so a damaged record is never applied; a damaged or foreign manifest
-is refused with :class:`~kvpool.errors.ManifestError` unless ``disk_manifest_damaged`` says to
+is refused with :class:`~kvpool.errors.ManifestError` unless ``disk.manifest_damaged`` says to
 keep its intact prefix or discard it.
 
 What is re-indexed: every chain from a scope's root that leads to a trusted slot. Its blocks
@@ -46,7 +46,7 @@ loses leaves first).
 
 Durability: records are written with ``write(2)`` at the end of each call, so they survive the
 process (SIGKILL included); the disk files and then the manifest are fsynced every
-``disk_sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
+``disk.sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
 record that was not fsynced when the machine crashed is lost (a miss), or disowned by the rule.
 
 Failures (a full disk, a file size limit, an I/O error) never skip a call's data copies and
@@ -148,11 +148,11 @@ def _path_entry(key: BlockKey, b: _Block) -> ManifestEntry:
 
 def attach(state: CacheState, *, owns_storage: bool,
            lock: AbstractContextManager[Any]) -> PersistentDisk | None:
-    """The persistent disk tier of a new manager's state (None when ``disk_persistent`` is
+    """The persistent disk tier of a new manager's state (None when ``disk.persistent`` is
     off), its recorded blocks already re-indexed; ``lock`` is the manager's (re-entrant) lock,
     which :meth:`PersistentDisk.sync` takes. On an error the storage is closed if the manager
     built it (``owns_storage``), so its files are unlocked."""
-    if not state.config.disk_persistent:
+    if not state.config.disk.persistent:
         return None
     disk: PersistentDisk | None = None
     try:
@@ -175,26 +175,26 @@ class PersistentDisk:
         storage = state.storage
         if not isinstance(storage, PersistentStorage) or not storage.persistent:
             raise InvalidArgumentError(
-                "disk_persistent needs a storage with a persistent disk tier "
+                "CacheConfig.disk.persistent needs a storage with a persistent disk tier "
                 f"(TorchStorage(..., persistent=True)), got {storage!r:.80}"
             )
-        assert config.disk_path is not None  # CacheConfig checks it
+        assert config.disk.path is not None  # CacheConfig checks it
         self._st = state
         self._lock = lock
         self._storage = storage
         self.namespace = RemoteNamespace.from_config(config, model=config.model_id)
-        path = os.path.join(os.fspath(config.disk_path), MANIFEST_NAME)
+        path = os.path.join(os.fspath(config.disk.path), MANIFEST_NAME)
         try:
             self.manifest = Manifest(path, self.namespace,
-                                     on_damage=_ON_DAMAGE[config.disk_manifest_damaged])
+                                     on_damage=_ON_DAMAGE[config.disk.manifest_damaged])
         except ManifestError as exc:
             raise ManifestError(
                 f"the persistent disk tier cannot start: {exc}. In CacheConfig, "
-                "disk_manifest_damaged='discard' starts with an empty disk tier instead, "
+                "disk.manifest_damaged='discard' starts with an empty disk tier instead, "
                 "'keep_prefix' keeps the blocks recorded before the damage"
             ) from exc
         self.restored = RestoreStats()
-        self._interval = config.disk_sync_interval_s
+        self._interval = config.disk.sync_interval_s
         self._last_sync = time.monotonic()
         self._scopes: dict[int, Scope] = {}  # id(root run) -> its scope
         self._closed = False

@@ -1,4 +1,4 @@
-"""The remote tier inside a manager: what ``CacheConfig(remote_url=...)`` adds to its calls.
+"""The remote tier inside a manager: what ``CacheConfig.remote`` adds to its calls.
 
 A :class:`ManagerRemote` belongs to one manager's :class:`~kvpool.core.state.CacheState`
 (``state.remote``) and runs under the manager's lock. The manager's modules call it at three
@@ -6,9 +6,9 @@ points of its calls (each a marked line: :mod:`kvpool.core.allocator`, :mod:`kvp
 :mod:`kvpool.core.state`):
 
 - :meth:`ManagerRemote.dropped`: a block leaves its last local slot (an eviction that found no
-  colder local slot, or that tier is the last one). With ``remote_write="evict"`` it is noted
+  colder local slot, or that tier is the last one). With ``remote.write="evict"`` it is noted
   for writing; in either mode it is noted for an event saying it is now held remotely.
-- :meth:`ManagerRemote.stored`: a sequence committed blocks; with ``remote_write="store"``
+- :meth:`ManagerRemote.stored`: a sequence committed blocks; with ``remote.write="store"``
   they are noted for writing (write-through).
 - :meth:`ManagerRemote.before_copies`: the call's bookkeeping is done and its copies are
   about to run. The noted blocks' bytes are still in their slots (a slot freed or reused
@@ -138,16 +138,16 @@ class ManagerRemote:
         config = state.config
         self.state = state
         self.events = events
-        self.owns_store = config.remote_store is None
+        self.owns_store = config.remote.store is None
         store: BlockStore
-        if config.remote_store is not None:
-            store = config.remote_store
+        if config.remote.store is not None:
+            store = config.remote.store
         else:
-            assert config.remote_url is not None
-            store = RemoteStore(config.remote_url, timeout_s=config.remote_timeout_s)
-        self.mode = config.remote_write
+            assert config.remote.url is not None
+            store = RemoteStore(config.remote.url, timeout_s=config.remote.timeout_s)
+        self.mode = config.remote.write
         self.writer = RemoteWriter(store, mode=self.mode,
-                                   max_pending_bytes=config.remote_max_pending_bytes)
+                                   max_pending_bytes=config.remote.max_pending_bytes)
         self.tier = RemoteTier(store, RemoteNamespace.from_config(config,
                                                                   model=config.model_id),
                                writer=self.writer)
@@ -170,10 +170,10 @@ class ManagerRemote:
 
     def dropped(self, t: int, g: int, slot: int, run: Run, i: int) -> None:
         """Block i of ``run`` leaves slot ``slot`` of tier t, its last local copy in group g.
-        Blocks below ``offload_min_priority`` stay out of the remote tier too."""
+        Blocks below ``eviction.offload_min_priority`` stay out of the remote tier too."""
         state = self.state
         write = self.mode == "evict"
-        if run.priority(i) < state.config.offload_min_priority or (
+        if run.priority(i) < state.config.eviction.offload_min_priority or (
                 not write and self.events is None):
             return
         copy = state.copies.filling(t, g, slot)

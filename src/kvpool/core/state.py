@@ -103,8 +103,9 @@ class CacheState:
         self.layout = layout = Layout.of(config)  # the derived layout every module reads
         self.clock: Callable[[], float] = config.clock or time.monotonic
         queues: list[list[EvictionPolicy]] = make_policies(
-            config.eviction_policy, config.slots, self.clock, offload_gate=config.offload_gate,
-            history_multiple=config.eviction_history_multiple)
+            config.eviction.policy, config.slots, self.clock,
+            offload_gate=config.eviction.offload_gate,
+            history_multiple=config.eviction.history_multiple)
         self.pools: list[list[Pool]] = [
             [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
             for t in range(layout.tiers)

@@ -21,6 +21,7 @@ from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
 from kvpool.engine.step_meta import GroupGeom, RowCache, SeqWork, StepMeta, build_step
 from kvpool.errors import CapacityError, InvalidArgumentError
+from kvpool.validation import check_int, is_int
 
 
 @dataclass(slots=True)
@@ -38,12 +39,6 @@ class RequestOutput:
     logits: list[torch.Tensor] | None = None
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
@@ -58,9 +53,10 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 class Engine:
     """A continuous-batching engine over one transformers causal LM (see the module docstring).
 
-    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide
-    (``tokens_per_block``, ``gpu_blocks`` or ``gpu_mem``, ``host_blocks`` or ``host_mem``,
-    ``disk_blocks``, ``disk_path``, ``eviction_policy``, ``event_buffer_max_size``, ...).
+    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide, as
+    :meth:`CacheConfig.from_mapping` reads them (``tokens_per_block``, ``gpu_blocks`` or
+    ``gpu_mem``, ``host_blocks`` or ``host_mem``, ``disk_blocks``, ``disk={"path": ...}``,
+    ``eviction={"policy": ...}``, ``events={"buffer_max_size": ...}``, ...).
     The model's attention implementation is switched to kvpool's; called outside the engine
     it computes transformers' sdpa attention. ``static_decode`` (None: on CUDA) pads
     decode-only steps to bucketed shapes and replays them from CUDA graphs
@@ -70,8 +66,8 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any = None, *, cache: dict[str, Any] | None = None,
                  max_batch_size: int = 8, max_num_tokens: int = 2048,
                  static_decode: bool | None = None) -> None:
-        _positive("max_batch_size", max_batch_size)
-        _positive("max_num_tokens", max_num_tokens)
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("max_num_tokens", max_num_tokens, 1)
         if max_num_tokens < max_batch_size:
             raise InvalidArgumentError(
                 f"max_num_tokens ({max_num_tokens}) must be >= max_batch_size ({max_batch_size})"
@@ -134,7 +130,7 @@ class Engine:
             raise InvalidArgumentError("the prompt is empty")
         vocab = self.vocab_size
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if not is_int(t) or not 0 <= t < vocab:
                 raise InvalidArgumentError(f"prompt token {t!r} is not an id in [0, {vocab})")
         return ids
 

@@ -19,6 +19,7 @@ from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
 from kvpool.planner.capacity import LayerSpec, ModelSpec, parse_size, plan_pools
 from kvpool.tiers.storage import GroupGeometry
+from kvpool.validation import is_int
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ENGINE_DECIDES = ("window_sizes", "layer_geometry", "sink_tokens", "device")
@@ -96,7 +97,7 @@ def model_layout(config: Any, dtype: torch.dtype) -> ModelLayout:
 def _bytes(name: str, value: object) -> int:
     if isinstance(value, str):
         return parse_size(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise InvalidArgumentError(f"cache[{name!r}] must be bytes (int) or a size like '2GiB', "
                                    f"got {value!r}")
     return value
@@ -136,7 +137,4 @@ def cache_config(layout: ModelLayout, cache: Mapping[str, Any] | None, *, device
     elif mems:
         raise InvalidArgumentError("cache gives both gpu_blocks and a *_mem budget; pick one")
     base.update(fields)
-    try:
-        return CacheConfig(**base)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"bad cache field: {exc}") from None
+    return CacheConfig.from_mapping(base)

@@ -17,6 +17,7 @@ from typing import Any
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import InvalidArgumentError
+from kvpool.validation import is_int
 
 __all__ = ["CHAT_ROLES", "Answer", "ParsedRequest", "UnknownModelError", "parse_request"]
 
@@ -78,7 +79,7 @@ def parse_request(body: object, *, chat: bool, tokenizer: Any, max_model_len: in
         if cache_tokens is not None and cache_tokens > len(prompt):
             limit = min(room, cache_tokens - len(prompt))
         max_tokens = limit if chat else min(limit, _DEFAULT_COMPLETION_TOKENS)
-    elif _is_int(max_tokens) and max_tokens >= 1 and len(prompt) + max_tokens > max_model_len:
+    elif is_int(max_tokens) and max_tokens >= 1 and len(prompt) + max_tokens > max_model_len:
         raise InvalidArgumentError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{len(prompt)} and max_tokens asks for {max_tokens} more"
@@ -192,7 +193,7 @@ def _token_ids(value: object, name: str) -> list[int]:
         raise InvalidArgumentError(f"'{name}' must be a list of token ids")
     if not value:
         raise InvalidArgumentError(f"'{name}' is empty")
-    if not all(_is_int(t) and 0 <= t < 2**31 for t in value):
+    if not all(is_int(t) and 0 <= t < 2**31 for t in value):
         raise InvalidArgumentError(f"'{name}' must hold token ids (ints in [0, 2**31))")
     return list(value)
 
@@ -205,10 +206,6 @@ def _top_k(value: object) -> Any:
 
 def _or(value: object, default: float) -> Any:
     return default if value is None else value
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)

@@ -115,6 +115,7 @@ from kvpool.router.shared_tier import (
     SharedTiers,
 )
 from kvpool.router.walk import walk
+from kvpool.validation import check_int, check_number
 
 __all__ = [
     "DEFAULT_APPROX_CAPACITY",
@@ -195,12 +196,7 @@ class Router:
             raise InvalidArgumentError(
                 f"shared_tier_weight must be in [0, 1], got {shared_tier_weight!r}"
             )
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or (
-            max_batch_size < 1
-        ):
-            raise InvalidArgumentError(
-                f"max_batch_size must be an int >= 1, got {max_batch_size!r}"
-            )
+        check_int("max_batch_size", max_batch_size, 1)
         self.index = index
         self.tier_weights = weights
         self.load_weight = float(load_weight)
@@ -348,13 +344,8 @@ class Router:
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id is not None and request_id in self._loads.requests:
             raise InvalidArgumentError(f"request_id {request_id!r} is already active")
-        if prefill_tokens is not None and (
-            isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int)
-            or prefill_tokens < 0
-        ):
-            raise InvalidArgumentError(
-                f"prefill_tokens must be an int >= 0, got {prefill_tokens!r}"
-            )
+        if prefill_tokens is not None:
+            check_int("prefill_tokens", prefill_tokens, 0)
 
     def _sync_approx(self) -> None:
         """The approximate caches follow the index's stride and, in ``approx`` mode, its
@@ -543,9 +534,6 @@ class Router:
 
 
 def _check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or (
-        math.isinf(value)
-    ):
-        raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+    check_number(name, value, 0)
 
 

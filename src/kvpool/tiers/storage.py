@@ -45,6 +45,7 @@ from types import MappingProxyType, TracebackType
 from typing import NamedTuple, Protocol, Self, runtime_checkable
 
 from kvpool.errors import BlockCopyError, CopyFailedError, GeometryError, StorageError
+from kvpool.validation import is_int
 
 
 class Tier(IntEnum):
@@ -63,13 +64,9 @@ DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
 )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _show(value: object) -> str:
     """A value for an error message: ints (IntEnum members too) as plain numbers."""
-    return str(int(value)) if _is_int(value) else repr(value)  # type: ignore[call-overload]
+    return str(int(value)) if is_int(value) else repr(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +84,7 @@ class GroupGeometry:
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise GeometryError(f"GroupGeometry.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
             raise GeometryError(
@@ -176,7 +173,7 @@ CopyPlan = dict[CopyKey, tuple[list[int], list[int]]]  # key -> (src slots, dst 
 
 
 def _check_tokens_per_block(tokens_per_block: int) -> None:
-    if not _is_int(tokens_per_block) or tokens_per_block <= 0:
+    if not is_int(tokens_per_block) or tokens_per_block <= 0:
         raise GeometryError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
 
 
@@ -327,15 +324,14 @@ class _CopyEngine:
             raise StorageError(f"{type(self).__name__} is closed")
 
     def _check_tier(self, tier: object) -> int:
-        if isinstance(tier, bool) or not isinstance(tier, int) or not 0 <= tier < self._num_tiers():
+        if not is_int(tier) or not 0 <= tier < self._num_tiers():
             raise BlockCopyError(f"tier {_show(tier)} is not one of 0..{self._num_tiers() - 1}")
         return tier
 
     def _check_group(self, group: object) -> int:
         groups = self._num_groups()
         if (
-            isinstance(group, bool)
-            or not isinstance(group, int)
+            not is_int(group)
             or group < 0
             or (groups is not None and group >= groups)
         ):
@@ -352,7 +348,7 @@ class _CopyEngine:
         # Exact ints are the common case and are checked in bulk; other values one by one.
         if not all(type(s) is int for s in slots):
             for s in slots:
-                if not _is_int(s):
+                if not is_int(s):
                     raise BlockCopyError(
                         f"{role} slot {s!r} (tier {tier}, group {group}) is not an int"
                     )
@@ -382,7 +378,7 @@ class MetadataStorage(_CopyEngine):
             )
         sizes = tuple(block_bytes_per_group)
         for g, size in enumerate(sizes):
-            if not _is_int(size) or size < 0:
+            if not is_int(size) or size < 0:
                 raise GeometryError(
                     f"block_bytes_per_group[{g}] must be a non-negative int, got {size!r}"
                 )

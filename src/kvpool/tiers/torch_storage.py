@@ -43,8 +43,8 @@ from kvpool.tiers.storage import (
     GroupGeometry,
     Tier,
     _CopyEngine,
-    _is_int,
 )
+from kvpool.validation import check_bool, is_int
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -121,8 +121,7 @@ class TorchStorage(_CopyEngine):
             if len(self._slots) > Tier.DISK
             else {}
         )
-        if not isinstance(persistent, bool):
-            raise StorageError(f"persistent must be a bool, got {persistent!r}")
+        check_bool("persistent", persistent, error=StorageError)
         self._persistent = persistent and bool(layout)
         opener = open_persistent_pools if persistent else create_pools
         self._disk: dict[int, DiskPool] = opener(disk_path, layout) if layout else {}
@@ -553,7 +552,7 @@ def _check_layout(
                 f"slots[{tier}] has {len(row)} entries for {len(geometries)} layer groups"
             )
         for g, count in enumerate(row):
-            if not _is_int(count) or count < 0:
+            if not is_int(count) or count < 0:
                 raise GeometryError(f"slots[{tier}][{g}] must be a non-negative int, got {count!r}")
     return table
 
