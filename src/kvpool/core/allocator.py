@@ -91,6 +91,7 @@ def _drop_victims(state: CacheState, g: int, slots: list[SlotId]) -> None:
     prev: Run | None = None  # the run the last victim left, and its length now
     prev_n = 0
     slow = 0
+    left: list[SlotId] = []  # victims whose back-pointers go, cleared in one pass at the end
     for s in slots:
         run = run_at[s]
         assert run is not None
@@ -105,7 +106,7 @@ def _drop_victims(state: CacheState, g: int, slots: list[SlotId]) -> None:
             slow += 1
             evict(state, 0, g, s, DEFAULT_PRIORITY)  # counts its own evictions and drops
             continue
-        pool.clear(s)
+        left.append(s)
         run.slot[g][i] = NO_SLOT
         if events:
             removed.append(run.keys[i])
@@ -120,6 +121,7 @@ def _drop_victims(state: CacheState, g: int, slots: list[SlotId]) -> None:
         else:
             prev = None
     cut_runs(cut)
+    pool.clear_all(left)
     stats.evicted(len(slots) - slow, len(slots) - slow)
     state.emit.removed(g, removed)
 

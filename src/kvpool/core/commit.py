@@ -220,12 +220,11 @@ def _place_and_chain(state: CacheState, seq: Seq, g: int, run: Run, base: int, s
                      chains: dict[int, list[Segment]], events: bool) -> None:
     """Point new blocks' slots at ``run`` (from block ``base``) and extend group g's stored
     chain with them; a block without a slot ends the chain (its event is sent)."""
-    place = state.gpu[g].place
+    state.gpu[g].place_all(sl, run, base)  # one pass (docs/architecture.md §3.10)
     piece = chains.pop(g, [])  # a chain still open ends at the block just before these
     start = -1  # first block of the stretch being stored
     for j, s in enumerate(sl, base):
         if s != NO_SLOT:
-            place(s, run, j)
             if start < 0:
                 start = j
             continue
