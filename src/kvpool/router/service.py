@@ -49,6 +49,7 @@ in a thread too, while the loop's other uses of the router wait (``/health`` doe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -296,9 +297,13 @@ class RouterService:
         if not in_thread:
             return call()
         self.index.defer_resets()
+        done = asyncio.ensure_future(asyncio.to_thread(call))
         try:
-            return await asyncio.to_thread(call)
+            return await asyncio.shield(done)
         finally:
+            while not done.done():  # cancelled: the thread still uses the router, so the
+                with contextlib.suppress(asyncio.CancelledError):  # lock is held till it ends
+                    await asyncio.wait([done])
             self.index.flush_resets()
 
     async def _gated(self, call: Callable[[], _R]) -> _R:
