@@ -167,13 +167,16 @@ class Workload:
                 f"{list(tokens)[-TPB:]} (prefix of {len(tokens)} tokens)")
 
     def call(self, fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-        """Run a manager call; one that raises must leave debug_state() unchanged."""
-        from kvpool.errors import KVPoolError
+        """Run a manager call; one that raises must leave debug_state() unchanged (and so is
+        never the CopiesLostError of a call that could not be undone: a full disk only ever
+        fails copies to colder tiers, which leave the cache instead)."""
+        from kvpool.errors import CopiesLostError, KVPoolError
 
         before = self.m.debug_state()
         try:
             return fn(), None
         except KVPoolError as exc:
+            assert not isinstance(exc, CopiesLostError), repr(exc)
             assert self.m.debug_state() == before, f"{exc!r} changed the manager"
             self.totals["raised"] += 1
             return None, exc

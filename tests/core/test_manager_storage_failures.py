@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpool.config import CacheConfig, DiskConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
-from kvpool.errors import KVPoolError, StorageError
+from kvpool.errors import CopiesLostError, KVPoolError, StorageError
 from kvpool.events.index import EventIndex
 from kvpool.tiers.storage import BlockCopy, GroupGeometry, MetadataStorage
 
@@ -256,7 +256,11 @@ class FailingStorageMachine(RuleBasedStateMachine):
         mark = (ev.num_pending, ev.next_event_id)  # type: ignore[union-attr]
         try:
             call()
-        except StorageError:
+        except StorageError as exc:
+            # CopiesLostError: the one error after which the manager may have changed, raised
+            # by the call whose copies were lost and by every later call that may copy
+            assert isinstance(exc, CopiesLostError) == (
+                self.broken or (copy_injected and not self.storage.fail_copy)), repr(exc)
             if copy_injected and not self.storage.fail_copy:
                 # the copy ran and failed, bringing a block a sequence uses (beyond repair):
                 # the call's bookkeeping stays (what it registered, suspended or resumed is

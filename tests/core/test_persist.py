@@ -42,6 +42,7 @@ from kvpool.config import (  # noqa: E402
 from kvpool.core.manager import KVCacheManager  # noqa: E402
 from kvpool.core.persist import MANIFEST_NAME  # noqa: E402
 from kvpool.errors import (  # noqa: E402
+    CopiesLostError,
     InvalidArgumentError,
     ManifestError,
     StorageError,
@@ -262,6 +263,30 @@ def test_no_spill_after_a_failed_copy(tmp_path: Path) -> None:
     m = KVCacheManager(config(tmp_path))
     assert {tuple(t) for t, _, tiers in m.tree_blocks() if tiers[0] == Tier.DISK} == on_disk
     m.close()
+
+
+def test_a_failed_fsync_of_the_disk_files_is_copies_lost_for_it_and_every_later_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sync() whose data fsync fails changes nothing but raises CopiesLostError (the bytes on
+    disk may be gone), and so does every later call that may copy; calls that copy nothing
+    keep working."""
+    m = KVCacheManager(config(tmp_path))
+    for k, tokens in enumerate(workload(12, 6)):
+        serve(m, f"s{k}", tokens)
+    disk = m.persistent_disk
+    assert disk is not None
+
+    def failing() -> None:
+        raise StorageError("fsync: Input/output error")
+
+    monkeypatch.setattr(m._st.storage, "sync_disk", failing)
+    before = m.debug_state()
+    with pytest.raises(CopiesLostError, match="fsync of the disk tier failed"):
+        disk.sync()
+    assert m.debug_state() == before
+    with pytest.raises(CopiesLostError, match="copies nothing more"):
+        m.add_sequence(SequenceRequest("later", workload(12, 1)[0]))
+    assert m.debug_state() == before and m.tree_blocks()
 
 
 def test_two_live_managers_cannot_share_a_persistent_tier(tmp_path: Path) -> None:

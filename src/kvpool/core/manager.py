@@ -21,8 +21,10 @@ fails (a full disk, an I/O error during the call) is repaired without raising: t
 was moving to a colder tier leave the cache (a later miss, never wrong bytes), and a persistent
 tier's manifest records that cannot be written are left out (its blocks are then misses after
 a restart). Only a failed copy of a block a sequence uses (onto the GPU, or for a suspended
-sequence) cannot be repaired: that call raises ``StorageError`` with its work done, and the
-manager refuses every later call that may copy, saying why (``kvpool.core.state``).
+sequence) cannot be repaired nor undone: that call raises ``CopiesLostError`` (a
+``StorageError``, the one error that says the call changed the manager) with its work done,
+and the manager refuses every later call that may copy with the same error
+(``kvpool.core.state``).
 """
 
 from __future__ import annotations

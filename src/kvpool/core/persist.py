@@ -74,7 +74,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId
-from kvpool.errors import CopyFailedError, InvalidArgumentError, ManifestError, StorageError
+from kvpool.errors import (
+    CopiesLostError,
+    CopyFailedError,
+    InvalidArgumentError,
+    ManifestError,
+    StorageError,
+)
 from kvpool.eviction.priority import DEFAULT_PRIORITY
 from kvpool.hashing.keys import BlockKey
 from kvpool.tiers.manifest import Manifest, ManifestEntry, OnDamage
@@ -315,8 +321,9 @@ class PersistentDisk:
         was recorded so far survives a machine crash. Takes the manager's lock (it waits for a
         call in progress, and calls wait for it). No-op once closed. Raises
         :class:`StorageError` when an fsync fails: of the manifest, noted as any manifest
-        failure; of the disk files, the manager also refuses every later call that may copy
-        (the kernel may have dropped bytes it could not write)."""
+        failure; of the disk files, :class:`CopiesLostError`, and the manager refuses every
+        later call that may copy with it (the kernel may have dropped bytes it could not
+        write)."""
         with self._lock:
             if self._closed:
                 return
@@ -324,7 +331,10 @@ class PersistentDisk:
                 self._storage.sync_disk()
             except StorageError as exc:
                 self._st.refuse_copies(f"an fsync of the disk tier failed: {exc}")
-                raise
+                raise CopiesLostError(
+                    f"an fsync of the disk tier failed ({exc}): blocks on disk may have lost "
+                    "their bytes, so this manager copies nothing more: build a new one"
+                ) from exc
             self._last_sync = time.monotonic()
             if not self._write(self.manifest.sync):
                 raise StorageError(f"cannot sync the manifest: {self.last_manifest_error}")

@@ -25,9 +25,11 @@ there without raising (:meth:`CacheState.finish_call`): a copy that could not wr
 tier (a full disk) drops the block it was moving, so no slot is ever said to hold bytes it
 does not; a persistent tier's manifest that cannot be written loses only records, which the
 bytes' hashes make safe (:mod:`kvpool.core.persist`). Only a copy that was bringing a block a
-sequence uses (onto the GPU, or held for a suspended sequence) cannot be repaired: that call
-raises :class:`StorageError` with its bookkeeping done, and the manager refuses every later
-call that may copy, saying why (build a new manager).
+sequence uses (onto the GPU, or held for a suspended sequence) cannot be repaired, nor the
+call undone (its sequences' blocks lost their bytes): that call raises
+:class:`~kvpool.errors.CopiesLostError` with its bookkeeping done (the one error that says the
+call changed the manager), and the manager refuses every later call that may copy with the same
+error (build a new manager). Every other error a call raises left it unchanged.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ from kvpool.core.sequence import Sequence as Seq
 from kvpool.core.slots import SlotPool
 from kvpool.core.stats import CacheStats
 from kvpool.core.views import PlanView, Scope
-from kvpool.errors import CopyFailedError, SequenceStateError, StorageError, UnknownSequenceError
+from kvpool.errors import (
+    CopiesLostError,
+    CopyFailedError,
+    SequenceStateError,
+    UnknownSequenceError,
+)
 from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.hashing.keys import BlockHasher
 from kvpool.tiers.copies import CallCopies
@@ -188,7 +195,7 @@ class CacheState:
         """Before changing anything in a call that may copy: raise StorageError if the copies
         could not run (the storage closed, a disk file removed or truncated)."""
         if self.copy_failure is not None:
-            raise StorageError(
+            raise CopiesLostError(
                 f"an earlier copy failed ({self.copy_failure}); the blocks it was moving lost "
                 "their bytes, so this manager copies nothing more: build a new one"
             )
@@ -238,8 +245,8 @@ class CacheState:
         disk, an I/O error, a file truncated during the call). The blocks the failed copies
         were moving to a colder tier leave the cache (:func:`kvpool.core.allocator.drop_unwritten`)
         and the call completes. A failed copy that was bringing a block a sequence uses cannot
-        be repaired: the call raises :class:`StorageError` with its bookkeeping done, and every
-        later call that may copy raises too (no block whose bytes were lost is ever served;
+        be repaired: the call raises :class:`CopiesLostError` with its bookkeeping done, and every
+        later call that may copy raises it too (no block whose bytes were lost is ever served;
         the engine builds a new manager)."""
         try:
             self.storage.copy_blocks(copies)
@@ -250,9 +257,10 @@ class CacheState:
                 self.emit.flush_removed()
             if unrepaired:
                 self.copy_failure = repr(exc)
-                if isinstance(exc, StorageError):
-                    raise
-                raise StorageError(f"copying blocks failed: {exc!r}") from exc
+                raise CopiesLostError(
+                    f"copying {len(unrepaired)} blocks that sequences use failed ({exc!r}) after "
+                    "the call's bookkeeping, which stays (those sequences' blocks lost their "
+                    "bytes); this manager copies nothing more: build a new one") from exc
             before, self.failed_copies = self.failed_copies, self.failed_copies + len(failed)
             if before.bit_length() < self.failed_copies.bit_length():  # 1, 2, 4, ... times
                 log.warning("kvpool: %d block copies failed, their blocks left the cache "

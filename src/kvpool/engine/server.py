@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import queue
@@ -74,8 +73,7 @@ from kvpool.errors import (
     KVPoolError,
     OutOfBlocksError,
 )
-from kvpool.events.snapshot import PublishedState
-from kvpool.events.vllm_msgpack import encode_vllm_batch
+from kvpool.events.publishing import BatchPublisher
 from kvpool.events.zmq import ZmqEventPublisher
 from kvpool.httpserve import (
     OPENAI_ERRORS,
@@ -183,41 +181,20 @@ class EngineLoop(threading.Thread):
 
 
 class EventPublisherThread(threading.Thread):
-    """Publishes the manager's KV events as vLLM msgpack batches on a ZMQ publisher."""
+    """Runs a :class:`~kvpool.events.publishing.BatchPublisher`'s loop over the engine
+    manager's KV events (vLLM msgpack batches on ZeroMQ, snapshots of every block)."""
 
-    def __init__(self, engine: Engine, publisher: ZmqEventPublisher, tokens_per_block: int) -> None:
+    def __init__(self, engine: Engine, batches: BatchPublisher) -> None:
         super().__init__(name="kvpool-kv-events", daemon=True)
         self.engine = engine
-        self.publisher = publisher
-        self.tokens_per_block = tokens_per_block
+        self.batches = batches
         self._stopping = threading.Event()
-        self.batches = 0
-        # what a consumer of every batch so far holds: the router's snapshot of this worker
-        self.state = PublishedState()
 
     def stop(self) -> None:
         self._stopping.set()
 
     def run(self) -> None:
-        manager = self.engine.manager
-        windowed = [g for g, w in enumerate(manager.config.window_sizes) if w is not None]
-        while not self._stopping.is_set():
-            events = manager.get_latest_events(0.1)
-            if events:
-                self.publisher.publish(
-                    encode_vllm_batch(events, block_size=self.tokens_per_block,
-                                      sliding_window_groups=windowed),
-                    update=functools.partial(self.state.apply, events),
-                )
-                self.batches += 1
-
-    def snapshot(self) -> bytes:
-        """Every block published so far as one batch (the replay socket's snapshot answer);
-        partial blocks included, as :mod:`kvpool.events.snapshot` requires."""
-        windowed = [g for g, w in enumerate(self.engine.manager.config.window_sizes)
-                    if w is not None]
-        return encode_vllm_batch(self.state.events(), block_size=self.tokens_per_block,
-                                 sliding_window_groups=windowed, partial_blocks=True)
+        self.batches.run(self.engine.manager.get_latest_events, self._stopping)
 
 
 class _Metrics:
@@ -333,14 +310,14 @@ class EngineServer:
         self.publisher: ZmqEventPublisher | None = None
         self._events_thread: EventPublisherThread | None = None
         if kv_events_endpoint is not None:
-            tpb = engine.manager.config.tokens_per_block
-            snapshot_source: list[EventPublisherThread] = []
-            self.publisher = ZmqEventPublisher(
+            config = engine.manager.config
+            batches = BatchPublisher(
                 kv_events_endpoint, kv_events_replay_endpoint,
-                snapshot=lambda: snapshot_source[0].snapshot(),
-            )
-            self._events_thread = EventPublisherThread(engine, self.publisher, tpb)
-            snapshot_source.append(self._events_thread)
+                block_size=config.tokens_per_block, snapshots=True,
+                sliding_window_groups=[g for g, w in enumerate(config.window_sizes)
+                                       if w is not None])
+            self.publisher = batches.publisher
+            self._events_thread = EventPublisherThread(engine, batches)
         self._runner: web.ServerRunner | None = None
         config = engine.manager.config
         full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]

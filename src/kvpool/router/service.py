@@ -38,7 +38,10 @@ the value of that environment variable (401 otherwise). A 405 names the allowed 
 its 100 before sending the body, or a 413 at once when its ``Content-Length`` is over the limit.
 Past ``listen.max_connections`` open connections a new one gets a JSON 503; a connection idle
 (or still sending its request head) for ``listen.keepalive_timeout_s`` is closed. Bodies over
-:data:`~kvpool.httpserve.OFFLOAD_BYTES` are decoded in an executor thread.
+:data:`~kvpool.httpserve.OFFLOAD_BYTES` are decoded in a thread (a ``/route`` body's token ids
+in 64 KiB pieces, so the GIL is free for the loop between them), and such a request is routed
+in a thread too, while the loop's other uses of the router wait (``/health`` does not): a
+10 MiB request (about 1.2 M token ids) never holds up the event loop.
 
 ``kvpool router`` runs the service on uvloop when installed (:mod:`kvpool.commands.router`).
 """
@@ -46,12 +49,13 @@ Past ``listen.max_connections`` open connections a new one gets a JSON 503; a co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
@@ -69,7 +73,7 @@ from kvpool.httpserve import (
     listen,
     read_body,
 )
-from kvpool.httpserve.jsondoc import off_loop
+from kvpool.httpserve.jsondoc import decode_token_array, off_loop
 from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
@@ -83,6 +87,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _JSON = "application/json"
+_R = TypeVar("_R")
 
 
 class _RouteBody(msgspec.Struct):
@@ -116,6 +121,21 @@ def parse_finished_body(raw: bytes) -> _FinishedBody:
 
 
 _parse_proxied = functools.partial(decode_json, what="proxied")
+
+_BigRoute = tuple["array[int] | list[int]", str | None, str | None, int | None]
+
+
+def parse_big_route_body(raw: bytes) -> _BigRoute:
+    """A large ``/route`` body as :func:`parse_route_body` and :func:`token_array` give it,
+    its token ids decoded in pieces (:func:`~kvpool.httpserve.jsondoc.decode_token_array`:
+    the GIL free for the event loop between them)."""
+    split = decode_token_array(raw, _ROUTE_DECODER, "token_ids")
+    if split is None:
+        body = parse_route_body(raw)
+        tokens = token_array(body.token_ids)
+    else:
+        body, tokens = split
+    return tokens, body.cache_salt, body.request_id, body.prefill_tokens
 
 
 def token_array(token_ids: list[int]) -> array[int] | list[int]:
@@ -180,6 +200,9 @@ class RouterService:
         self.metrics.registry.register(self.responses)
         self._token = bearer_token(config.listen.auth_token_env, option="listen.auth_token_env")
         self.port: int | None = None
+        # held while a large request is routed in a thread: the loop's other uses of the
+        # router wait for it, and the index's resets reach the router after it
+        self._routing = asyncio.Lock()
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -242,28 +265,65 @@ class RouterService:
 
     async def _route(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
-        body = (parse_route_body(raw) if len(raw) <= OFFLOAD_BYTES
-                else await off_loop(raw, parse_route_body))
+        if len(raw) > OFFLOAD_BYTES:
+            tokens, salt, rid, prefill = await asyncio.to_thread(parse_big_route_body, raw)
+            return await self._routed(tokens, salt, rid, prefill, in_thread=True)
+        body = parse_route_body(raw)
+        return await self._routed(token_array(body.token_ids), body.cache_salt,
+                                  body.request_id, body.prefill_tokens)
+
+    async def _routed(self, tokens: array[int] | list[int], salt: str | None, rid: str | None,
+                      prefill: int | None, *, in_thread: bool = False) -> web.Response:
+        """The decision as JSON (503, 400 as the router raises). A large request is routed in
+        a thread, the small ones on the loop, never two at once (:attr:`_routing`)."""
         try:
-            decision = self.router.route(
-                token_array(body.token_ids),
-                cache_salt=body.cache_salt,
-                request_id=body.request_id,
-                prefill_tokens=body.prefill_tokens,
-            )
+            if in_thread or self._routing.locked():
+                async with self._routing:
+                    decision = await self._in_thread(
+                        functools.partial(self.router.route, tokens, cache_salt=salt,
+                                          request_id=rid, prefill_tokens=prefill),
+                        in_thread)
+            else:
+                decision = self.router.route(tokens, cache_salt=salt, request_id=rid,
+                                             prefill_tokens=prefill)
         except NoWorkerAvailableError as exc:
             return _error(503, str(exc))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
         return web.Response(body=msgspec.json.encode(decision), content_type=_JSON)
 
+    async def _in_thread(self, call: Callable[[], _R], in_thread: bool) -> _R:
+        """``call()`` in a thread (the index defers its resets meanwhile), or at once."""
+        if not in_thread:
+            return call()
+        self.index.defer_resets()
+        done = asyncio.ensure_future(asyncio.to_thread(call))
+        try:
+            return await asyncio.shield(done)
+        finally:
+            while not done.done():  # cancelled: the thread still uses the router, so the
+                with contextlib.suppress(asyncio.CancelledError):  # lock is held till it ends
+                    await asyncio.wait([done])
+            self.index.flush_resets()
+
+    async def _gated(self, call: Callable[[], _R]) -> _R:
+        """``call()`` on the loop, after any large route in its thread."""
+        if not self._routing.locked():
+            return call()
+        async with self._routing:
+            return call()
+
     async def _finished(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
         body = await off_loop(raw, parse_finished_body)
-        done = self.router.request_finished(body.request_id)
+        done = await self._gated(functools.partial(self.router.request_finished,
+                                                   body.request_id))
         return web.json_response({"request_id": body.request_id, "finished": done})
 
     async def _workers_view(self, request: web.BaseRequest) -> web.Response:
+        return web.json_response({"workers": await self._gated(self._workers_list)})
+
+    def _workers_list(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for info in self.index.workers():
             cfg = self._workers.get(info.worker_id)
@@ -295,7 +355,7 @@ class RouterService:
                 "pending_prefill_tokens": self.router.pending_prefill_tokens(info.worker_id),
                 "ingest": status.as_dict(),
             })
-        return web.json_response({"workers": out})
+        return out
 
     async def _health(self, request: web.BaseRequest) -> web.Response:
         infos = self.index.workers()
@@ -307,7 +367,8 @@ class RouterService:
         )
 
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
-        return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
+        text = await self._gated(self.metrics.text)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
     async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
@@ -322,9 +383,9 @@ class RouterService:
         salt = obj.get("cache_salt")
         rid = f"proxy-{next(self._proxy_ids)}"
         try:
-            decision = self.router.route(
-                tokens, cache_salt=salt if isinstance(salt, str) else None, request_id=rid
-            )
+            decision = await self._gated(functools.partial(
+                self.router.route, tokens, cache_salt=salt if isinstance(salt, str) else None,
+                request_id=rid))
         except NoWorkerAvailableError as exc:
             return _error(503, str(exc))
         except InvalidArgumentError as exc:
@@ -353,7 +414,7 @@ class RouterService:
             except (ClientError, TimeoutError) as exc:
                 return _error(502, f"worker {decision.worker_id!r} failed: {exc}")
         finally:
-            self.router.request_finished(rid)
+            await self._gated(functools.partial(self.router.request_finished, rid))
 
 
 def _error(status: int, message: str) -> web.Response:
