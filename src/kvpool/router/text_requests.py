@@ -10,9 +10,12 @@ The router's endpoints take a prompt in three forms (docs/router.md):
   prompt).
 
 :class:`TextRequests` finds the form and, for text, encodes it with the tokenizer of
-:class:`~kvpool.router.tokenizer_source.TokenizerSources`. Texts longer than
-:data:`INLINE_CHARS` characters are encoded in a thread pool, so a long prompt never holds the
-event loop; shorter ones (tens of microseconds) on the loop.
+:class:`~kvpool.router.tokenizer_source.TokenizerSources`. The event loop renders the chat
+template and looks the text's pieces up in the encoder's segment cache
+(:mod:`kvpool.router.tokenize`); when more than :data:`INLINE_CHARS` characters are left to
+encode, the encoding runs in a thread pool, so a long new prompt never holds the loop while a
+long cached one (a shared system prompt, a conversation's earlier turns) costs no thread hop.
+Texts over :data:`POOL_CHARS` characters go to the pool whole.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from aiohttp import ClientSession
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.router.config import ServiceConfig
-from kvpool.router.tokenize import TextEncoder, chat_messages
+from kvpool.router.tokenize import Plan, TextEncoder, chat_messages
 from kvpool.router.tokenizer_source import TokenizerSources
 
-__all__ = ["INLINE_CHARS", "PromptTokens", "TextRequests"]
+__all__ = ["INLINE_CHARS", "POOL_CHARS", "PromptTokens", "TextRequests"]
 
 INLINE_CHARS: Final = 2048
-"""Texts up to this many characters are encoded on the event loop (a thread hop costs more
-than their encoding); longer ones in the pool."""
+"""Up to this many characters left to encode are encoded on the event loop (about 1 ms of
+tokenizer time at most); more in the pool."""
+POOL_CHARS: Final = 256 * 1024
+"""Texts longer than this are rendered, cut and encoded in the pool altogether."""
 _POOL_THREADS: Final = 2
 
 
@@ -104,7 +109,7 @@ class TextRequests:
         if not prompt:
             raise InvalidArgumentError("'prompt' is empty")
         encoder = await self.sources.encoder()
-        ids = await self._run(encoder.encode_prompt, prompt, len(prompt))
+        ids = await self._encode(encoder, encoder.prepare_prompt, prompt, len(prompt))
         if not ids:
             raise InvalidArgumentError("'prompt' encodes to no tokens")
         return ids
@@ -113,15 +118,21 @@ class TextRequests:
         clean = chat_messages(messages)
         encoder = await self.sources.encoder()
         size = sum(len(m["content"]) for m in clean)
-        ids = await self._run(encoder.encode_chat, clean, size)
+        ids = await self._encode(encoder, encoder.prepare_chat, clean, size)
         if not ids:
             raise InvalidArgumentError("'messages' encode to no tokens")
         return ids
 
-    async def _run(self, fn: Callable[[Any], list[int]], arg: Any, size: int) -> list[int]:
-        if size <= INLINE_CHARS:
-            return fn(arg)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, arg)
+    async def _encode(self, encoder: TextEncoder, prepare: Callable[[Any], Plan], arg: Any,
+                      size: int) -> list[int]:
+        loop = asyncio.get_running_loop()
+        if size > POOL_CHARS:
+            return await loop.run_in_executor(
+                self.pool, lambda: encoder.finish(prepare(arg)))
+        plan = prepare(arg)
+        if plan.missing <= INLINE_CHARS:
+            return encoder.finish(plan)
+        return await loop.run_in_executor(self.pool, encoder.finish, plan)
 
     @property
     def encoder(self) -> TextEncoder | None:

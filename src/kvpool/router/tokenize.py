@@ -30,11 +30,12 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kvpool.errors import InvalidArgumentError
 
-__all__ = ["SEGMENT_CACHE_BYTES", "TextEncoder", "chat_messages"]
+__all__ = ["SEGMENT_CACHE_BYTES", "Plan", "TextEncoder", "chat_messages"]
 
 SEGMENT_CACHE_BYTES: Final = 64 << 20
 """What the segment cache may hold: its pieces' text plus a fixed cost per piece (their ids
@@ -51,6 +52,21 @@ _PROBES: Final = (
     "naïve café — 東京 🚀 ÄÖÜ\r\nline",
     "",
 )
+
+
+_FIRST: Final = 0  # a piece at the start of its text
+_AFTER: Final = 1  # a piece after an added token
+_WHOLE: Final = 2  # a whole text, special tokens added (no cut)
+_PLAIN: Final = 3  # a whole text without them (no cut)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A text cut into known ids (tuples of ints) and pieces still to encode (``(text,
+    mode)``), with ``missing`` characters to encode."""
+
+    parts: list[tuple[int, ...] | tuple[str, int]]
+    missing: int
 
 
 def chat_messages(messages: object) -> list[dict[str, str]]:
@@ -96,6 +112,7 @@ class TextEncoder:
         self._special_ids: dict[str, int] = {}
         self._prefix: tuple[int, ...] = ()
         self._suffix: tuple[int, ...] = ()
+        self._anchor = ""
         if self._backend is not None:
             self._prepare_cut()
         self._render = self._fast_renderer()
@@ -110,14 +127,26 @@ class TextEncoder:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """A completion prompt's ids, special tokens added (``tokenizer.encode(prompt)``)."""
-        if self._split is None:
-            return list(self.tokenizer.encode(prompt))
-        return [*self._prefix, *self._pieces(prompt), *self._suffix]
+        return self.finish(self.prepare_prompt(prompt))
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """The chat template's rendering of ``messages`` (with the generation prompt), encoded
         without added special tokens; InvalidArgumentError when the tokenizer has no chat
         template or the template refuses the messages."""
+        return self.finish(self.prepare_chat(messages))
+
+    # An encoding in two steps: :meth:`prepare_prompt` / :meth:`prepare_chat` render the text,
+    # cut it and look its pieces up (cheap: C-speed string work and dict lookups), leaving
+    # :attr:`Plan.missing` characters to encode; :meth:`finish` encodes those (the costly part,
+    # which the router runs in its thread pool when it is large).
+
+    def prepare_prompt(self, prompt: str) -> Plan:
+        if self._split is None:
+            return Plan([(prompt, _WHOLE)], len(prompt))
+        return self._plan(prompt, self._prefix, self._suffix)
+
+    def prepare_chat(self, messages: Sequence[Mapping[str, str]]) -> Plan:
+        """As :meth:`encode_chat`, to be finished by :meth:`finish`."""
         if self.chat_template is None:
             raise InvalidArgumentError(
                 "the served model's tokenizer has no chat template: use /v1/completions or "
@@ -130,8 +159,26 @@ class TextEncoder:
                 f"the chat template refused these messages: {exc}"
             ) from None
         if self._split is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._pieces(text)
+            return Plan([(text, _PLAIN)], len(text))
+        return self._plan(text, (), ())
+
+    def finish(self, plan: Plan) -> list[int]:
+        """The ids of a prepared text: its pieces looked up, the missing ones encoded (and
+        cached)."""
+        out: list[int] = []
+        for part in plan.parts:
+            if isinstance(part[0], str):
+                text, mode = part
+                assert isinstance(mode, int)
+                if mode == _WHOLE:
+                    out += self.tokenizer.encode(text)
+                elif mode == _PLAIN:
+                    out += self.tokenizer.encode(text, add_special_tokens=False)
+                else:
+                    out += self._encode_cached(text, mode == _FIRST)
+            else:
+                out += part
+        return out
 
     def _slow_render(self, messages: Sequence[Mapping[str, str]]) -> str:
         text: str = self.tokenizer.apply_chat_template(
@@ -180,6 +227,7 @@ class TextEncoder:
             alternatives = sorted(plain, key=len, reverse=True)
             self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
         self._special_ids = plain
+        self._anchor = next(iter(plain), "")
         probe = self._backend.encode("a", add_special_tokens=False).ids
         full = self._backend.encode("a", add_special_tokens=True).ids
         at = _find(full, probe)
@@ -191,37 +239,53 @@ class TextEncoder:
         mixed = "".join(f"{p}{s}" for p, s in zip(_PROBES, specials * 2, strict=False))
         samples = [*_PROBES, mixed]
         for text in samples:
-            if (self._pieces(text, cache=False) != list(self.tokenizer.encode(
+            if (self._pieces(text) != list(self.tokenizer.encode(
                     text, add_special_tokens=False))
                     or self.encode_prompt(text) != list(self.tokenizer.encode(text))):
                 self._split = None
                 return
 
-    def _pieces(self, text: str, *, cache: bool = True) -> list[int]:
+    def _plan(self, text: str, prefix: tuple[int, ...], suffix: tuple[int, ...]) -> Plan:
         assert self._split is not None
-        out: list[int] = []
+        parts: list[tuple[int, ...] | tuple[str, int]] = [prefix] if prefix else []
         special = self._special_ids
+        cache = self._cache
+        missing = 0
         first = True
-        for i, piece in enumerate(self._split.split(text)):
-            if i % 2:  # an added token
-                out.append(special[piece])
+        with self._lock:
+            for i, piece in enumerate(self._split.split(text)):
+                if i % 2:  # an added token
+                    parts.append((special[piece],))
+                    first = False
+                    continue
+                if not piece:
+                    continue
+                ids = cache.get((piece, first))
+                if ids is not None:
+                    cache.move_to_end((piece, first))
+                    self.hits += 1
+                    parts.append(ids)
+                else:
+                    parts.append((piece, _FIRST if first else _AFTER))
+                    missing += len(piece)
                 first = False
-                continue
-            if piece:
-                out += self._piece(piece, first, cache)
-                first = False
+        if suffix:
+            parts.append(suffix)
+        return Plan(parts, missing)
+
+    def _pieces(self, text: str) -> list[int]:
+        """``text`` cut and encoded piece by piece, without the cache (the load-time probe)."""
+        plan = self._plan(text, (), ())
+        out: list[int] = []
+        for part in plan.parts:
+            if isinstance(part[0], str):
+                out += self._encode_piece(part[0], part[1] == _FIRST)
+            else:
+                out += part
         return out
 
-    def _piece(self, piece: str, first: bool, cache: bool) -> tuple[int, ...] | list[int]:
-        if not cache:
-            return list(self._encode_piece(piece, first))
+    def _encode_cached(self, piece: str, first: bool) -> tuple[int, ...]:
         key = (piece, first)
-        with self._lock:
-            ids = self._cache.get(key)
-            if ids is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return ids
         ids = self._encode_piece(piece, first)
         with self._lock:
             self.misses += 1
@@ -235,11 +299,17 @@ class TextEncoder:
 
     def _encode_piece(self, piece: str, first: bool) -> tuple[int, ...]:
         if first:
-            return tuple(self._backend.encode(piece, add_special_tokens=False).ids)
+            return tuple(self._encode_plain(piece))
         # not the first piece: encode it after an added token, as it sits in the whole text
-        anchor = next(iter(self._special_ids))
-        ids = self._backend.encode(anchor + piece, add_special_tokens=False).ids
-        return tuple(ids[1:])
+        return tuple(self._encode_plain(self._anchor + piece)[1:])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        fast = getattr(self._backend, "encode_batch_fast", None)  # no offsets: ~20 % less
+        if fast is not None:
+            ids: list[int] = fast([text], add_special_tokens=False)[0].ids
+            return ids
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
 
 
 def _find(haystack: Sequence[int], needle: Sequence[int]) -> int:
