@@ -25,10 +25,9 @@ from kvpool.router.tokenizer_source import RETRY_S
 
 pytest.importorskip("transformers")
 
-from engine_serve_fixtures import CHAT_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer  # noqa: E402
-
-from kvpool.engine.server import tokenizer_document  # noqa: E402
-from kvpool.router.tokenize import TextEncoder  # noqa: E402
+from engine_serve_fixtures import CHAT_TEMPLATE, SPECIAL_TOKENS, tiny_tokenizer
+from kvpool.engine.server import tokenizer_document
+from kvpool.router.tokenize import TextEncoder
 
 CHAT = [{"role": "system", "content": "Answer briefly. " * 8},
         {"role": "user", "content": "What is a KV cache?"}]
@@ -245,7 +244,7 @@ def test_tokenizer_config_keys() -> None:
         {"id": "a", "kind": "kvpool"}, {"id": "b", "kind": "kvpool", "tokenizer": "/m/y"}]})
     assert cfg.tokenizer == "/models/x" and cfg.workers[1].tokenizer == "/m/y"
     for bad in ({"tokenizer": ""}, {"tokenizer": 3}):
-        with pytest.raises(ConfigError, match="^tokenizer: "):
+        with pytest.raises(ConfigError, match=r"^tokenizer: "):
             parse_config({**bad, "workers": [{"id": "a", "kind": "kvpool"}]})
 
 

@@ -21,18 +21,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_engine_cluster import TPB, cluster  # noqa: F401 - the two workers and the router
+from test_engine_cluster import (  # noqa: F401 - cluster: the two workers and the router
+    TPB,
+    _matched_tokens,
+    cluster,
+)
 
 from engine_serve_fixtures import http_request, tiny_tokenizer
 
 SYSTEM = "You answer in French. " * 40  # 880 bytes: 880 tokens of the byte-level tokenizer
-
-
-def _matched_tokens(router: str) -> int:
-    metrics = http_request(router, "GET", "/metrics")[2].decode()
-    line = next(x for x in metrics.splitlines()
-                if x.startswith("kvpool_router_matched_tokens_total "))
-    return int(float(line.split()[1]))
 
 
 @pytest.fixture(scope="module")
