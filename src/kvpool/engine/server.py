@@ -15,6 +15,10 @@ Endpoints
     ``kvpool router``'s proxy mode routes on) and answer with ``usage`` including
     ``prompt_tokens_details.cached_tokens`` (prompt tokens reused from the KV cache).
 ``GET /v1/models``, ``GET /health``
+``GET /v1/tokenizer``
+    The tokenizer's files as ``save_pretrained`` writes them (``tokenizer.json``, its config,
+    the chat template), ``{"object": "tokenizer", "model", "files": {name: base64}}``: what
+    ``kvpool router`` tokenizes text requests with. 404 for a model without a tokenizer.
 ``GET /metrics``
     Prometheus text: requests by outcome, prompt / cached prompt / generated tokens, the prefix
     hit rate, a time-to-first-token histogram, generated tokens per second (last 10 s) and free
@@ -48,16 +52,19 @@ manager's events as vLLM msgpack batches over ZeroMQ (:class:`EventPublisherThre
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
 import queue
+import tempfile
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -86,7 +93,8 @@ from kvpool.httpserve import (
     read_body,
 )
 
-__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "EngineLoop", "EngineServer", "EventPublisherThread"]
+__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "EngineLoop", "EngineServer", "EventPublisherThread",
+           "tokenizer_document"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +327,7 @@ class EngineServer:
             self.publisher = batches.publisher
             self._events_thread = EventPublisherThread(engine, batches)
         self._runner: web.ServerRunner | None = None
+        self._tokenizer_doc: bytes | None = None
         config = engine.manager.config
         full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]
         self._cache_tokens = min(full) * config.tokens_per_block if full else None
@@ -329,6 +338,7 @@ class EngineServer:
             "/v1/completions": {"POST": self._tracked(self._completions)},
             "/v1/chat/completions": {"POST": self._tracked(self._chat)},
             "/v1/models": {"GET": self._tracked(self._models)},
+            "/v1/tokenizer": {"GET": self._tracked(self._tokenizer)},
             "/health": {"GET": self._tracked(self._health)},
             "/metrics": {"GET": self._tracked(self._metrics)},
         }, shape=OPENAI_ERRORS, limits=self.limits, token=self.auth_token,
@@ -421,6 +431,15 @@ class EngineServer:
             "id": self.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvpool", "max_model_len": self.engine.max_model_len,
         }]})
+
+    async def _tokenizer(self, request: web.BaseRequest) -> web.Response:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return OPENAI_ERRORS.response(404, f"the model {self.model_name!r} has no tokenizer")
+        if self._tokenizer_doc is None:  # written once, in the parser thread that uses it
+            self._tokenizer_doc = await asyncio.get_running_loop().run_in_executor(
+                self._parser, tokenizer_document, tokenizer, self.model_name)
+        return web.Response(body=self._tokenizer_doc, content_type="application/json")
 
     async def _health(self, request: web.BaseRequest) -> web.Response:
         ok = self.loop_thread.is_alive()
@@ -549,6 +568,15 @@ class EngineServer:
             return self._reject(str(exc))
         self.metrics.requests.labels("failed").inc()
         return OPENAI_ERRORS.response(500, f"engine failed: {exc}")
+
+
+def tokenizer_document(tokenizer: Any, model: str) -> bytes:
+    """``GET /v1/tokenizer``'s body: the files ``tokenizer.save_pretrained`` writes."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: base64.b64encode(p.read_bytes()).decode()
+                 for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+    return json.dumps({"object": "tokenizer", "model": model, "files": files}).encode()
 
 
 async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ in ``examples/``)::
       http_timeout_s: 2.0
       health_interval_s: 2.0                      # liveness probes of ZMQ workers
     proxy: false                                  # forward /v1/completions, /v1/chat/completions
+    tokenizer: null                               # for text requests: HF name or directory
     workers:                                      # required, at least one
       - id: w0                                    # required, unique
         kind: vllm                                # required: vllm | trtllm | kvpool
@@ -41,6 +42,8 @@ in ``examples/``)::
                                                   # router predicts the cache (approx mode)
         shared_tier: null                         # name of the shared remote tier (Redis /
                                                   # Valkey store) the worker reads and writes
+        tokenizer: null                           # its own; default: the top-level one, else
+                                                  # a kvpool worker's GET /v1/tokenizer
 
 ``hash_algo`` defaults: ``vllm_sha256_cbor`` for vLLM workers (unless ``match_by_tokens``);
 for TensorRT-LLM workers what ``/server_info`` advertises, else each event's field; kvpool
@@ -124,6 +127,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker of that tier announces on the remote cache level count for this one too, see
     :meth:`kvpool.router.scoring.Router.share_tier`. Needs the engine's block hashes (not
     ``match_by_tokens``)."""
+    tokenizer: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """The worker's tokenizer for text requests (proxy mode, ``/route``, ``/query``): a
+    Hugging Face name or a local directory; default: the top-level ``tokenizer``, else a
+    ``kvpool`` worker's own (``GET /v1/tokenizer``), see :mod:`kvpool.router.tokenizer_source`."""
 
 
 class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -172,6 +179,8 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ingest: IngestOptions = msgspec.field(default_factory=IngestOptions)
     listen: ListenOptions = msgspec.field(default_factory=ListenOptions)
     proxy: bool = False
+    tokenizer: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """The tokenizer of every worker without its own ``tokenizer`` key."""
 
     @property
     def host(self) -> str:

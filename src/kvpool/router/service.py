@@ -6,7 +6,12 @@ Endpoints
     ``{"token_ids": [...], "cache_salt"?: str, "request_id"?: str, "prefill_tokens"?: int}``
     → the :class:`~kvpool.router.scoring.RouteDecision` as JSON (chosen worker, matched blocks
     per tier, every candidate's score). 400 for a bad body or bad token ids, 503 when no worker
-    is healthy.
+    is healthy. Instead of ``token_ids``: ``prompt`` (text) or ``messages`` (chat), tokenized
+    with the served model's tokenizer (:mod:`kvpool.router.text_requests`; 503 while there is
+    none).
+``POST /query``
+    Each worker's cached prefix of a request per tier, in Mooncake RFC #1403's shape
+    (:mod:`kvpool.router.query`); changes nothing.
 ``POST /finished``
     ``{"request_id": str}`` → ``{"request_id": ..., "finished": bool}`` (false: not active).
 ``GET /workers``
@@ -22,10 +27,10 @@ Endpoints
 ``GET /health``
     200 while at least one worker may be routed to, else 503.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (with ``proxy: true``)
-    Requests carrying ``prompt_token_ids`` (or, for completions, a ``prompt`` of token ids) are
-    routed and forwarded unchanged to the chosen worker's ``http_base_url``; the answer,
-    streamed or not, is passed through, and the request is finished when it ends. The
-    ``x-kvpool-worker`` response header names the worker.
+    Requests carrying token ids or text are routed and forwarded to the chosen worker's
+    ``http_base_url`` (:mod:`kvpool.router.openai_proxy`); the answer, streamed or not, is
+    passed through, and the request is finished when it ends. The ``x-kvpool-worker`` response
+    header names the worker. Errors are OpenAI's error JSON.
 
 The service listens where its config says (loopback by default; port 0 picks a free port).
 The request boundary is :mod:`kvpool.httpserve`, shared with ``kvpool serve``: request bodies
@@ -51,16 +56,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 from array import array
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, web
 
 from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
+from kvpool.hashing.keys import tokens_to_u32
 from kvpool.httpserve import (
     OFFLOAD_BYTES,
     ROUTER_ERRORS,
@@ -78,7 +83,11 @@ from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvpool.router.openai_proxy import CHAT_PATH, COMPLETIONS_PATH, OpenAIProxy
+from kvpool.router.query import QueryBody, query
 from kvpool.router.scoring import Router
+from kvpool.router.text_requests import TextRequests
+from kvpool.router.tokenizer_source import TokenizerUnavailableError
 
 __all__ = [
     "RouterService", "parse_finished_body", "parse_route_body", "serve", "token_array",
@@ -91,7 +100,9 @@ _R = TypeVar("_R")
 
 
 class _RouteBody(msgspec.Struct):
-    token_ids: list[int]
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
     cache_salt: str | None = None
     request_id: str | None = None
     prefill_tokens: int | None = None
@@ -103,6 +114,7 @@ class _FinishedBody(msgspec.Struct):
 
 _ROUTE_DECODER = msgspec.json.Decoder(_RouteBody)
 _FINISHED_DECODER = msgspec.json.Decoder(_FinishedBody)
+_QUERY_DECODER = msgspec.json.Decoder(QueryBody)
 _SIZE_OPTION = "listen.max_body_bytes"
 
 
@@ -120,9 +132,12 @@ def parse_finished_body(raw: bytes) -> _FinishedBody:
     return body
 
 
-_parse_proxied = functools.partial(decode_json, what="proxied")
+def parse_query_body(raw: bytes) -> QueryBody:
+    """A ``/query`` body; raises as :func:`parse_route_body` (messages depth-limited)."""
+    body: QueryBody = decode_json(raw, "/query", _QUERY_DECODER)
+    return body
 
-_BigRoute = tuple["array[int] | list[int]", str | None, str | None, int | None]
+_BigRoute = tuple[_RouteBody, "array[int] | list[int] | None"]
 
 
 def parse_big_route_body(raw: bytes) -> _BigRoute:
@@ -130,12 +145,12 @@ def parse_big_route_body(raw: bytes) -> _BigRoute:
     its token ids decoded in pieces (:func:`~kvpool.httpserve.jsondoc.decode_token_array`:
     the GIL free for the event loop between them)."""
     split = decode_token_array(raw, _ROUTE_DECODER, "token_ids")
-    if split is None:
-        body = parse_route_body(raw)
-        tokens = token_array(body.token_ids)
-    else:
-        body, tokens = split
-    return tokens, body.cache_salt, body.request_id, body.prefill_tokens
+    if split is not None:
+        return split
+    body = parse_route_body(raw)
+    if body.token_ids is not None and body.prompt is None and body.messages is None:
+        return body, token_array(body.token_ids)
+    return body, None  # text: the tokenizer's
 
 
 def token_array(token_ids: list[int]) -> array[int] | list[int]:
@@ -193,8 +208,10 @@ class RouterService:
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
         self._runner: web.ServerRunner | None = None
         self._proxy_session: ClientSession | None = None
-        self._proxy_ids = itertools.count()
         self.limits = config.listen.limits()
+        self.text = TextRequests(config, lambda: self._proxy_session)
+        self.proxy = OpenAIProxy(self.router, self._workers, self.limits, self.text,
+                                 lambda: self._proxy_session, _SIZE_OPTION, self._gated)
         self.responses = ResponseCounts("kvpool_router")
         self.metrics = RouterMetrics(self.router, self.index, self.ingest)
         self.metrics.registry.register(self.responses)
@@ -211,14 +228,15 @@ class RouterService:
         endpoints in one dict."""
         endpoints: Endpoints = {
             "/route": {"POST": self._route},
+            "/query": {"POST": self._query},
             "/finished": {"POST": self._finished},
             "/workers": {"GET": self._workers_view},
             "/metrics": {"GET": self._metrics},
             "/health": {"GET": self._health},
         }
         if self.config.proxy:
-            endpoints["/v1/completions"] = {"POST": self._proxy}
-            endpoints["/v1/chat/completions"] = {"POST": self._proxy}
+            endpoints[COMPLETIONS_PATH] = {"POST": self.proxy.handle}
+            endpoints[CHAT_PATH] = {"POST": self.proxy.handle}
         dispatcher = Dispatcher(endpoints, shape=ROUTER_ERRORS, limits=self.limits,
                                 token=self._token, size_option=_SIZE_OPTION,
                                 counts=self.responses)
@@ -236,11 +254,11 @@ class RouterService:
     async def start(self) -> int:
         """Start ingesting and listening; returns the port bound."""
         await self.ingest.start()
-        if self.config.proxy:
-            # No total timeout: a streamed completion may run for minutes.
-            self._proxy_session = ClientSession(
-                timeout=ClientTimeout(total=None, sock_connect=self.config.ingest.http_timeout_s)
-            )
+        # Proxied requests and tokenizer fetches. No total timeout: a streamed completion may
+        # run for minutes.
+        self._proxy_session = ClientSession(
+            timeout=ClientTimeout(total=None, sock_connect=self.config.ingest.http_timeout_s)
+        )
         try:
             self._runner, self.port = await listen(self.server(), self.config.host,
                                                    self.config.port)
@@ -257,6 +275,7 @@ class RouterService:
 
     async def _close_clients(self) -> None:
         await self.ingest.stop()
+        self.text.close()
         if self._proxy_session is not None:
             await self._proxy_session.close()
             self._proxy_session = None
@@ -265,12 +284,25 @@ class RouterService:
 
     async def _route(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
-        if len(raw) > OFFLOAD_BYTES:
-            tokens, salt, rid, prefill = await asyncio.to_thread(parse_big_route_body, raw)
-            return await self._routed(tokens, salt, rid, prefill, in_thread=True)
-        body = parse_route_body(raw)
-        return await self._routed(token_array(body.token_ids), body.cache_salt,
-                                  body.request_id, body.prefill_tokens)
+        big = len(raw) > OFFLOAD_BYTES
+        if big:
+            body, tokens = await asyncio.to_thread(parse_big_route_body, raw)
+        else:
+            body = parse_route_body(raw)
+            tokens = None
+            if body.token_ids is not None and body.prompt is None and body.messages is None:
+                tokens = token_array(body.token_ids)
+        if tokens is None:  # text or messages: tokenized as the workers do
+            try:
+                ids = (await self.text.route_body(body.token_ids, body.prompt,
+                                                  body.messages)).ids
+            except TokenizerUnavailableError as exc:
+                return _error(503, str(exc))
+            except InvalidArgumentError as exc:
+                return _error(400, str(exc))
+            tokens = token_array(ids)
+        return await self._routed(tokens, body.cache_salt, body.request_id,
+                                  body.prefill_tokens, in_thread=big)
 
     async def _routed(self, tokens: array[int] | list[int], salt: str | None, rid: str | None,
                       prefill: int | None, *, in_thread: bool = False) -> web.Response:
@@ -312,6 +344,20 @@ class RouterService:
             return call()
         async with self._routing:
             return call()
+
+    async def _query(self, request: web.BaseRequest) -> web.Response:
+        raw = await read_body(request, self.limits, _SIZE_OPTION)
+        body = await off_loop(raw, parse_query_body)
+        try:
+            body.check()
+            tokens = await self.text.route_body(body.token_ids, body.prompt, body.messages)
+            answer = query(self.router, tokens_to_u32(token_array(tokens.ids)),
+                           body.cache_salt)
+        except TokenizerUnavailableError as exc:
+            return _error(503, str(exc))
+        except InvalidArgumentError as exc:
+            return _error(400, str(exc))
+        return web.Response(body=msgspec.json.encode(answer), content_type=_JSON)
 
     async def _finished(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
@@ -369,52 +415,6 @@ class RouterService:
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
         text = await self._gated(self.metrics.text)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
-
-    async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
-        raw = await read_body(request, self.limits, _SIZE_OPTION)
-        obj = await off_loop(raw, _parse_proxied)
-        tokens = obj.get("prompt_token_ids") if isinstance(obj, dict) else None
-        if tokens is None and isinstance(obj, dict) and request.path == "/v1/completions":
-            prompt = obj.get("prompt")
-            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-                tokens = prompt
-        if not isinstance(tokens, list):
-            return _error(400, "proxy mode routes requests that carry prompt_token_ids")
-        salt = obj.get("cache_salt")
-        rid = f"proxy-{next(self._proxy_ids)}"
-        try:
-            decision = await self._gated(functools.partial(
-                self.router.route, tokens, cache_salt=salt if isinstance(salt, str) else None,
-                request_id=rid))
-        except NoWorkerAvailableError as exc:
-            return _error(503, str(exc))
-        except InvalidArgumentError as exc:
-            return _error(400, str(exc))
-        try:
-            cfg = self._workers.get(decision.worker_id)
-            if cfg is None or cfg.http_base_url is None or self._proxy_session is None:
-                return _error(502, f"worker {decision.worker_id!r} has no http_base_url")
-            url = cfg.http_base_url + request.path
-            try:
-                async with self._proxy_session.post(
-                    url, data=raw, headers={"Content-Type": _JSON}
-                ) as upstream:
-                    resp = web.StreamResponse(
-                        status=upstream.status,
-                        headers={
-                            "Content-Type": upstream.headers.get("Content-Type", _JSON),
-                            "x-kvpool-worker": decision.worker_id,
-                        },
-                    )
-                    await resp.prepare(request)
-                    async for chunk in upstream.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                    return resp
-            except (ClientError, TimeoutError) as exc:
-                return _error(502, f"worker {decision.worker_id!r} failed: {exc}")
-        finally:
-            await self._gated(functools.partial(self.router.request_finished, rid))
 
 
 def _error(status: int, message: str) -> web.Response:
