@@ -176,8 +176,8 @@ class DiskChunks:
         evicted: list[bytes] = []
         short = len(new) - len(self._free)
         if short > 0:
-            for key in self._pins:  # pinned: out of the queue until their last unpin
-                slot = index[key][0]
+            for pinned in self._pins:  # pinned: out of the queue until their last unpin
+                slot = index[pinned][0]
                 if slot in queue:
                     queue.remove(slot)
             # the offered blocks already here are in use: out of the queue while victims go,
@@ -186,12 +186,12 @@ class DiskChunks:
             if kept:
                 queue.remove_many([slot for _, slot in kept])
             for slot in queue.pop_slots(min(short, len(queue))):
-                key = self._slot_key[slot]
-                assert key is not None and key not in self._pins
-                del index[key]
+                victim = self._slot_key[slot]
+                assert victim is not None and victim not in self._pins
+                del index[victim]
                 self._slot_key[slot] = None
                 self._free.append(slot)
-                evicted.append(key)
+                evicted.append(victim)
             if kept:
                 queue.push_many([slot for _, slot in kept], DEFAULT_PRIORITY,
                                 [k for k, _ in kept])

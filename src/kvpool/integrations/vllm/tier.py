@@ -21,11 +21,12 @@ Contract with vLLM (``vllm/v1/kv_offload/tiering/base.py``), and how it is kept:
 - ``submit_store`` copies the primary pool's chunks to disk (slots reserved by the job's
   worker, the eviction policy making room among unpinned blocks; a lookup between submit and
   reservation may still see a block the job then evicts: its load fails that key, and vLLM
-  recomputes it) and to the remote store (keys it already
-  holds are skipped); ``submit_load`` pins the keys' disk copies (a counter each) and copies
-  verified bytes into the primary pool's chunks, disk first, the remote store for the rest. ``get_finished_jobs`` reports each job once; a
-  load that got only some keys reports ``successful_keys``. A key whose bytes fail their check
-  is never reported loaded, so vLLM never reads wrong bytes: it frees that chunk and recomputes.
+  recomputes it) and to the remote store (keys it already holds are skipped);
+  ``submit_load`` pins the keys' disk copies (a counter each) and copies verified bytes into
+  the primary pool's chunks, disk first, the remote store for the rest.
+  ``get_finished_jobs`` reports each job once; a load that got only some keys reports
+  ``successful_keys``. A key whose bytes fail their check is never reported loaded, so vLLM
+  never reads wrong bytes: it frees that chunk and recomputes.
 - ``drain_jobs`` waits for every job; ``shutdown`` drains, then syncs the disk tier.
 """
 
