@@ -6,7 +6,8 @@ Loads the model (``--model smollm2``, a checkpoint directory or a GGUF file; see
 :mod:`kvpool.engine.server` until interrupted (SIGINT or SIGTERM). With
 ``--kv-events-endpoint`` it publishes the manager's KV events over ZeroMQ in vLLM's msgpack
 format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (worker
-``kind: kvpool``, ``hash_algo: v2_sha256_64``).
+``kind: kvpool``, ``hash_algo: v2_sha256_64``); with ``--nats URL`` it publishes them onto
+NATS JetStream instead (worker id ``--nats-worker``), for routers with ``bus: nats``.
 
 The listen address is bound (and let go again) before the model loads, so a port in use is
 refused at once: one line, exit status 2. Once listening it prints ``kvpool serve listening
@@ -135,6 +136,13 @@ def register(subparsers: Any) -> None:
     events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
                         help="serve missed event batches here (needs --kv-events-endpoint; "
                         "default: none)")
+    events.add_argument("--nats", metavar="URL",
+                        help="publish KV events onto this NATS server's JetStream stream "
+                        "instead, e.g. nats://127.0.0.1:4222 (routers with bus: nats; "
+                        "default: none)")
+    events.add_argument("--nats-worker", metavar="ID", default="kvpool-serve",
+                        help="the worker id the events carry on NATS, as the routers' config "
+                        "names it (default kvpool-serve)")
     p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS",
                    help="on SIGINT or SIGTERM, how long requests in flight may go on before "
@@ -198,6 +206,8 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgumentError("--disk-mem needs --disk-path")
     if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None:
         raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.nats is not None and args.kv_events_endpoint is not None:
+        raise InvalidArgumentError("give --nats or --kv-events-endpoint, not both")
     cache: dict[str, Any] = {}
     for name in ("tokens_per_block", "gpu_blocks", "gpu_mem", "host_blocks", "host_mem",
                  "disk_mem", "disk_path", "eviction_policy"):
@@ -206,7 +216,7 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
             cache[name] = value
     if args.gpu_blocks is None and args.gpu_mem is None:
         cache["gpu_mem"] = DEFAULT_GPU_MEM
-    if args.kv_events_endpoint is not None:
+    if args.kv_events_endpoint is not None or args.nats is not None:
         cache["event_buffer_max_size"] = _EVENT_BUFFER
         cache["event_hash_algo"] = EVENT_HASH_ALGO
     return cache
@@ -264,6 +274,7 @@ def _load(args: argparse.Namespace, cache: dict[str, Any], http: dict[str, Any])
         engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        nats_url=args.nats, nats_worker=args.nats_worker,
         shutdown_grace_s=args.shutdown_grace, **http,
     )
 

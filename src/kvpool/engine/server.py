@@ -74,6 +74,7 @@ from kvpool.errors import (
     KVPoolError,
     OutOfBlocksError,
 )
+from kvpool.events.nats_publisher import NatsEventPublisher
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
@@ -183,9 +184,11 @@ class EngineLoop(threading.Thread):
 
 
 class EventPublisherThread(threading.Thread):
-    """Publishes the manager's KV events as vLLM msgpack batches on a ZMQ publisher."""
+    """Publishes the manager's KV events as vLLM msgpack batches on a ZMQ publisher (or onto
+    NATS JetStream: ``nats_url``)."""
 
-    def __init__(self, engine: Engine, publisher: ZmqEventPublisher, tokens_per_block: int) -> None:
+    def __init__(self, engine: Engine, publisher: ZmqEventPublisher | NatsEventPublisher,
+                 tokens_per_block: int) -> None:
         super().__init__(name="kvpool-kv-events", daemon=True)
         self.engine = engine
         self.publisher = publisher
@@ -312,6 +315,8 @@ class EngineServer:
         limits: HttpLimits | None = None,
         auth_token: bytes | None = None,
         model_aliases: tuple[str, ...] = (),
+        nats_url: str | None = None,
+        nats_worker: str = "kvpool-serve",
     ) -> None:
         if not shutdown_grace_s >= 0:
             raise InvalidArgumentError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
@@ -330,9 +335,13 @@ class EngineServer:
         self.metrics.registry.register(self.responses)
         # one thread decodes and tokenizes bodies: off the event loop, one body at a time
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="kvpool-serve-parse")
-        self.publisher: ZmqEventPublisher | None = None
+        self.publisher: ZmqEventPublisher | NatsEventPublisher | None = None
         self._events_thread: EventPublisherThread | None = None
-        if kv_events_endpoint is not None:
+        if nats_url is not None:  # kvpool.events.nats_publisher: the stream keeps the history
+            self.publisher = NatsEventPublisher(nats_url, nats_worker)
+            self._events_thread = EventPublisherThread(
+                engine, self.publisher, engine.manager.config.tokens_per_block)
+        elif kv_events_endpoint is not None:
             tpb = engine.manager.config.tokens_per_block
             snapshot_source: list[EventPublisherThread] = []
             self.publisher = ZmqEventPublisher(

@@ -19,6 +19,11 @@ Endpoints
     Prometheus text (:mod:`kvpool.router.metrics`): routes, hit blocks per tier, events applied
     / malformed, anomalies, gaps, replays, missed batches, snapshots, restarts, poll and decode
     errors, a decision-latency histogram and per-worker gauges.
+``GET /bus`` (with ``bus: nats``)
+    The replica's place in the event stream (:mod:`kvpool.router.nats_bus`): replica id,
+    stream sequence held, caught up or not, gaps seen and repaired, messages missed,
+    snapshots, in-flight messages, and the index's digest (equal on replicas that hold the
+    same blocks).
 ``GET /health``
     200 while at least one worker may be routed to, else 503.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (with ``proxy: true``)
@@ -74,6 +79,7 @@ from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvpool.router.nats_bus import NatsBus, bus_worker
 from kvpool.router.scoring import Router
 
 __all__ = [
@@ -169,7 +175,10 @@ class RouterService:
                 self.router.share_tier(w.id, w.shared_tier)
         self.ingest = Ingest(self.index, config.ingest, shared=self.router.shared)
         for w in config.workers:
-            self.ingest.add(w)
+            self.ingest.add(w if config.bus == "direct" else bus_worker(w))
+        self.bus: NatsBus | None = None
+        if config.bus == "nats":
+            self.bus = NatsBus(config.nats, self.index, self.ingest, self.router)
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
         self._runner: web.ServerRunner | None = None
         self._proxy_session: ClientSession | None = None
@@ -193,6 +202,8 @@ class RouterService:
             "/metrics": {"GET": self._metrics},
             "/health": {"GET": self._health},
         }
+        if self.bus is not None:
+            endpoints["/bus"] = {"GET": self._bus_view}
         if self.config.proxy:
             endpoints["/v1/completions"] = {"POST": self._proxy}
             endpoints["/v1/chat/completions"] = {"POST": self._proxy}
@@ -213,6 +224,12 @@ class RouterService:
     async def start(self) -> int:
         """Start ingesting and listening; returns the port bound."""
         await self.ingest.start()
+        if self.bus is not None:
+            try:
+                await self.bus.start()
+            except BaseException:
+                await self._close_clients()
+                raise
         if self.config.proxy:
             # No total timeout: a streamed completion may run for minutes.
             self._proxy_session = ClientSession(
@@ -233,6 +250,8 @@ class RouterService:
         await self._close_clients()
 
     async def _close_clients(self) -> None:
+        if self.bus is not None:
+            await self.bus.stop()
         await self.ingest.stop()
         if self._proxy_session is not None:
             await self._proxy_session.close()
@@ -244,23 +263,31 @@ class RouterService:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
         body = (parse_route_body(raw) if len(raw) <= OFFLOAD_BYTES
                 else await off_loop(raw, parse_route_body))
+        bus = self.bus
+        rid = body.request_id
+        if rid is None and bus is not None:  # ids unique across replicas
+            rid = f"{bus.replica_id}-{next(self._proxy_ids)}"
         try:
             decision = self.router.route(
                 token_array(body.token_ids),
                 cache_salt=body.cache_salt,
-                request_id=body.request_id,
+                request_id=rid,
                 prefill_tokens=body.prefill_tokens,
             )
         except NoWorkerAvailableError as exc:
             return _error(503, str(exc))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
+        if bus is not None:
+            bus.inflight.routed(decision.request_id)
         return web.Response(body=msgspec.json.encode(decision), content_type=_JSON)
 
     async def _finished(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
         body = await off_loop(raw, parse_finished_body)
         done = self.router.request_finished(body.request_id)
+        if self.bus is not None:
+            self.bus.inflight.finished(body.request_id)
         return web.json_response({"request_id": body.request_id, "finished": done})
 
     async def _workers_view(self, request: web.BaseRequest) -> web.Response:
@@ -306,6 +333,10 @@ class RouterService:
             status=200 if healthy else 503,
         )
 
+    async def _bus_view(self, request: web.BaseRequest) -> web.Response:
+        assert self.bus is not None
+        return web.json_response({**self.bus.as_dict(), "digest": self.bus.digest()})
+
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
         return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -321,6 +352,8 @@ class RouterService:
             return _error(400, "proxy mode routes requests that carry prompt_token_ids")
         salt = obj.get("cache_salt")
         rid = f"proxy-{next(self._proxy_ids)}"
+        if self.bus is not None:
+            rid = f"{self.bus.replica_id}-{rid}"
         try:
             decision = self.router.route(
                 tokens, cache_salt=salt if isinstance(salt, str) else None, request_id=rid
@@ -329,6 +362,8 @@ class RouterService:
             return _error(503, str(exc))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
+        if self.bus is not None:
+            self.bus.inflight.routed(rid)
         try:
             cfg = self._workers.get(decision.worker_id)
             if cfg is None or cfg.http_base_url is None or self._proxy_session is None:
@@ -354,6 +389,8 @@ class RouterService:
                 return _error(502, f"worker {decision.worker_id!r} failed: {exc}")
         finally:
             self.router.request_finished(rid)
+            if self.bus is not None:
+                self.bus.inflight.finished(rid)
 
 
 def _error(status: int, message: str) -> web.Response:
