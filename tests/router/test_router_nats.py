@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from test_router_service import request_block_hashes
 
@@ -26,7 +27,7 @@ from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.hashing.keys import HashAlgo
 from kvpool.router.config import ServiceConfig, parse_config
 from kvpool.router.service import RouterService
-from nats_server import NatsServer
+from nats_server import DropProxy, NatsServer
 
 TPB = 16
 ALGO = HashAlgo.V2_SHA256_64.value
@@ -147,6 +148,180 @@ def test_three_replicas_and_four_workers_agree_and_a_late_replica_catches_up(
         for p in pubs.values():
             p.close()
         for r in [*replicas, late]:
+            await r.stop()
+
+    run(main())
+
+
+def test_a_replica_behind_a_lossy_link_repairs_every_gap(nats_server: NatsServer) -> None:
+    """5 % of the stream messages to one replica are dropped (a proxy between it and the
+    server): it sees the gaps, fetches what it lost and ends with the others' index."""
+    async def main() -> None:
+        url = nats_server.url
+        proxy = await DropProxy(nats_server.port, 0.05, seed=3).start()
+        clean = RouterService(bus_config(url, "clean", snapshot_interval_s=0))
+        lossy = RouterService(bus_config(proxy.url, "lossy", snapshot_interval_s=0))
+        for r in (clean, lossy):
+            await r.start()
+        pubs = publishers(url)
+        traffic = Traffic(2)
+        n = 0
+        for _ in range(100):
+            for w, p in pubs.items():
+                p.publish(traffic.batch(w, blocks=4))
+                n += 1
+        await drained(pubs, n)
+        await agree([clean, lossy], 3.0)
+        assert lossy.bus is not None and clean.bus is not None
+        c = lossy.bus.counters
+        assert proxy.dropped >= 5, proxy.dropped
+        assert c.gaps >= 1 and c.repaired >= proxy.dropped - c.duplicates
+        assert c.missed == 0 and lossy.bus.applied_seq == clean.bus.applied_seq == n
+        assert clean.bus.counters.gaps == 0
+        for w in WORKERS:  # nothing stale: the same blocks per worker and tier
+            assert lossy.index.snapshot(w) == clean.index.snapshot(w)
+        for p in pubs.values():
+            p.close()
+        for r in (clean, lossy):
+            await r.stop()
+        await proxy.stop()
+
+    run(main())
+
+
+def test_a_replica_started_after_the_others_died_and_the_server_restarted(
+        nats_server: NatsServer) -> None:
+    async def main() -> None:
+        url = nats_server.url
+        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
+        for r in replicas:
+            await r.start()
+        pubs = publishers(url)
+        traffic = Traffic(4)
+        n = 0
+        for _ in range(40):
+            for w, p in pubs.items():
+                p.publish(traffic.batch(w))
+                n += 1
+        await drained(pubs, n)
+        await agree(replicas, 1.0)
+        survivor = replicas[2]
+        assert survivor.bus is not None
+        await survivor.bus.write_snapshot()
+        for r in replicas[:2]:  # two of three die
+            await r.stop()
+        nats_server.kill()
+        nats_server.start()
+        for _ in range(10):  # the workers go on publishing once the server is back
+            for w, p in pubs.items():
+                p.publish(traffic.batch(w))
+                n += 1
+        await drained(pubs, n, timeout=30)
+        late = RouterService(bus_config(url, "late"))
+        t0 = time.monotonic()
+        await late.start()
+        await agree([survivor, late], 5.0)
+        assert time.monotonic() - t0 < 5.0
+        assert late.bus is not None and late.bus.applied_seq == n
+        assert late.bus.counters.snapshot_loaded_seq is not None
+        for p in pubs.values():
+            p.close()
+        for r in (survivor, late):
+            await r.stop()
+
+    run(main())
+
+
+def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
+        nats_server: NatsServer) -> None:
+    """16 clients route through any replica and report the end (50-300 ms later) to any
+    replica; meanwhile probes ask every replica at the same instant where a request would go.
+    At the instants when no in-flight announcement is in transit, >= 99 % agree: each
+    replica's load and predictions hold the others' routes. (All replicas share this test's
+    one event loop on a shared machine, so announcements spend milliseconds in transit; the
+    probes taken then are counted apart.)"""
+    async def main() -> None:
+        url = nats_server.url
+        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
+        for r in replicas:
+            await r.start()
+        pubs = publishers(url)
+        traffic = Traffic(5)
+        n = 0
+        for fam in range(24):  # each family's prefix cached on one or two workers
+            for w in (WORKERS[fam % 4], WORKERS[(fam * 7) % 4]):
+                pubs[w].publish(traffic.batch(w, blocks=16, family=fam))
+                n += 1
+        await drained(pubs, n)
+        await agree(replicas, 2.0)
+        ports = [r.port for r in replicas]
+        rng = random.Random(6)
+        stop = asyncio.Event()
+
+        def prompt() -> list[int]:
+            fam = rng.randrange(32)  # a quarter of them cached nowhere
+            return traffic.prompt(fam, 16 * TPB)[: rng.randrange(4, 16) * TPB] + [
+                rng.randrange(50_000) for _ in range(rng.randrange(1, 200))]
+
+        async def client(session: aiohttp.ClientSession, k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                rid = f"c{k}-{i}"
+                port = rng.choice(ports)
+                async with session.post(f"http://127.0.0.1:{port}/route",
+                                        json={"token_ids": prompt(), "request_id": rid}) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.05 + rng.random() * 0.25)
+                async with session.post(f"http://127.0.0.1:{rng.choice(ports)}/finished",
+                                        json={"request_id": rid}) as r:
+                    assert r.status == 200
+
+        def probe(r: RouterService, toks: list[int]) -> str:
+            """Where ``r`` routes ``toks``, leaving no trace (no load, no prediction)."""
+            d = r.router.route(toks, request_id="probe")
+            entry = r.router._loads.requests["probe"]
+            if entry.predicted is not None:
+                r.router._pred.remove(*entry.predicted)
+                entry.predicted = None
+            r.router.request_finished("probe")
+            return d.worker_id
+
+        def settled() -> bool:
+            """No announcement in transit: each replica got every message the others sent."""
+            sent = [r.bus.inflight.sent for r in replicas if r.bus is not None]
+            return all(r.bus is not None and not r.bus.inflight._pending
+                       and r.bus.inflight.received == sum(sent) - sent[i]
+                       for i, r in enumerate(replicas))
+
+        same = total = same_any = in_transit = 0
+        async with aiohttp.ClientSession() as session:
+            clients = [asyncio.create_task(client(session, k)) for k in range(16)]
+            await asyncio.sleep(0.3)
+            while total < 200:
+                toks = prompt()
+                picks = []
+                for r in replicas:  # one instant: no await between the replicas
+                    picks.append(probe(r, toks))
+                if settled():
+                    total += 1
+                    same += len(set(picks)) == 1
+                else:
+                    in_transit += 1
+                    same_any += len(set(picks)) == 1
+                await asyncio.sleep(0.002)
+            stop.set()
+            await asyncio.gather(*clients)
+        print(f"same worker {same}/{total} with nothing in transit; {same_any}/{in_transit} "
+              "while announcements were in transit")
+        assert same >= 0.99 * total, (same, total)
+        assert replicas[0].bus is not None and replicas[0].bus.inflight.applied > 100
+        await asyncio.sleep(0.1)
+        active = [sum(r.router.active_requests(w) for w in WORKERS) for r in replicas]
+        assert active == [0, 0, 0]  # every end reached every replica
+        for p in pubs.values():
+            p.close()
+        for r in replicas:
             await r.stop()
 
     run(main())

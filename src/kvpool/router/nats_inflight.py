@@ -11,13 +11,18 @@ Records (msgpack arrays): ``[0, request_id, worker_id, prefill_tokens, tokens, k
 ``[1, request_id]`` (prefill finished), ``[2, request_id]`` (finished). A message is
 ``[replica_id, [record, ...]]``. Core NATS delivers at most once: a lost message leaves a
 mirrored request until ``request_timeout_s`` ends it, as for a client that never reports.
+
+Messages of different replicas are not ordered: a request routed by one replica and reported
+finished to another may have its end arrive at a third before its route. Every replica keeps
+the last :data:`TOMBSTONES` finished ids and ignores a route announced for one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Final
 
 import msgspec
 
@@ -29,6 +34,7 @@ __all__ = ["InflightShare"]
 logger = logging.getLogger(__name__)
 
 ROUTED, PREFILLED, FINISHED = 0, 1, 2
+TOMBSTONES: Final = 1 << 16
 
 
 class InflightShare:
@@ -42,6 +48,8 @@ class InflightShare:
         """Messages sent."""
         self.applied = 0
         """Records of other replicas applied."""
+        self.received = 0
+        """Messages of other replicas received."""
         self.malformed = 0
         """Messages that did not decode (skipped)."""
         self._nc: Any = None
@@ -49,6 +57,7 @@ class InflightShare:
         self._pending: list[list[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._decoder = msgspec.msgpack.Decoder()
+        self._finished: OrderedDict[str, None] = OrderedDict()
         self._encoder = msgspec.msgpack.Encoder()
 
     async def start(self, nc: Any) -> None:
@@ -77,7 +86,16 @@ class InflightShare:
         self._add([PREFILLED, request_id])
 
     def finished(self, request_id: str) -> None:
+        """Announce a request's end (call after ``Router.request_finished``, whether or not
+        this replica knew the request: its route may still be on its way here)."""
+        self._tombstone(request_id)
         self._add([FINISHED, request_id])
+
+    def _tombstone(self, request_id: str) -> None:
+        ended = self._finished
+        ended[request_id] = None
+        if len(ended) > TOMBSTONES:
+            ended.popitem(last=False)
 
     def _add(self, record: list[Any]) -> None:
         if self._nc is None or self._loop is None:
@@ -107,6 +125,7 @@ class InflightShare:
             replica, records = self._decoder.decode(msg.data)
             if replica == self.replica_id:
                 return
+            self.received += 1
             for rec in records:
                 self._apply(rec)
         except (msgspec.DecodeError, ValueError, TypeError, IndexError) as exc:
@@ -120,7 +139,8 @@ class InflightShare:
             raise TypeError("request id is not a string")
         if op == ROUTED:
             _, _, worker_id, prefill, tokens, keys = rec
-            if rid in router._loads.requests or not router.index.has_worker(worker_id):
+            if (rid in router._loads.requests or rid in self._finished
+                    or not router.index.has_worker(worker_id)):
                 return
             now = router._clock()
             entry = Active(worker_id, int(prefill), int(tokens), now)
@@ -134,6 +154,7 @@ class InflightShare:
             router.prefill_finished(rid)
         elif op == FINISHED:
             router.request_finished(rid)
+            self._tombstone(rid)
         else:
             raise ValueError(f"unknown in-flight record {op!r}")
         self.applied += 1
