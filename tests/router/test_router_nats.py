@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from test_router_service import request_block_hashes
 from kvpool.events.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvpool.events.nats_publisher import NatsEventPublisher
 from kvpool.events.vllm_msgpack import encode_vllm_batch
+from kvpool.events.zmq import ZmqEventPublisher
 from kvpool.hashing.keys import HashAlgo
 from kvpool.router.config import ServiceConfig, parse_config
 from kvpool.router.service import RouterService
@@ -323,5 +326,38 @@ def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
             p.close()
         for r in replicas:
             await r.stop()
+
+    run(main())
+
+
+def test_kvpool_bridge_republishes_a_zmq_publisher_onto_nats(
+        nats_server: NatsServer, tmp_path: Path) -> None:
+    """``kvpool bridge`` (a real process) reads a ZMQ publisher's vLLM batches and publishes
+    them onto the stream; a replica with ``bus: nats`` ends with the worker's blocks."""
+    async def main() -> None:
+        pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvpool.cli", "bridge", "--nats", nats_server.url,
+            "--worker", "w1", "--zmq", pub.endpoint, "--replay-endpoint",
+            str(pub.replay_endpoint), stdout=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.startswith(b"kvpool bridge: worker w1 from tcp://")
+        replica = RouterService(bus_config(nats_server.url, "solo"))
+        await replica.start()
+        traffic = Traffic(7)
+        for _ in range(5):
+            pub.publish(traffic.batch("w1"))
+        pub.publish(b"not msgpack")  # checked by the decoder: not republished
+        want = {h for chain in traffic.held["w1"] for h in chain}
+        deadline = time.monotonic() + 15
+        while replica.index.snapshot("w1")[0] != want:
+            assert time.monotonic() < deadline, "the bridged blocks did not arrive"
+            await asyncio.sleep(0.02)
+        assert replica.ingest.counters.decode_errors == 0  # the bad batch stayed out
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        await replica.stop()
+        pub.close()
 
     run(main())
