@@ -11,7 +11,9 @@ of the whole cache: every cached prompt's token ids) binds ``ipc://*`` by defaul
 mode 0600 in a new 0700 directory, which only this user can reach; an ``ipc://`` path in a
 directory only this user can enter, or ``none``, may be given instead. ``tcp://`` is refused
 for it: ZeroMQ's tcp has no authentication here (CURVE is not set up), and the socket would
-serve the cache's prompts to whoever can connect to the port.
+serve the cache's prompts to whoever can connect to the port. With ``--nats URL`` it
+publishes the events onto NATS JetStream instead (worker id ``--nats-worker``), for routers
+with ``bus: nats``.
 
 The listen address is bound (and let go again) before the model loads, so a port in use is
 refused at once: one line, exit status 2. Once listening it prints ``kvpool serve listening
@@ -144,6 +146,13 @@ def register(subparsers: Any) -> None:
                         "socket of mode 0600 only this user can reach, when "
                         "--kv-events-endpoint is set; tcp:// is refused: it would serve "
                         "every cached prompt's token ids to whoever can connect)")
+    events.add_argument("--nats", metavar="URL",
+                        help="publish KV events onto this NATS server's JetStream stream "
+                        "instead, e.g. nats://127.0.0.1:4222 (routers with bus: nats; "
+                        "default: none)")
+    events.add_argument("--nats-worker", metavar="ID", default="kvpool-serve",
+                        help="the worker id the events carry on NATS, as the routers' config "
+                        "names it (default kvpool-serve)")
     p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS",
                    help="on SIGINT or SIGTERM, how long requests in flight may go on before "
@@ -220,6 +229,8 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
             "--kv-events-replay-endpoint: tcp:// is refused (the replay socket serves every "
             "cached prompt's token ids, and a tcp port to whoever can connect); use an ipc:// "
             "path (the default ipc://* is one only this user can reach) or 'none'")
+    if args.nats is not None and args.kv_events_endpoint is not None:
+        raise InvalidArgumentError("give --nats or --kv-events-endpoint, not both")
     cache: dict[str, Any] = {}
     for name in ("tokens_per_block", "gpu_blocks", "gpu_mem", "host_blocks", "host_mem",
                  "disk_mem"):
@@ -232,7 +243,7 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         cache["disk"] = {"path": args.disk_path}
     if args.eviction_policy is not None:
         cache["eviction"] = {"policy": args.eviction_policy}
-    if args.kv_events_endpoint is not None:
+    if args.kv_events_endpoint is not None or args.nats is not None:
         cache["events"] = {"buffer_max_size": _EVENT_BUFFER, "hash_algo": EVENT_HASH_ALGO}
     return cache
 
@@ -289,6 +300,7 @@ def _load(args: argparse.Namespace, cache: dict[str, Any], http: dict[str, Any])
         engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=replay_endpoint(args),
+        nats_url=args.nats, nats_worker=args.nats_worker,
         shutdown_grace_s=args.shutdown_grace, **http,
     )
 

@@ -80,8 +80,8 @@ from kvpool.errors import (
     KVPoolError,
     OutOfBlocksError,
 )
-from kvpool.events.publishing import BatchPublisher
-from kvpool.events.zmq import ZmqEventPublisher
+from kvpool.events.nats_publisher import NatsEventPublisher
+from kvpool.events.publishing import BatchPublisher, EventSink
 from kvpool.httpserve import (
     OPENAI_ERRORS,
     Dispatcher,
@@ -190,7 +190,8 @@ class EngineLoop(threading.Thread):
 
 class EventPublisherThread(threading.Thread):
     """Runs a :class:`~kvpool.events.publishing.BatchPublisher`'s loop over the engine
-    manager's KV events (vLLM msgpack batches on ZeroMQ, snapshots of every block)."""
+    manager's KV events (vLLM msgpack batches on ZeroMQ with snapshots of every block, or onto NATS
+    JetStream)."""
 
     def __init__(self, engine: Engine, batches: BatchPublisher) -> None:
         super().__init__(name="kvpool-kv-events", daemon=True)
@@ -297,6 +298,8 @@ class EngineServer:
         limits: HttpLimits | None = None,
         auth_token: bytes | None = None,
         model_aliases: tuple[str, ...] = (),
+        nats_url: str | None = None,
+        nats_worker: str = "kvpool-serve",
     ) -> None:
         if not shutdown_grace_s >= 0:
             raise InvalidArgumentError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
@@ -315,15 +318,17 @@ class EngineServer:
         self.metrics.registry.register(self.responses)
         # one thread decodes and tokenizes bodies: off the event loop, one body at a time
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="kvpool-serve-parse")
-        self.publisher: ZmqEventPublisher | None = None
+        self.publisher: EventSink | None = None
         self._events_thread: EventPublisherThread | None = None
-        if kv_events_endpoint is not None:
+        if kv_events_endpoint is not None or nats_url is not None:
             config = engine.manager.config
             batches = BatchPublisher(
                 kv_events_endpoint, kv_events_replay_endpoint,
-                block_size=config.tokens_per_block, snapshots=True,
+                block_size=config.tokens_per_block, snapshots=nats_url is None,
                 sliding_window_groups=[g for g, w in enumerate(config.window_sizes)
-                                       if w is not None])
+                                       if w is not None],
+                # kvpool.events.nats_publisher: the stream keeps the history, no snapshots
+                sink=None if nats_url is None else NatsEventPublisher(nats_url, nats_worker))
             self.publisher = batches.publisher
             self._events_thread = EventPublisherThread(engine, batches)
         self._runner: web.ServerRunner | None = None

@@ -1,5 +1,6 @@
 """One publisher of a cache's KV events: lists of events encoded as vLLM msgpack batches and
-published on a :class:`~kvpool.events.zmq_publisher.ZmqEventPublisher`, the loop that drains
+published on a :class:`~kvpool.events.zmq_publisher.ZmqEventPublisher` (or another
+:class:`EventSink`: NATS JetStream's, :mod:`kvpool.events.nats_publisher`), the loop that drains
 an event source into it, and (optionally) the state a snapshot request is answered with.
 
 ``kvpool serve`` (:mod:`kvpool.engine.server`) runs :meth:`BatchPublisher.run` in a thread
@@ -12,18 +13,28 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Collection
+from typing import Protocol
 
+from kvpool.errors import InvalidArgumentError
 from kvpool.events.model import KVCacheEvent
 from kvpool.events.snapshot import PublishedState
 from kvpool.events.vllm_encode import encode_vllm_batch
 from kvpool.events.zmq_publisher import ZmqEventPublisher
 from kvpool.events.zmq_sockets import PRIVATE_IPC
 
-__all__ = ["BatchPublisher"]
+__all__ = ["BatchPublisher", "EventSink"]
 
 EventSource = Callable[[float], list[KVCacheEvent]]
 """``source(timeout_s)``: the events since the last call, waiting up to ``timeout_s`` for one
 (a manager's ``get_latest_events``)."""
+
+
+class EventSink(Protocol):
+    """Where encoded batches go: a ZMQ publisher, or a NATS JetStream one."""
+
+    def publish(self, payload: bytes, *, update: Callable[[], object] | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class BatchPublisher:
@@ -43,18 +54,24 @@ class BatchPublisher:
         TransportError: an endpoint cannot be bound.
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = PRIVATE_IPC, *,
+    def __init__(self, endpoint: str | None, replay_endpoint: str | None = PRIVATE_IPC, *,
                  block_size: int, topic: str = "", buffer_steps: int = 10_000,
                  sliding_window_groups: Collection[int] = (), partial_blocks: bool = False,
-                 snapshots: bool = False) -> None:
+                 snapshots: bool = False, sink: EventSink | None = None) -> None:
         self.block_size = block_size
         self.sliding_window_groups = tuple(sliding_window_groups)
         self.partial_blocks = partial_blocks
         self.state: PublishedState | None = PublishedState() if snapshots else None
         self.batches = 0
-        self.publisher = ZmqEventPublisher(
-            endpoint, replay_endpoint, topic=topic, buffer_steps=buffer_steps,
-            snapshot=self.snapshot if snapshots else None)
+        self.publisher: EventSink
+        if sink is not None:  # another transport (kvpool.events.nats_publisher)
+            self.publisher = sink
+        elif endpoint is None:
+            raise InvalidArgumentError("BatchPublisher needs an endpoint or a sink")
+        else:
+            self.publisher = ZmqEventPublisher(
+                endpoint, replay_endpoint, topic=topic, buffer_steps=buffer_steps,
+                snapshot=self.snapshot if snapshots else None)
 
     def publish(self, events: list[KVCacheEvent], ts: float | None = None) -> None:
         """One batch of ``events``; returns at once (the publisher's threads send it)."""

@@ -12,6 +12,7 @@ from kvpool.events.model import KVCacheEvent
 from kvpool.events.publishing import BatchPublisher
 from kvpool.events.vllm_msgpack import decode_vllm_batch
 from kvpool.events.zmq import ZmqEventSubscriber
+from kvpool.events.zmq_publisher import ZmqEventPublisher
 from kvpool.replay.sizing import HASH_ALGO
 from kvpool.router.ingest import Ingest
 
@@ -62,9 +63,10 @@ class Zmq:
                     "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=wid, buffer_steps=1024,
                     block_size=tokens_per_block, partial_blocks=True,
                 )
+                zpub = pub.publisher
+                assert isinstance(zpub, ZmqEventPublisher)  # built from endpoints
                 try:
-                    sub = ZmqEventSubscriber(pub.publisher.endpoint, pub.publisher.replay_endpoint,
-                                             topic=wid)
+                    sub = ZmqEventSubscriber(zpub.endpoint, zpub.replay_endpoint, topic=wid)
                 except BaseException:
                     pub.close()
                     raise

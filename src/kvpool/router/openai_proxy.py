@@ -31,6 +31,7 @@ from kvpool.errors import HttpRequestError, InvalidArgumentError, NoWorkerAvaila
 from kvpool.httpserve import OPENAI_ERRORS, HttpLimits, decode_json, read_body
 from kvpool.httpserve.jsondoc import off_loop
 from kvpool.router.config import WorkerConfig, WorkerKind
+from kvpool.router.nats_bus import NatsBus
 from kvpool.router.scoring import Router
 from kvpool.router.text_requests import TextRequests
 from kvpool.router.tokenizer_source import TokenizerUnavailableError
@@ -65,8 +66,9 @@ class OpenAIProxy:
 
     def __init__(self, router: Router, workers: Mapping[str, WorkerConfig], limits: HttpLimits,
                  text: TextRequests, session: Callable[[], ClientSession | None],
-                 size_option: str, gate: Gate) -> None:
+                 size_option: str, gate: Gate, bus: NatsBus | None = None) -> None:
         self.router = router
+        self._bus = bus  # replicas: request ids unique across them, in-flight state shared
         self._gate = gate  # the router's calls wait for a large route in its thread
         self.workers = workers
         self.limits = limits
@@ -94,6 +96,8 @@ class OpenAIProxy:
             return OPENAI_ERRORS.response(400, str(exc))
         salt = body.get("cache_salt")
         rid = f"proxy-{next(self._ids)}"
+        if self._bus is not None:
+            rid = f"{self._bus.replica_id}-{rid}"
         try:
             decision = await self._gate(functools.partial(
                 self.router.route, tokens.ids,
@@ -102,6 +106,8 @@ class OpenAIProxy:
             return OPENAI_ERRORS.response(503, str(exc))
         except InvalidArgumentError as exc:
             return OPENAI_ERRORS.response(400, str(exc))
+        if self._bus is not None:
+            self._bus.inflight.routed(rid)
         try:
             cfg = self.workers.get(decision.worker_id)
             if tokens.from_text and cfg is not None:
@@ -111,6 +117,8 @@ class OpenAIProxy:
             return await self._forward(request, decision.worker_id, cfg, raw)
         finally:
             await self._gate(functools.partial(self.router.request_finished, rid))
+            if self._bus is not None:
+                self._bus.inflight.finished(rid)
 
     async def _forward(self, request: web.BaseRequest, worker_id: str,
                        cfg: WorkerConfig | None, raw: bytes) -> web.StreamResponse:

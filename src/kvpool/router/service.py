@@ -24,6 +24,11 @@ Endpoints
     Prometheus text (:mod:`kvpool.router.metrics`): routes, hit blocks per tier, events applied
     / malformed, anomalies, gaps, replays, missed batches, snapshots, restarts, poll and decode
     errors, a decision-latency histogram and per-worker gauges.
+``GET /bus`` (with ``bus: nats``)
+    The replica's place in the event stream (:mod:`kvpool.router.nats_bus`): replica id,
+    stream sequence held, caught up or not, gaps seen and repaired, messages missed,
+    snapshots, in-flight messages, and the index's digest (equal on replicas that hold the
+    same blocks).
 ``GET /health``
     200 while at least one worker may be routed to, else 503.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (with ``proxy: true``)
@@ -56,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 from array import array
 from collections.abc import Callable
@@ -83,6 +89,7 @@ from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvpool.router.nats_bus import NatsBus, bus_worker
 from kvpool.router.openai_proxy import CHAT_PATH, COMPLETIONS_PATH, OpenAIProxy
 from kvpool.router.query import QueryBody, query
 from kvpool.router.scoring import Router
@@ -204,14 +211,19 @@ class RouterService:
                 self.router.share_tier(w.id, w.shared_tier)
         self.ingest = Ingest(self.index, config.ingest, shared=self.router.shared)
         for w in config.workers:
-            self.ingest.add(w)
+            self.ingest.add(w if config.bus == "direct" else bus_worker(w))
+        self._proxy_ids = itertools.count()  # request ids of /route calls without one (bus)
+        self.bus: NatsBus | None = None
+        if config.bus == "nats":
+            self.bus = NatsBus(config.nats, self.index, self.ingest, self.router)
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
         self._runner: web.ServerRunner | None = None
         self._proxy_session: ClientSession | None = None
         self.limits = config.listen.limits()
         self.text = TextRequests(config, lambda: self._proxy_session)
         self.proxy = OpenAIProxy(self.router, self._workers, self.limits, self.text,
-                                 lambda: self._proxy_session, _SIZE_OPTION, self._gated)
+                                 lambda: self._proxy_session, _SIZE_OPTION, self._gated,
+                                 self.bus)
         self.responses = ResponseCounts("kvpool_router")
         self.metrics = RouterMetrics(self.router, self.index, self.ingest)
         self.metrics.registry.register(self.responses)
@@ -234,6 +246,8 @@ class RouterService:
             "/metrics": {"GET": self._metrics},
             "/health": {"GET": self._health},
         }
+        if self.bus is not None:
+            endpoints["/bus"] = {"GET": self._bus_view}
         if self.config.proxy:
             endpoints[COMPLETIONS_PATH] = {"POST": self.proxy.handle}
             endpoints[CHAT_PATH] = {"POST": self.proxy.handle}
@@ -254,6 +268,12 @@ class RouterService:
     async def start(self) -> int:
         """Start ingesting and listening; returns the port bound."""
         await self.ingest.start()
+        if self.bus is not None:
+            try:
+                await self.bus.start()
+            except BaseException:
+                await self._close_clients()
+                raise
         # Proxied requests and tokenizer fetches. No total timeout: a streamed completion may
         # run for minutes.
         self._proxy_session = ClientSession(
@@ -274,6 +294,8 @@ class RouterService:
         await self._close_clients()
 
     async def _close_clients(self) -> None:
+        if self.bus is not None:
+            await self.bus.stop()
         await self.ingest.stop()
         self.text.close()
         if self._proxy_session is not None:
@@ -301,8 +323,11 @@ class RouterService:
             except InvalidArgumentError as exc:
                 return _error(400, str(exc))
             tokens = token_array(ids)
-        return await self._routed(tokens, body.cache_salt, body.request_id,
-                                  body.prefill_tokens, in_thread=big)
+        rid = body.request_id
+        if rid is None and self.bus is not None:  # ids unique across replicas
+            rid = f"{self.bus.replica_id}-{next(self._proxy_ids)}"
+        return await self._routed(tokens, body.cache_salt, rid, body.prefill_tokens,
+                                  in_thread=big)
 
     async def _routed(self, tokens: array[int] | list[int], salt: str | None, rid: str | None,
                       prefill: int | None, *, in_thread: bool = False) -> web.Response:
@@ -322,6 +347,8 @@ class RouterService:
             return _error(503, str(exc))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
+        if self.bus is not None:
+            self.bus.inflight.routed(decision.request_id)
         return web.Response(body=msgspec.json.encode(decision), content_type=_JSON)
 
     async def _in_thread(self, call: Callable[[], _R], in_thread: bool) -> _R:
@@ -364,6 +391,8 @@ class RouterService:
         body = await off_loop(raw, parse_finished_body)
         done = await self._gated(functools.partial(self.router.request_finished,
                                                    body.request_id))
+        if self.bus is not None:
+            self.bus.inflight.finished(body.request_id)
         return web.json_response({"request_id": body.request_id, "finished": done})
 
     async def _workers_view(self, request: web.BaseRequest) -> web.Response:
@@ -415,6 +444,10 @@ class RouterService:
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
         text = await self._gated(self.metrics.text)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+
+    async def _bus_view(self, request: web.BaseRequest) -> web.Response:
+        assert self.bus is not None
+        return web.json_response({**self.bus.as_dict(), "digest": self.bus.digest()})
 
 
 def _error(status: int, message: str) -> web.Response:
