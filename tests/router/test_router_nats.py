@@ -283,9 +283,9 @@ def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
         def probe(r: RouterService, toks: list[int]) -> str:
             """Where ``r`` routes ``toks``, leaving no trace (no load, no prediction)."""
             d = r.router.route(toks, request_id="probe")
-            entry = r.router._loads.requests["probe"]
+            entry = r.router.loads.requests["probe"]
             if entry.predicted is not None:
-                r.router._pred.remove(*entry.predicted)
+                r.router.pred.remove(*entry.predicted)
                 entry.predicted = None
             r.router.request_finished("probe")
             return d.worker_id

@@ -327,7 +327,7 @@ class NatsBus:
             # a restarted worker (or one whose earlier batches this stream no longer holds)
             self.counters.restarts += known is not None
             self.index.reset_worker(wid)
-            self.ingest._next_id.pop(wid, None)
+            self.ingest.next_id.pop(wid, None)
         self.state.publishers[wid] = (epoch, n)
         if fmt == "vllm":
             self.ingest.feed_vllm(wid, data)

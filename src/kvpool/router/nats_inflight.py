@@ -75,7 +75,7 @@ class InflightShare:
 
     def routed(self, request_id: str) -> None:
         """Announce a request this replica routed (call right after ``Router.route``)."""
-        entry = self.router._loads.requests.get(request_id)
+        entry = self.router.loads.requests.get(request_id)
         if entry is None:
             return
         keys = entry.predicted[1] if entry.predicted is not None else []
@@ -139,17 +139,17 @@ class InflightShare:
             raise TypeError("request id is not a string")
         if op == ROUTED:
             _, _, worker_id, prefill, tokens, keys = rec
-            if (rid in router._loads.requests or rid in self._finished
+            if (rid in router.loads.requests or rid in self._finished
                     or not router.index.has_worker(worker_id)):
                 return
-            now = router._clock()
+            now = router.clock()
             entry = Active(worker_id, int(prefill), int(tokens), now)
-            router._loads.add(rid, entry, router.request_timeout_s > 0)
+            router.loads.add(rid, entry, router.request_timeout_s > 0)
             if keys and router.prediction_ttl_s > 0:
                 slot = router.index.slot_of(worker_id)
                 if not router.approx.predicts(slot):
                     entry.predicted = (slot, list(keys))
-                    router._pred.add(slot, entry.predicted[1])
+                    router.pred.add(slot, entry.predicted[1])
         elif op == PREFILLED:
             router.prefill_finished(rid)
         elif op == FINISHED:

@@ -68,8 +68,8 @@ def dump_snapshot(index: KvIndex, ingest: Ingest, bus: BusState) -> bytes:
         "counters": index.counters,
         "states": index._workers,
         "slots": index._slots,
-        "next_id": ingest._next_id,
-        "block_size": ingest._block_size,
+        "next_id": ingest.next_id,
+        "block_size": ingest.block_size,
         "shared_masks": ingest.shared.masks,
         "shared_keys": ingest.shared._keys,
         "bus": bus,
@@ -104,10 +104,10 @@ def load_snapshot(data: bytes, index: KvIndex, ingest: Ingest) -> BusState:
     index._groups_cache = None
     for wid, ok in healthy.items():  # health is this replica's view, not the snapshot's
         index._workers[wid].healthy = ok
-    ingest._next_id.clear()
-    ingest._next_id.update(state["next_id"])
-    ingest._block_size.clear()
-    ingest._block_size.update(state["block_size"])
+    ingest.next_id.clear()
+    ingest.next_id.update(state["next_id"])
+    ingest.block_size.clear()
+    ingest.block_size.update(state["block_size"])
     ingest.shared.masks = state["shared_masks"]
     ingest.shared._keys = state["shared_keys"]
     return bus
