@@ -25,12 +25,15 @@ from kvpool.hashing.keys import HashAlgo, hash_algo, tokens_to_u32
 if TYPE_CHECKING:
     from kvpool.planner.capacity import PoolPlan
     from kvpool.tiers.remote.store import BlockStore
-    from kvpool.tiers.storage import GroupGeometry
+    from kvpool.tiers.storage import LayerGeometry
 
 DEFAULT_MAX_SEQ_LEN = 131_072
 DISK_MANIFEST_DAMAGED: tuple[str, ...] = ("refuse", "keep_prefix", "discard")
 """``CacheConfig.disk_manifest_damaged`` values: what a persistent disk tier does with a damaged
 or foreign manifest (``kvpool.core.persist``)."""
+CHECKPOINT_POLICIES: tuple[str, ...] = ("marconi", "every_block", "interval", "last", "branch")
+"""``CacheConfig.checkpoint_policy`` values: which block boundaries of a hybrid model's sequences
+get a recurrent-state checkpoint (``kvpool.core.checkpoints``, docs/hybrid.md)."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -247,6 +250,11 @@ class CacheConfig:
     hash_algo: HashAlgo | str = HashAlgo.V2_SHA256
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     cross_attention_groups: Sequence[int] = ()
+    # hybrid models: layer groups holding recurrent state (one slot per sequence), and which
+    # block boundaries get a checkpoint of it (docs/hybrid.md)
+    state_groups: Sequence[int] = ()
+    checkpoint_policy: str = "marconi"
+    checkpoint_interval_tokens: int = 0
     host_blocks: int | Mapping[int, int] | Sequence[int] = 0
     disk_blocks: int | Mapping[int, int] | Sequence[int] = 0
     disk_path: str | None = None
@@ -266,7 +274,7 @@ class CacheConfig:
     eviction_history_multiple: float = 4.0
     event_buffer_max_size: int = 0
     event_hash_algo: HashAlgo | str | None = None
-    layer_geometry: Sequence[GroupGeometry] | None = None
+    layer_geometry: Sequence[LayerGeometry] | None = None
     device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
     # the shared remote tier (kvpool.tiers.remote; README "Remote tier"): a server's URL, or an
@@ -311,22 +319,25 @@ class CacheConfig:
                 raise InvalidArgumentError(f"cross_attention_groups names unknown group {g!r}")
             if windows[g] is not None:
                 raise InvalidArgumentError(f"cross-attention group {g} cannot have a window")
-        if len(set(cross)) == groups:
-            raise InvalidArgumentError("at least one layer group must be self attention")
         object.__setattr__(self, "cross_attention_groups", cross)
+        self._check_state_groups(windows)
+        if len(set(cross) | set(self.state_groups)) == groups:
+            raise InvalidArgumentError("at least one layer group must be self attention")
         _check_int("max_beam_width", self.max_beam_width, 1)
         _check_int("max_seq_len", self.max_seq_len, 1)
         _check_priority("offload_min_priority", self.offload_min_priority)
         _check_int("event_buffer_max_size", self.event_buffer_max_size, 0)
         self._normalise_hash_algos()
         if self.layer_geometry is not None:
-            from kvpool.tiers.storage import GroupGeometry
+            from kvpool.tiers.storage import GroupGeometry, StateGeometry
 
             geoms = _as_tuple("layer_geometry", self.layer_geometry)
-            if len(geoms) != groups or not all(isinstance(x, GroupGeometry) for x in geoms):
+            if len(geoms) != groups or not all(
+                    isinstance(x, StateGeometry if g in self.state_groups else GroupGeometry)
+                    for g, x in enumerate(geoms)):
                 raise InvalidArgumentError(
                     f"layer_geometry needs one GroupGeometry per layer group ({groups}), "
-                    f"got {self.layer_geometry!r}"
+                    f"a StateGeometry for each state group, got {self.layer_geometry!r}"
                 )
             object.__setattr__(self, "layer_geometry", geoms)
         if self.disk_path is not None and not isinstance(self.disk_path, str | os.PathLike):
@@ -358,6 +369,28 @@ class CacheConfig:
                 f"eviction_history_multiple must be a number in [0, 1024], got {m!r}"
             )
         _check_remote(self)
+
+    def _check_state_groups(self, windows: tuple[int | None, ...]) -> None:
+        """``state_groups`` and the checkpoint policy (docs/hybrid.md)."""
+        state = _as_tuple("state_groups", self.state_groups)
+        for g in state:
+            if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(windows):
+                raise InvalidArgumentError(f"state_groups names unknown group {g!r}")
+            if windows[g] is not None or g in self.cross_attention_groups:
+                raise InvalidArgumentError(
+                    f"state group {g} cannot have a window or be cross attention")
+        if len(set(state)) != len(state):
+            raise InvalidArgumentError(f"state_groups names a group twice: {list(state)}")
+        object.__setattr__(self, "state_groups", state)
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise InvalidArgumentError(
+                f"checkpoint_policy must be one of {list(CHECKPOINT_POLICIES)}, "
+                f"got {self.checkpoint_policy!r}")
+        n = _check_int("checkpoint_interval_tokens", self.checkpoint_interval_tokens, 0)
+        if self.checkpoint_policy == "interval" and (n == 0 or n % self.tokens_per_block):
+            raise InvalidArgumentError(
+                f"checkpoint_policy 'interval' needs checkpoint_interval_tokens, a positive "
+                f"multiple of tokens_per_block ({self.tokens_per_block}), got {n}")
 
     def _normalise_hash_algos(self) -> None:
         tree_algo = hash_algo(self.hash_algo)

@@ -186,7 +186,7 @@ def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int,
     keys.extend(new_keys)
     slots: list[list[SlotId]] = []
     for g in range(st.num_groups):
-        if st.kinds[g].cross:
+        if st.kinds[g].cross or st.kinds[g].state:  # no per-block slots of their own
             slots.append([NO_SLOT] * k)
             continue
         sl = seq.tables[g][0][first:upto]

@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass
 
 from kvpool.core.allocator import alloc_n, onboard, release_partials, take_over
+from kvpool.core.checkpoints import release_claims, running_slots
 from kvpool.core.plan import BatchPlan, PartialMode, RequestPlan
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId
 from kvpool.core.sequence import Sequence as Seq
@@ -49,6 +50,8 @@ def admit(st: CacheState, plan: BatchPlan, partials: list[RequestPlan]) -> list[
     results = []
     for p in plan.requests:
         results.append(allocate(st, p))
+    if st.config.state_groups:  # checkpoints copied into running slots: claims released
+        release_claims(st, plan)
     if partials:
         release_partials(st, [p._partial for p in partials if p._partial is not None
                               and (id(p._partial[0]), p._partial[1]) not in takeovers])
@@ -129,6 +132,8 @@ def allocate(st: CacheState, p: RequestPlan) -> AdmitResult:
             st.gpu[g].hold(row, beams)
             tables.append([list(row) for _ in range(beams)])
             stats.alloc_total += len(row)
+        elif st.kinds[g].state:
+            tables.append(running_slots(st, p, g, stats))
         else:
             tables.append(_self_tables(st, p, g, stats))
     stats.reused = stats.full_reused + stats.partial_reused

@@ -34,7 +34,7 @@ def growth(st: CacheState, seq: Seq, new_len: int) -> tuple[dict[int, int], dict
     blocks_after = -(-new_len // st.tpb)
     for g in range(st.num_groups):
         kind = st.kinds[g]
-        if kind.cross:
+        if kind.cross or kind.state:
             need[g] = freed[g] = 0
             continue
         add = max(0, blocks_after - len(seq.tables[g][0]))

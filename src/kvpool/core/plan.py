@@ -28,6 +28,7 @@ from typing import cast
 from kvpool.config import SequenceRequest
 from kvpool.core.groups import CrossAttention
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId, common_prefix, first_token, match_full
+from kvpool.core.state_groups import checkpoint_cut, plan_needs
 from kvpool.core.views import PlanView
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
 from kvpool.hashing.keys import BlockKey
@@ -280,7 +281,7 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
         for g in groups:
             slots[g] = flat(matched, g)
     kinds = view.kinds
-    if cfg.enable_partial_reuse and d * tpb < body:
+    if cfg.enable_partial_reuse and d * tpb < body and not cfg.state_groups:
         target = raw[d * step:min((d + 1) * tpb, body) * 4]
         cand, k = _partial_candidate(view, matched, root, target)
         if cand is not None:
@@ -298,6 +299,8 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
                    for g in groups):
                 break
             d -= 1
+    if cfg.state_groups:  # hybrid: the prefix must end on a checkpoint (state_groups)
+        d = checkpoint_cut(cfg.state_groups, matched, d)
     if d == full:
         return root_key, matched, None, 0, slots
     return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
@@ -458,6 +461,8 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             if kind.cross:
                 new_blocks[g] = cast(CrossAttention, kind).blocks(
                     len(p.request.encoder_tokens or ()))
+            elif kind.state:
+                new_blocks[g] = plan_needs(view, p, g, claims)
             else:
                 new_blocks[g] = _group_needs(view, p, g, claims)
     if len(out) == 1:

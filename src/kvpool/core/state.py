@@ -110,6 +110,7 @@ class CacheState:
         self.tiers = config.num_tiers
         self.self_groups: tuple[int, ...] = tuple(
             g for g in range(self.num_groups) if g not in config.cross_attention_groups
+            and g not in config.state_groups
         )
         self.kinds: tuple[GroupKind, ...] = group_kinds(config)  # what each group needs
         # no sliding window: a sequence's self-attention tables all have the same length,

@@ -42,6 +42,7 @@ class PlanView:
         self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
         self.self_groups: tuple[int, ...] = tuple(
             g for g in range(config.num_groups) if g not in config.cross_attention_groups
+            and g not in config.state_groups
         )
         self.kinds = group_kinds(config)  # one per layer group (kvpool.core.groups)
         self.groups = range(config.num_groups)
