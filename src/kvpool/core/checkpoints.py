@@ -187,9 +187,14 @@ class CheckpointBook:
             return False
         commit(st, seq, nb)
         pos = position(st, seq, nb, rebuild=False)
-        if pos is None or pos[1] == 0:
+        if pos is None:
             return False
         run, n = pos
+        while n == 0 and run.parent is not None:  # the start of a run: its parent's end
+            run = run.parent
+            n = len(run.keys)
+        if n == 0:
+            return False
         i = n - 1
         if not _reachable(st, run, i):
             return False
