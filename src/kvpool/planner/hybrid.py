@@ -26,12 +26,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.planner.model_spec import DTYPE_BYTES
 
-__all__ = ["HybridSpec", "hybrid_presets"]
+__all__ = ["DEFAULT_STATE_FRACTION", "HybridPlan", "HybridSpec", "hybrid_presets",
+           "plan_hybrid"]
+
+DEFAULT_STATE_FRACTION: Final = 0.2
+"""Share of each tier's budget (above the running slots) for state checkpoints: the best split
+of benchmarks/bench_hybrid.py on the conversation trace."""
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -54,6 +59,12 @@ class HybridSpec:
     max_seq_len: int
     dtype: str = "bfloat16"
     state_dtypes: tuple[str, ...] = ("bfloat16", "bfloat16")
+    parallel: bool = False  # attention and recurrent mixer in the same layers (Falcon-H1)
+
+    @property
+    def num_layers(self) -> int:
+        return (max(self.attention_layers, self.state_layers) if self.parallel
+                else self.attention_layers + self.state_layers)
 
     def __post_init__(self) -> None:
         for name in ("attention_layers", "kv_heads", "head_dim", "state_layers", "max_seq_len"):
@@ -110,7 +121,7 @@ _PRESETS: Final[Mapping[str, HybridSpec]] = MappingProxyType({
     # d_ssm 3072, 1 group of state 256: conv_dim = 3072 + 2 x 256 ... x (see docs)
     "falcon-h1-7b": HybridSpec(
         "falcon-h1-7b", attention_layers=44, kv_heads=2, head_dim=128, state_layers=44,
-        state_shapes=((5120, 3), (24, 128, 256)), max_seq_len=262_144),
+        state_shapes=((5120, 3), (24, 128, 256)), max_seq_len=262_144, parallel=True),
     # Jamba v0.1: attention at layers 8k+4, Mamba1 elsewhere; d_inner 8192, d_state 16
     "jamba-v0.1": HybridSpec(
         "jamba-v0.1", attention_layers=4, kv_heads=8, head_dim=128, state_layers=28,
@@ -121,3 +132,67 @@ _PRESETS: Final[Mapping[str, HybridSpec]] = MappingProxyType({
 def hybrid_presets() -> Mapping[str, HybridSpec]:
     """The built-in hybrid model geometries by name (read-only)."""
     return _PRESETS
+
+
+@dataclass(frozen=True, slots=True)
+class HybridPlan:
+    """Pools of a hybrid model: group 0 attention blocks, group 1 state slots, per tier."""
+
+    spec: HybridSpec
+    tokens_per_block: int
+    attention_blocks: tuple[int, ...]  # per tier (GPU, host, disk)
+    state_slots: tuple[int, ...]  # per tier; the GPU's include the running slots
+    running_slots: int
+    budget_bytes: tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.attention_bytes_per_token * self.tokens_per_block
+
+    def used_bytes(self, tier: int) -> int:
+        return (self.attention_blocks[tier] * self.block_bytes
+                + self.state_slots[tier] * self.spec.state_bytes)
+
+    def cache_config_kwargs(self) -> dict[str, Any]:
+        """``CacheConfig`` arguments for these pools (add ``disk_path`` for a disk tier)."""
+        return {
+            "tokens_per_block": self.tokens_per_block,
+            "window_sizes": [None, None], "state_groups": [1],
+            "gpu_blocks": [self.attention_blocks[0], self.state_slots[0]],
+            "host_blocks": [self.attention_blocks[1], self.state_slots[1]],
+            "disk_blocks": [self.attention_blocks[2], self.state_slots[2]],
+            "max_seq_len": self.spec.max_seq_len, "enable_partial_reuse": False,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.spec.name, "tokens_per_block": self.tokens_per_block,
+                "attention_block_bytes": self.block_bytes, "state_bytes": self.spec.state_bytes,
+                "attention_blocks": list(self.attention_blocks),
+                "state_slots": list(self.state_slots), "running_slots": self.running_slots,
+                "budget_bytes": list(self.budget_bytes),
+                "vllm_block_size": self.spec.vllm_block_size()}
+
+
+def plan_hybrid(spec: HybridSpec, tokens_per_block: int, gpu_bytes: int, host_bytes: int = 0,
+                disk_bytes: int = 0, *, max_batch_size: int,
+                state_fraction: float = DEFAULT_STATE_FRACTION) -> HybridPlan:
+    """Split each tier's budget between state slots and attention blocks: the GPU first gets
+    one running slot per concurrent sequence, then ``state_fraction`` of every tier's bytes
+    holds checkpoints and the rest attention blocks. Raises :class:`InvalidArgumentError` when
+    the GPU cannot hold the running slots and one block per sequence."""
+    if not 0 <= state_fraction < 1:
+        raise InvalidArgumentError(f"state_fraction must be in [0, 1), got {state_fraction!r}")
+    block = spec.attention_bytes_per_token * tokens_per_block
+    running = max_batch_size * spec.state_bytes
+    if gpu_bytes < running + max_batch_size * block:
+        raise InvalidArgumentError(
+            f"{spec.name}: {max_batch_size} sequences need {running + max_batch_size * block:,}"
+            f" B of GPU memory (running states + one block each), the budget is {gpu_bytes:,}")
+    blocks, states = [], []
+    for t, budget in enumerate((gpu_bytes, host_bytes, disk_bytes)):
+        free = budget - (running if t == 0 else 0)
+        ckpt = int(free * state_fraction) // spec.state_bytes
+        states.append(ckpt + (max_batch_size if t == 0 else 0))
+        blocks.append((free - ckpt * spec.state_bytes) // block)
+    return HybridPlan(spec, tokens_per_block, tuple(blocks), tuple(states), max_batch_size,
+                      (gpu_bytes, host_bytes, disk_bytes))
