@@ -19,9 +19,9 @@ Policies (docs/hybrid.md): ``every_block``; ``interval`` (every ``checkpoint_int
 one, so a finished or suspended sequence leaves its last boundary); ``branch`` (where an
 admitted request's attention match ends without a checkpoint: a branch point of the tree,
 which a later request sharing that prefix then resumes from); ``marconi`` (the default:
-``branch`` + ``last``, Marconi's admission rule, arXiv 2411.19379: keep only the states most
-likely to be reused per byte - the shared prefixes and the ends of conversations - instead of
-one per block).
+``branch`` + the prompt's last boundary + ``last``: Marconi's admission rule, arXiv
+2411.19379, keeping only the states most likely to be reused per byte - shared prefixes, the
+prompt a later turn extends, the end of a conversation - instead of one per block).
 """
 
 from __future__ import annotations
@@ -170,10 +170,23 @@ class CheckpointBook:
             out.update(range((start // n + 1) * n, end + 1, n))
         if self.policy in ("last", "marconi") and end // tpb * tpb > start:
             out.add(end // tpb * tpb)
-        b = self.branch.get(seq_id)
-        if b is not None and start < b <= end:
-            out.add(b)
+        for b in self._kept(seq_id):
+            if start < b <= end:
+                out.add(b)
         return sorted(out)
+
+    def _kept(self, seq_id: SeqId) -> tuple[int, ...]:
+        """The boundaries of a sequence saved for good under ``branch`` / ``marconi``: its
+        branch point, and (``marconi``) its prompt's last boundary."""
+        out: tuple[int, ...] = ()
+        b = self.branch.get(seq_id)
+        if b is not None:
+            out = (b,)
+        if self.policy == "marconi":
+            seq = self.st.sequences.get(seq_id)
+            if seq is not None and seq.prompt_len >= self.st.tpb:
+                out += (seq.prompt_len // self.st.tpb * self.st.tpb,)
+        return out
 
     def save(self, seq: Seq, num_tokens: int) -> bool:
         """Copy the sequence's running state (after ``num_tokens`` tokens, a block boundary)
@@ -213,7 +226,7 @@ class CheckpointBook:
             pool.queue.push(s, run.priority(i), key=run.keys[i])
             st.emit.stored(g, [(run, i, i + 1)], seq.lora_id)
             saved[g] = s
-        if self.policy in ("last", "marconi") and self.branch.get(seq.seq_id) != num_tokens:
+        if self.policy in ("last", "marconi") and num_tokens not in self._kept(seq.seq_id):
             old = self.provisional.pop(seq.seq_id, None)
             if old is not None and (old.run is not run or old.i != i):
                 self._drop(old)

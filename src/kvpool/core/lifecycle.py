@@ -158,7 +158,8 @@ def remove_sequence(st: CacheState, seq_id: SeqId, store_for_reuse: bool) -> Non
     elif store_for_reuse and st.config.enable_block_reuse:
         computed = seq.num_tokens - (1 if seq.num_tokens > seq.prompt_len else 0)
         commit(st, seq, computed // st.tpb)
-        if st.config.enable_partial_reuse and computed % st.tpb:
+        # (a hybrid model never reuses a partial block: its state exists at block boundaries)
+        if st.config.enable_partial_reuse and computed % st.tpb and not st.config.state_groups:
             commit_partial(st, seq, computed)
     for g, tables in enumerate(seq.tables):
         for tb in tables:
