@@ -26,12 +26,15 @@ from kvpool.validation import check_bool, check_int, check_number, is_int
 if TYPE_CHECKING:
     from kvpool.planner.capacity import PoolPlan
     from kvpool.tiers.remote.store import BlockStore
-    from kvpool.tiers.storage import GroupGeometry
+    from kvpool.tiers.storage import LayerGeometry
 
 DEFAULT_MAX_SEQ_LEN = 131_072
 DISK_MANIFEST_DAMAGED: tuple[str, ...] = ("refuse", "keep_prefix", "discard")
 """``CacheConfig.disk.manifest_damaged`` values: what a persistent disk tier does with a damaged
 or foreign manifest (``kvpool.core.persist``)."""
+CHECKPOINT_POLICIES: tuple[str, ...] = ("marconi", "every_block", "interval", "last", "branch")
+"""``CacheConfig.checkpoint_policy`` values: which block boundaries of a hybrid model's sequences
+get a recurrent-state checkpoint (``kvpool.core.checkpoints``, docs/hybrid.md)."""
 
 
 def _as_tuple(name: str, value: object) -> tuple[Any, ...]:
@@ -335,12 +338,17 @@ class CacheConfig:
     hash_algo: HashAlgo | str = HashAlgo.V2_SHA256
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     cross_attention_groups: Sequence[int] = ()
+    # hybrid models: layer groups holding recurrent state (one slot per sequence), and which
+    # block boundaries get a checkpoint of it (docs/hybrid.md)
+    state_groups: Sequence[int] = ()
+    checkpoint_policy: str = "marconi"
+    checkpoint_interval_tokens: int = 0
     host_blocks: int | Mapping[int, int] | Sequence[int] = 0
     disk_blocks: int | Mapping[int, int] | Sequence[int] = 0
     # names the model whose KV the pools hold: bytes kept on a persistent disk tier or in the
     # shared remote tier are reused only under the same name (and the same geometry)
     model_id: str = ""
-    layer_geometry: Sequence[GroupGeometry] | None = None
+    layer_geometry: Sequence[LayerGeometry] | None = None
     device: str | None = None
     clock: Callable[[], float] | None = field(default=None, compare=False)
     disk: DiskConfig = field(default_factory=DiskConfig)
@@ -381,9 +389,10 @@ class CacheConfig:
                 raise InvalidArgumentError(f"cross_attention_groups names unknown group {g!r}")
             if windows[g] is not None:
                 raise InvalidArgumentError(f"cross-attention group {g} cannot have a window")
-        if len(set(cross)) == groups:
-            raise InvalidArgumentError("at least one layer group must be self attention")
         object.__setattr__(self, "cross_attention_groups", cross)
+        self._check_state_groups(windows)
+        if len(set(cross) | set(self.state_groups)) == groups:
+            raise InvalidArgumentError("at least one layer group must be self attention")
         check_int("max_beam_width", self.max_beam_width, 1)
         check_int("max_seq_len", self.max_seq_len, 1)
         for name, kind in _GROUPS.items():
@@ -395,13 +404,15 @@ class CacheConfig:
                 )
         self._normalise_hash_algos()
         if self.layer_geometry is not None:
-            from kvpool.tiers.storage import GroupGeometry
+            from kvpool.tiers.storage import GroupGeometry, StateGeometry
 
             geoms = _as_tuple("layer_geometry", self.layer_geometry)
-            if len(geoms) != groups or not all(isinstance(x, GroupGeometry) for x in geoms):
+            if len(geoms) != groups or not all(
+                    isinstance(x, StateGeometry if g in self.state_groups else GroupGeometry)
+                    for g, x in enumerate(geoms)):
                 raise InvalidArgumentError(
                     f"layer_geometry needs one GroupGeometry per layer group ({groups}), "
-                    f"got {self.layer_geometry!r}"
+                    f"a StateGeometry for each state group, got {self.layer_geometry!r}"
                 )
             object.__setattr__(self, "layer_geometry", geoms)
         if self.clock is not None and not callable(self.clock):
@@ -420,6 +431,28 @@ class CacheConfig:
             )
         for name in ("enable_block_reuse", "enable_partial_reuse"):
             check_bool(name, getattr(self, name))
+
+    def _check_state_groups(self, windows: tuple[int | None, ...]) -> None:
+        """``state_groups`` and the checkpoint policy (docs/hybrid.md)."""
+        state = _as_tuple("state_groups", self.state_groups)
+        for g in state:
+            if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(windows):
+                raise InvalidArgumentError(f"state_groups names unknown group {g!r}")
+            if windows[g] is not None or g in self.cross_attention_groups:
+                raise InvalidArgumentError(
+                    f"state group {g} cannot have a window or be cross attention")
+        if len(set(state)) != len(state):
+            raise InvalidArgumentError(f"state_groups names a group twice: {list(state)}")
+        object.__setattr__(self, "state_groups", state)
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise InvalidArgumentError(
+                f"checkpoint_policy must be one of {list(CHECKPOINT_POLICIES)}, "
+                f"got {self.checkpoint_policy!r}")
+        n = check_int("checkpoint_interval_tokens", self.checkpoint_interval_tokens, 0)
+        if self.checkpoint_policy == "interval" and (n == 0 or n % self.tokens_per_block):
+            raise InvalidArgumentError(
+                f"checkpoint_policy 'interval' needs checkpoint_interval_tokens, a positive "
+                f"multiple of tokens_per_block ({self.tokens_per_block}), got {n}")
 
     def _normalise_hash_algos(self) -> None:
         tree_algo = hash_algo(self.hash_algo)

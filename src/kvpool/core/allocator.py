@@ -110,6 +110,8 @@ def _drop_victims(state: CacheState, g: int, slots: list[SlotId]) -> None:
         run.slot[g][i] = NO_SLOT
         if events:
             removed.append(run.keys[i])
+        if state.config.state_groups and not state.layout.kinds[g].windowed:
+            _drop_orphans(state, [(run, i)])  # a tail: nothing below it
         if single or not run.has_slot(i):
             if i:
                 cut[run] = prev_n = i
@@ -228,6 +230,9 @@ def evict(state: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
     run.slot[g][i] = NO_SLOT
     run.tier[g][i] = 0
     state.stats.evicted(1, 1)
+    if state.config.state_groups and not state.layout.kinds[g].windowed:
+        # checkpoints at and below a lost attention block
+        _drop_orphans(state, [(run, i), *_blocks_below(run, i)])
     if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
         state.emit.removed(g, [run.keys[i]])
         if not run.has_slot(i):
@@ -245,8 +250,22 @@ def _drop_below(state: CacheState, g: int, run: Run, i: int, offload: bool) -> l
     below block i of ``run``; returns their keys. Held or claimed ones stay (a sequence that
     computed a duplicate of an ancestor holds its own copy) and are queued, unreachable, once
     released."""
+    return _drop_queued(state, g, _blocks_below(run, i), offload)
+
+
+def _drop_orphans(state: CacheState, blocks: list[tuple[Run, int]]) -> None:
+    """A full-attention block left the cache (the first of ``blocks``, the others below it):
+    the queued recurrent-state checkpoints there can never be matched again, so they go too
+    (``kvpool.core.state_groups``)."""
+    for h in state.config.state_groups:
+        state.emit.removed(h, _drop_queued(state, h, blocks, False))
+
+
+def _drop_queued(state: CacheState, g: int, blocks: list[tuple[Run, int]],
+                 offload: bool) -> list[BlockKey]:
+    """Drop group g's queued slots of ``blocks``; returns their keys."""
     removed: list[BlockKey] = []
-    for r, j in _blocks_below(run, i):
+    for r, j in blocks:
         ds = r.slot[g][j]
         if ds == NO_SLOT:
             continue

@@ -186,7 +186,7 @@ def _add_new(state: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: i
     keys.extend(new_keys)
     slots: list[list[SlotId]] = []
     for g in range(state.layout.num_groups):
-        if state.layout.kinds[g].cross:
+        if state.layout.kinds[g].cross or state.layout.kinds[g].state:  # no slots of their own
             slots.append([NO_SLOT] * count)
             continue
         sl = seq.tables[g][0][first:upto]

@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass
 
 from kvpool.core.allocator import alloc_n, onboard, release_partials, take_over
+from kvpool.core.checkpoints import release_claims, running_slots
 from kvpool.core.plan import BatchPlan, PartialMode, RequestPlan
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId
 from kvpool.core.sequence import Sequence as Seq
@@ -48,6 +49,8 @@ def admit(state: CacheState, batch: BatchPlan) -> list[AdmitResult]:
     results = []
     for plan in batch.requests:
         results.append(allocate(state, plan))
+    if state.config.state_groups:  # checkpoints copied into running slots: claims released
+        release_claims(state, batch)
     if batch.partials:
         release_partials(state, [plan.partial for plan in batch.partials if plan.partial is not None
                               and (id(plan.partial[0]), plan.partial[1]) not in takeovers])
@@ -124,6 +127,8 @@ def allocate(state: CacheState, plan: RequestPlan) -> AdmitResult:
             state.gpu[g].hold(row, beams)
             tables.append([list(row) for _ in range(beams)])
             stats.alloc_total += len(row)
+        elif state.layout.kinds[g].state:
+            tables.append(running_slots(state, plan, g, stats))
         else:
             tables.append(_self_tables(state, plan, g, stats))
     stats.reused = stats.full_reused + stats.partial_reused

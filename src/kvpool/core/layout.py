@@ -44,7 +44,8 @@ class Layout:
     def of(cls, config: CacheConfig) -> Layout:
         tpb = config.tokens_per_block
         self_groups = tuple(
-            g for g in range(config.num_groups) if g not in config.cross_attention_groups)
+            g for g in range(config.num_groups) if g not in config.cross_attention_groups
+            and g not in config.state_groups)  # recurrent state: kvpool.core.state_groups
         return cls(
             tpb=tpb, step=TOKEN_BYTES * tpb, tiers=config.num_tiers,
             one_tier=config.num_tiers == 1, num_groups=config.num_groups,

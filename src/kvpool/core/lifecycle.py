@@ -34,7 +34,7 @@ def growth(state: CacheState, seq: Seq, new_len: int) -> tuple[dict[int, int], d
     blocks_after = -(-new_len // state.layout.tpb)
     for g in range(state.layout.num_groups):
         kind = state.layout.kinds[g]
-        if kind.cross:
+        if kind.cross or kind.state:
             need[g] = freed[g] = 0
             continue
         add = max(0, blocks_after - len(seq.tables[g][0]))
@@ -159,7 +159,9 @@ def remove_sequence(state: CacheState, seq_id: SeqId, store_for_reuse: bool) -> 
     elif store_for_reuse and state.config.enable_block_reuse:
         computed = seq.num_tokens - (1 if seq.num_tokens > seq.prompt_len else 0)
         commit(state, seq, computed // state.layout.tpb)
-        if state.config.enable_partial_reuse and computed % state.layout.tpb:
+        # (a hybrid model never reuses a partial block: its state exists at block boundaries)
+        if (state.config.enable_partial_reuse and computed % state.layout.tpb
+                and not state.config.state_groups):
             commit_partial(state, seq, computed)
     for g, tables in enumerate(seq.tables):
         for tb in tables:

@@ -38,6 +38,7 @@ from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.core import introspect, lifecycle, persist
 from kvpool.core import plan as admission
 from kvpool.core.allocator import clear_queues, drop_unwritten
+from kvpool.core.checkpoints import CheckpointBook, check_checkpoints
 from kvpool.core.commit import commit
 from kvpool.core.emit import EventSink, event_algo
 from kvpool.core.execute import AdmitResult, admit, disk_reads
@@ -131,6 +132,8 @@ class KVCacheManager:
         # persist hook: a persistent disk tier re-indexes the blocks its manifest records
         self.persistent_disk = state.persist = persist.attach(state, owns_storage=owns_storage,
                                                            lock=self._lock)
+        # hybrid models: the checkpoint policy and each live sequence's checkpoints
+        self._ckpt = CheckpointBook(state) if config.state_groups else None
         self._remote: ManagerRemote | None = None
         if config.remote.url is not None or config.remote.store is not None:
             from kvpool.core.remote_hooks import ManagerRemote  # the shared remote tier
@@ -183,9 +186,24 @@ class KVCacheManager:
                 state.check_storage()  # the batch may copy: fail before changing anything
                 if self._has_disk:  # and read what it onboards from disk, for the same reason
                     state.read_ahead(disk_reads(state, plan))
+            if self._ckpt is not None:
+                self._ckpt.admitting(plan)
             results = admit(state, plan)
             state.finish_call()
+            if self._ckpt is not None:
+                self._zero_cold(results)
             return results
+
+    def _zero_cold(self, results: list[AdmitResult]) -> None:
+        """Cold hybrid sequences start from a zero state: their running slots are zeroed
+        (after the call's copies; a storage without ``zero_slots`` leaves it to the engine)."""
+        zero = getattr(self.storage, "zero_slots", None)
+        if zero is None:
+            return
+        for g in self.config.state_groups:
+            slots = [b[0] for r in results if not r.reused_tokens for b in r.block_ids[g]]
+            if slots:
+                zero(g, slots)
 
     def count_reusable_tokens(
         self, tokens: Sequence[int], *, lora_id: int | None = None, cache_salt: str | None = None
@@ -249,6 +267,8 @@ class KVCacheManager:
         preempted request) commits nothing new; its held colder-tier blocks are released."""
         with self._lock:
             lifecycle.remove_sequence(self._st, seq_id, store_for_reuse)
+            if self._ckpt is not None:
+                self._ckpt.forget(seq_id)
 
     def suspend(self, seq_id: SeqId) -> dict[int, int]:
         """Preempt a sequence without losing its KV.
@@ -271,6 +291,47 @@ class KVCacheManager:
         with self._lock:
             lifecycle.resume(self._st, seq_id)
 
+    # ------------------------------------------------------------------ hybrid models
+
+    def checkpoint_positions(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Token counts in (start, end] after which the checkpoint policy wants the
+        sequence's recurrent state saved (``save_checkpoint``): the engine splits a prefill
+        chunk there. Empty without state groups (docs/hybrid.md)."""
+        with self._lock:
+            seq = self._st.seq(seq_id)
+            for name, v in (("start", start), ("end", end)):
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= seq.num_tokens:
+                    raise InvalidArgumentError(
+                        f"{name} must be in [0, {seq.num_tokens}], got {v!r}")
+            if self._ckpt is None or end <= start:
+                return []
+            return self._ckpt.positions(seq_id, start, end)
+
+    def save_checkpoint(self, seq_id: SeqId, num_tokens: int) -> bool:
+        """Copy the sequence's running state, which must be its state after its first
+        ``num_tokens`` tokens (a block boundary), into a checkpoint cached under that prefix
+        (whose blocks are committed first, as ``store_context_blocks`` would). Returns False
+        when it is not cached (reuse off, no state slot to spare, or the prefix's attention
+        blocks are not all in the cache); True when it is (or already was). Raises
+        :class:`InvalidArgumentError` without state groups or for a bad ``num_tokens``,
+        :class:`SequenceStateError` for a suspended sequence."""
+        with self._lock:
+            st = self._st
+            seq = st.active(seq_id)
+            if self._ckpt is None:
+                raise InvalidArgumentError("save_checkpoint needs state groups "
+                                           "(CacheConfig.state_groups)")
+            if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                    or not 0 < num_tokens <= seq.num_tokens or num_tokens % self.tpb):
+                raise InvalidArgumentError(
+                    f"num_tokens must be a multiple of {self.tpb} in (0, {seq.num_tokens}], "
+                    f"got {num_tokens!r}")
+            st.check_storage()  # a copy, and evictions that may offload
+            st.begin_call()
+            saved = self._ckpt.save(seq, num_tokens)
+            st.finish_call()
+            return saved
+
     # ------------------------------------------------------------------ cache and storage
 
     def clear_cache(self) -> int:
@@ -286,7 +347,8 @@ class KVCacheManager:
 
     def tensors(self, layer_group: int, tier: int = 0) -> Any:
         """The KV pool of one layer group and tier, for attention kernels:
-        ``[slots, layers, 2, tokens_per_block, kv_heads, head_dim]`` (torch storage only)."""
+        ``[slots, layers, 2, tokens_per_block, kv_heads, head_dim]`` (torch storage only); for
+        a state group a tuple of views ``[slots, layers, *shape]``, one per state shape."""
         tensors = getattr(self.storage, "tensors", None)
         if tensors is None:
             raise StorageError("this manager has metadata-only storage: no tensors "
@@ -412,3 +474,4 @@ class KVCacheManager:
         """Assert ARCHITECTURE §7 (1-3) over the whole state; for tests. O(everything)."""
         with self._lock:
             introspect.check_invariants(self._st)
+            check_checkpoints(self._st)

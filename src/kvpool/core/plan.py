@@ -31,6 +31,7 @@ from kvpool.config import SequenceRequest
 from kvpool.core.groups import CrossAttention
 from kvpool.core.layout import TOKEN_BYTES
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId, common_prefix, first_token, match_full
+from kvpool.core.state_groups import checkpoint_cut, plan_needs
 from kvpool.core.views import PlanView
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
 from kvpool.hashing.keys import BlockKey
@@ -312,7 +313,7 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
         for g in groups:
             slots[g] = flat(matched, g)
     kinds = view.layout.kinds
-    if cfg.enable_partial_reuse and num_matched * tpb < body:
+    if cfg.enable_partial_reuse and num_matched * tpb < body and not cfg.state_groups:
         target = raw[num_matched * step:min((num_matched + 1) * tpb, body) * TOKEN_BYTES]
         candidate, partial_tokens = _partial_candidate(view, matched, root, target)
         if candidate is not None:
@@ -331,6 +332,8 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
                    for g in groups):
                 break
             num_matched -= 1
+    if cfg.state_groups:  # hybrid: the prefix must end on a checkpoint (state_groups)
+        num_matched = checkpoint_cut(cfg.state_groups, matched, num_matched)
     if num_matched == full:
         return root_key, matched, None, 0, slots
     return root_key, cut(matched, num_matched), None, 0, {
@@ -498,6 +501,8 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
             if kind.cross:
                 new_blocks[g] = cast(CrossAttention, kind).blocks(
                     len(request_plan.request.encoder_tokens or ()))
+            elif kind.state:
+                new_blocks[g] = plan_needs(view, request_plan, g, claims)
             else:
                 new_blocks[g] = _group_needs(view, request_plan, g, claims)
     if len(out) == 1:

@@ -109,6 +109,74 @@ class GroupGeometry:
         return (self.num_layers, 2, tokens_per_block, self.kv_heads, self.head_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class StateGeometry:
+    """The recurrent state of one state layer group (Mamba, gated delta net, short conv).
+
+    One slot holds one sequence's whole state for the group's ``num_layers`` layers: per layer
+    one array per entry of ``shapes`` (e.g. the conv state ``(channels, kernel - 1)`` and the
+    SSM / recurrent state ``(heads, head_dim, state_dim)``), each of ``dtype`` (or of
+    ``dtypes[k]`` when given). A slot is a fixed number of bytes whatever the sequence's
+    length, so ``block_bytes`` ignores the block size. The storage keeps a state pool as
+    bytes (``[slots, block_bytes]``) and hands out typed views of it, one per shape
+    (:meth:`~kvpool.tiers.torch_storage.TorchStorage.tensors`).
+
+    Raises :class:`GeometryError` on a non-positive size or an unknown dtype.
+    """
+
+    num_layers: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str = "float16"
+    dtypes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.num_layers) or self.num_layers <= 0:
+            raise GeometryError(
+                f"StateGeometry.num_layers must be a positive int, got {self.num_layers!r}")
+        if isinstance(self.shapes, str | bytes) or not isinstance(self.shapes, Iterable):
+            raise GeometryError(f"StateGeometry.shapes must be a sequence of shapes, "
+                                f"got {self.shapes!r}")
+        shapes = tuple(tuple(s) if isinstance(s, Iterable) else s for s in self.shapes)
+        if not shapes or not all(isinstance(s, tuple) and s and all(
+                is_int(d) and d > 0 for d in s) for s in shapes):
+            raise GeometryError(f"StateGeometry.shapes must hold shapes of positive ints, "
+                                f"got {self.shapes!r}")
+        object.__setattr__(self, "shapes", shapes)
+        dtypes = (self.dtype,) * len(shapes) if self.dtypes is None else tuple(self.dtypes)
+        if len(dtypes) != len(shapes) or not all(
+                isinstance(d, str) and d in DTYPE_ITEMSIZE for d in dtypes):
+            raise GeometryError(f"StateGeometry dtypes {dtypes!r} must name one of "
+                                f"{sorted(DTYPE_ITEMSIZE)} per shape")
+        object.__setattr__(self, "dtypes", dtypes)
+
+    def parts(self) -> tuple[tuple[int, int, tuple[int, ...], str], ...]:
+        """Per shape: (byte offset in a slot, bytes, ``(num_layers, *shape)``, dtype). Each
+        part starts 16-byte aligned, so its typed view needs no copy."""
+        out = []
+        off = 0
+        assert self.dtypes is not None
+        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
+            n = self.num_layers * DTYPE_ITEMSIZE[dt]
+            for d in shape:
+                n *= d
+            out.append((off, n, (self.num_layers, *shape), dt))
+            off += -(-n // 16) * 16
+        return tuple(out)
+
+    def block_bytes(self, tokens_per_block: int = 1) -> int:
+        """Bytes of one state slot (every part, 16-byte aligned; the block size is ignored)."""
+        off, n, _, _ = self.parts()[-1]
+        return off + -(-n // 16) * 16
+
+    def block_shape(self, tokens_per_block: int = 1) -> tuple[int]:
+        """Shape of one slot in the byte pool: ``(block_bytes,)``."""
+        return (self.block_bytes(),)
+
+
+LayerGeometry = GroupGeometry | StateGeometry
+"""What ``CacheConfig.layer_geometry`` holds per layer group: KV blocks or recurrent state."""
+
+
 class BlockCopy(NamedTuple):
     """Copy the block in ``src_slot`` of ``src_tier`` to ``dst_slot`` of ``dst_tier``, one group."""
 
