@@ -218,7 +218,9 @@ class CacheConfig:
 
     ``window_sizes`` has one entry per layer group: None = full attention, an int = sliding
     window of that many tokens. ``cross_attention_groups`` lists groups keyed by the request's
-    encoder tokens. ``event_buffer_max_size > 0`` turns KV cache events on, their hashes in
+    encoder tokens. ``state_groups`` lists groups holding a hybrid model's recurrent state (one
+    running slot per sequence, checkpoints at the block boundaries ``checkpoint_policy``
+    picks; docs/hybrid.md). ``event_buffer_max_size > 0`` turns KV cache events on, their hashes in
     ``event_hash_algo`` (default: ``hash_algo``). Slot counts (``gpu_blocks``,
     ``host_blocks``, ``disk_blocks``) are an int (same for every group), a sequence or a
     mapping layer group -> slots. ``layer_geometry`` (one ``GroupGeometry`` per layer group)
