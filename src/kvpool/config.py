@@ -314,10 +314,12 @@ class CacheConfig:
 
     ``window_sizes`` has one entry per layer group: None = full attention, an int = sliding
     window of that many tokens. ``cross_attention_groups`` lists groups keyed by the request's
-    encoder tokens. Slot counts (``gpu_blocks``, ``host_blocks``, ``disk_blocks``) are an int
-    (same for every group), a sequence or a mapping layer group -> slots. ``layer_geometry``
-    (one ``GroupGeometry`` per layer group) makes the manager hold real KV in torch tensors
-    (``disk.path`` for a disk tier).
+    encoder tokens. ``state_groups`` lists groups holding a hybrid model's recurrent state (one
+    running slot per sequence, checkpoints at the block boundaries ``checkpoint_policy``
+    picks; docs/hybrid.md). Slot counts (``gpu_blocks``, ``host_blocks``, ``disk_blocks``) are
+    an int (same for every group), a sequence or a mapping layer group -> slots.
+    ``layer_geometry`` (one ``GroupGeometry`` or ``StateGeometry`` per layer group) makes the
+    manager hold real KV in torch tensors (``disk.path`` for a disk tier).
 
     The settings of one part are grouped in a frozen object each: ``disk``
     (:class:`DiskConfig`: the disk tier's files, persistence), ``remote``
