@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, DiskConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
 from kvpool.tiers.storage import GroupGeometry, StateGeometry
@@ -22,7 +22,7 @@ def _config(tmp_path: Path | None = None, **kw: object) -> CacheConfig:
         tokens_per_block=TPB, gpu_blocks=[32, 6], window_sizes=[None, None], state_groups=[1],
         layer_geometry=[GroupGeometry(2, 1, 4, "float32"), STATE])
     if tmp_path is not None:
-        args.update(host_blocks=[16, 2], disk_blocks=[16, 4], disk_path=str(tmp_path))
+        args.update(host_blocks=[16, 2], disk_blocks=[16, 4], disk=DiskConfig(path=str(tmp_path)))
     args.update(kw)
     return CacheConfig(**args)  # type: ignore[arg-type]
 

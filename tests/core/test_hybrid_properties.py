@@ -18,7 +18,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool.config import CHECKPOINT_POLICIES, CacheConfig, SequenceRequest
+from kvpool.config import (
+    CHECKPOINT_POLICIES,
+    CacheConfig,
+    DiskConfig,
+    EvictionConfig,
+    SequenceRequest,
+)
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.tiers.storage import GroupGeometry, StateGeometry
@@ -51,8 +57,9 @@ def configs(draw: st.DrawFn, tmp: Path) -> CacheConfig:
             [p for p in CHECKPOINT_POLICIES if p != "interval"])),
         host_blocks=draw(st.integers(1, 6)) if tiers else 0,
         disk_blocks=draw(st.integers(1, 6)) if tiers == 2 else 0,
-        disk_path=str(tmp) if tiers == 2 else None,
-        max_beam_width=2, eviction_policy=draw(st.sampled_from(["lru", "2q", "s3fifo"])),
+        disk=DiskConfig(path=str(tmp) if tiers == 2 else None),
+        max_beam_width=2,
+        eviction=EvictionConfig(policy=draw(st.sampled_from(["lru", "2q", "s3fifo"]))),
         layer_geometry=geo,
     )
 

@@ -169,7 +169,7 @@ def test_offloaded_checkpoint_onboarded(name: str, tier: str, tmp_path: Path) ->
     cache: dict[str, Any] = {"gpu_blocks": {0: 24, state: 4}, "host_blocks": 32,
                              "checkpoint_policy": "every_block"}
     if tier == "disk":
-        cache.update(host_blocks={0: 32, state: 2}, disk_blocks=48, disk_path=str(tmp_path))
+        cache.update(host_blocks={0: 32, state: 2}, disk_blocks=48, disk={"path": str(tmp_path)})
     pair = Pair(name, cache, max_batch_size=2)
     base = tokens(10, 14)
     pair.run([base], max_tokens=2)

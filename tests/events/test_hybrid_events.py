@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.events.index import EventIndex
 from kvpool.events.vllm_msgpack import decode_vllm_batch
@@ -25,7 +25,7 @@ def _run() -> tuple[KVCacheManager, list[list[object]]]:
     m = KVCacheManager(CacheConfig(
         tokens_per_block=TPB, gpu_blocks=[40, 3], host_blocks=[0, 2], window_sizes=[None, None],
         state_groups=[1], checkpoint_policy="every_block", hash_algo=ALGO,
-        event_buffer_max_size=100_000))
+        events=EventsConfig(buffer_max_size=100_000)))
     steps = []
     for n in range(6):
         tokens = [n + 1, *range(10 * n, 10 * n + 9)]

@@ -51,13 +51,13 @@ def running_slots(st: CacheState, p: RequestPlan, g: int,
     out = alloc_n(st, g, beams)
     pool = st.gpu[g]
     for s in out:
-        pool.ref[s] += 1
+        pool.hold_one(s, 1)
     if p.num_matched:
         t = p.claim_tiers[g][0] if p.claim_tiers[g] else 0
         src = p.claim_slots[g][0]
         for s in out:
             st.copies.add(BlockCopy(t, src, 0, s, g))
-        st.stats.tier_hits[t] += 1
+        st.stats.tier_hit(t, 1)
     stats.alloc_total += beams
     return [[s] for s in out]
 
@@ -80,7 +80,7 @@ def release_claims(st: CacheState, plan: BatchPlan) -> None:
             run = pool.run_at[s]
             if run is not None and s not in pool.queue and s not in pool.held:
                 i = pool.idx_at[s]
-                pool.queue.push(s, run.priority(i), key=run.keys[i])
+                pool.enqueue(s, run.priority(i), key=run.keys[i])
 
 
 # ------------------------------------------------------------------ the policy and saving
@@ -217,13 +217,13 @@ class CheckpointBook:
                 continue  # that boundary has a checkpoint already
             s = alloc(st, g)
             if not run.alive or run.slot[g][i] != NO_SLOT:  # pragma: no cover - defensive
-                st.gpu[g].free.append(s)
+                st.gpu[g].give_one(s)
                 continue
             st.copies.add(BlockCopy(0, seq.tables[g][0][0], 0, s, g))
             run.slot[g][i], run.tier[g][i] = s, 0
             pool = st.gpu[g]
             pool.place(s, run, i)
-            pool.queue.push(s, run.priority(i), key=run.keys[i])
+            pool.enqueue(s, run.priority(i), key=run.keys[i])
             st.emit.stored(g, [(run, i, i + 1)], seq.lora_id)
             saved[g] = s
         if self.policy in ("last", "marconi") and num_tokens not in self._kept(seq.seq_id):
@@ -244,9 +244,9 @@ class CheckpointBook:
             t = run.tier[g][i]
             pool = st.pools[t][g]
             if s in pool.queue:
-                pool.queue.remove(s)
+                pool.dequeue(s)
                 evict(st, t, g, s, DEFAULT_PRIORITY, offload=False)
-                pool.free.append(s)
+                pool.give_one(s)
 
 
 def check_checkpoints(st: CacheState) -> None:

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvpool.config import SequenceRequest
-from kvpool.core.layout import Layout
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId
 
 
@@ -68,10 +67,16 @@ class _Claims(Protocol):
     def claim(self, g: int, slots: list[SlotId]) -> None: ...
 
 
+class _Layout(Protocol):
+    @property
+    def one_tier(self) -> bool: ...
+
+
 class _View(Protocol):
     """What :func:`plan_needs` reads of :class:`kvpool.core.views.PlanView`."""
 
-    layout: Layout
+    @property
+    def layout(self) -> _Layout: ...
 
     def refs(self, g: int) -> Sequence[int]: ...
 
