@@ -66,7 +66,7 @@ import msgspec
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool.commands.router import EVENT_LOOPS, loop_factory
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.nats_publisher import NatsEventPublisher
@@ -95,7 +95,7 @@ class Worker:
     def __init__(self, gpu_blocks: int, nats_url: str | None = None, name: str = "w") -> None:
         self.m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=gpu_blocks,
                                             hash_algo=ALGO, enable_partial_reuse=False,
-                                            event_buffer_max_size=100_000))
+                                            events=EventsConfig(buffer_max_size=100_000)))
         self.state = PublishedState(ALGO)
         self.pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
                                      snapshot=self._snapshot)

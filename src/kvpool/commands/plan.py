@@ -233,7 +233,7 @@ def _warn_if_short(plan: PoolPlan) -> None:
 
 def _print_models(console: Console) -> None:
     table = Table(title="model presets")
-    table.add_column("preset")
+    table.add_column("preset", no_wrap=True, min_width=18)
     table.add_column("layers", justify="right")
     table.add_column("layer groups")
     table.add_column("KV bytes/token", justify="right")
