@@ -129,7 +129,7 @@ def _check(m: KVCacheManager) -> None:
     assert len(running) == len(set(running)), "two beams share a running slot"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(data=st.data(), ops=OPS)
 def test_random_hybrid_workloads_keep_every_invariant(tmp_path: Path, data: st.DataObject,

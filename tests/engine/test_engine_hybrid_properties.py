@@ -45,7 +45,7 @@ def models(kind: str) -> tuple[Any, Any]:
     return MODELS[kind]
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     kind=st.sampled_from(["jamba", "qwen3_next"]),
     policy=st.sampled_from(["marconi", "every_block", "last", "branch"]),
