@@ -17,6 +17,7 @@ from typing import Any
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import InvalidArgumentError
+from kvpool.httpserve.messages import chat_messages
 from kvpool.validation import is_int
 
 __all__ = ["CHAT_ROLES", "Answer", "ParsedRequest", "UnknownModelError", "parse_request"]
@@ -152,30 +153,7 @@ def _prompt(body: Mapping[str, Any], *, chat: bool, tokenizer: Any) -> list[int]
 
 
 def _chat_prompt(messages: object, tokenizer: Any) -> list[int]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgumentError("'messages' must be a non-empty list of {role, content}")
-    clean: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
-        if m["role"] not in CHAT_ROLES:
-            raise InvalidArgumentError(
-                f"messages[{i}].role {m['role']!r} is not a chat role; expected one of "
-                f"{', '.join(CHAT_ROLES)}"
-            )
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            parts = []
-            for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str
-                ):
-                    raise InvalidArgumentError(f"messages[{i}].content: only text parts")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise InvalidArgumentError(f"messages[{i}].content must be a string")
-        clean.append({"role": m["role"], "content": content})
+    clean = chat_messages(messages, CHAT_ROLES)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError(
             "this model has no chat template: use /v1/completions or send 'prompt_token_ids'"

@@ -29,8 +29,9 @@ from typing import Any, Final
 from aiohttp import ClientSession
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.httpserve.messages import chat_messages
 from kvpool.router.config import ServiceConfig
-from kvpool.router.tokenize import Plan, TextEncoder, chat_messages
+from kvpool.router.tokenize import Plan, TextEncoder
 from kvpool.router.tokenizer_source import TokenizerSources
 
 __all__ = ["INLINE_CHARS", "POOL_CHARS", "PromptTokens", "TextRequests"]

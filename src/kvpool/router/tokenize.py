@@ -35,7 +35,7 @@ from typing import Any, Final
 
 from kvpool.errors import InvalidArgumentError
 
-__all__ = ["SEGMENT_CACHE_BYTES", "Plan", "TextEncoder", "chat_messages"]
+__all__ = ["SEGMENT_CACHE_BYTES", "Plan", "TextEncoder"]
 
 SEGMENT_CACHE_BYTES: Final = 64 << 20
 """What the segment cache may hold: its pieces' text plus a fixed cost per piece (their ids
@@ -67,32 +67,6 @@ class Plan:
 
     parts: list[tuple[int, ...] | tuple[str, int]]
     missing: int
-
-
-def chat_messages(messages: object) -> list[dict[str, str]]:
-    """``messages`` as the chat template gets them (``role`` and text ``content``; content
-    parts of type ``text`` joined), as ``kvpool serve`` reads them; InvalidArgumentError
-    naming the message otherwise."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgumentError("'messages' must be a non-empty list of {role, content}")
-    clean: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            parts = []
-            for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str
-                ):
-                    raise InvalidArgumentError(f"messages[{i}].content: only text parts")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise InvalidArgumentError(f"messages[{i}].content must be a string")
-        clean.append({"role": m["role"], "content": content})
-    return clean
 
 
 class TextEncoder:
