@@ -71,13 +71,17 @@ def release_again(p: EvictionPolicy, slot: int, times: int = 1) -> None:
 # ---------------------------------------------------------------------------- orders
 
 
-@given(
+# segment sizes, the recent segment's share and the victims still wanted
+segment_runs = given(
     nr=st.integers(0, 5000),
     nf=st.integers(0, 5000),
     share=st.one_of(st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0]),
                     st.floats(0.0, 1.0, allow_nan=False)),
     left=st.integers(1, 6000),
 )
+
+
+@segment_runs
 def test_recent_run_is_the_victim_test_applied_one_by_one(
     nr: int, nf: int, share: float, left: int
 ) -> None:
@@ -89,13 +93,7 @@ def test_recent_run_is_the_victim_test_applied_one_by_one(
     assert recent_run(nr, nf, share, left) == run
 
 
-@given(
-    nr=st.integers(0, 5000),
-    nf=st.integers(0, 5000),
-    share=st.one_of(st.sampled_from([0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0]),
-                    st.floats(0.0, 1.0, allow_nan=False)),
-    left=st.integers(1, 6000),
-)
+@segment_runs
 def test_frequent_run_is_the_victim_test_applied_one_by_one(
     nr: int, nf: int, share: float, left: int
 ) -> None:

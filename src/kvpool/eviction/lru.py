@@ -48,13 +48,6 @@ class PrioritizedLRU(LevelQueue):
             for slot in slots:
                 self._expires.pop(slot, None)
 
-    def pop_many(self, n: int) -> list[tuple[int, int]]:
-        victims, priorities = self._pop_n(n)
-        return list(zip(victims, priorities, strict=True))
-
-    def pop_slots(self, n: int) -> list[int]:
-        return self._pop_n(n)[0]
-
     def _pop_n(self, n: int) -> tuple[list[int], list[int]]:
         """The next n victims and their priorities (lowest level first, oldest first)."""
         if self._expiry:

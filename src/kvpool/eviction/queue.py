@@ -54,8 +54,8 @@ class LevelQueue:
 
     Counts: ``Fifo.live`` slots queued in each FIFO, ``_len`` in all, ``_stored``
     entries live and dead. Slots are pool indices (ints >= 0); the stamp list grows on demand
-    past the pool size given. Subclasses define ``push``, ``push_many``, ``pop``,
-    ``pop_many``, ``pop_slots``, ``should_offload`` and ``_level_order``.
+    past the pool size given. Subclasses define ``push``, ``push_many``, ``pop``, ``_pop_n``
+    (which ``pop_many`` and ``pop_slots`` serve), ``should_offload`` and ``_level_order``.
     """
 
     __slots__ = (
@@ -149,6 +149,17 @@ class LevelQueue:
             pass
         self._len -= slots.index(s)  # the ones before it were removed
         raise KeyError(s)
+
+    def pop_many(self, n: int) -> list[tuple[int, int]]:
+        victims, priorities = self._pop_n(n)
+        return list(zip(victims, priorities, strict=True))
+
+    def pop_slots(self, n: int) -> list[int]:
+        return self._pop_n(n)[0]
+
+    def _pop_n(self, n: int) -> tuple[list[int], list[int]]:
+        """The next n victims in ``pop`` order, and their priorities."""
+        raise NotImplementedError
 
     def peek_order(self) -> list[int]:
         """Every queued slot in victim order (for tests and introspection; O(n))."""

@@ -161,13 +161,6 @@ class SegmentedPolicy(LevelQueue):
             for slot in slots:
                 self.remove(slot)
 
-    def pop_many(self, n: int) -> list[tuple[int, int]]:
-        victims, priorities = self._pop_n(n)
-        return list(zip(victims, priorities, strict=True))
-
-    def pop_slots(self, n: int) -> list[int]:
-        return self._pop_n(n)[0]
-
     def _pop_n(self, n: int) -> tuple[list[int], list[int]]:
         """n victims as ``pop`` gives them, and their priorities: runs of them from one
         segment at a time, then every victim's key joins the history, in victim order."""
@@ -343,35 +336,23 @@ class SegmentedPolicy(LevelQueue):
 
     def _append_keyed(self, fifo: Fifo, slots: list[int], keys: Sequence[BlockKey]) -> None:
         """``_append`` that also stores the slots' keys."""
-        b = self._next | fifo.id
-        self._next += STEP
-        stamp = self._stamp
+        self._append(fifo, slots)
         slot_keys = self._keys
         for s, k in zip(slots, keys, strict=True):
-            stamp[s] = b
             slot_keys[s] = k
-        fifo.batches.append((b, slots))
-        n = len(slots)
-        fifo.live += n
-        self._len += n
-        self._stored += n
 
     def _append_frequent(self, fifo: Fifo, slots: list[int],
                          keys: Sequence[BlockKey] | None, counts: list[int]) -> None:
         """``_append`` of blocks of count > 1, with their counts (and laps) and keys (None:
         the keys the slots hold)."""
-        b = self._next | fifo.id
-        self._next += STEP
-        stamp = self._stamp
+        self._append(fifo, slots)
         slot_counts = self._counts
         if keys is None:
             for s, c in zip(slots, counts, strict=True):
-                stamp[s] = b
                 slot_counts[s] = c
         else:
             slot_keys = self._keys
             for s, c, k in zip(slots, counts, keys, strict=True):
-                stamp[s] = b
                 slot_counts[s] = c
                 slot_keys[s] = k
         laps = self.MAX_LAPS
@@ -379,11 +360,6 @@ class SegmentedPolicy(LevelQueue):
             credits = self._credits
             for s, c in zip(slots, counts, strict=True):
                 credits[s] = c - 2 if c - 2 < laps else laps
-        fifo.batches.append((b, slots))
-        n = len(slots)
-        fifo.live += n
-        self._len += n
-        self._stored += n
 
     def _enqueue_each(self, lvl: Level, slots: Sequence[int], keys: Sequence[BlockKey],
                       stamps: Sequence[int]) -> None:
