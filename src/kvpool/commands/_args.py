@@ -5,6 +5,7 @@ that say what they expected, and the check that an output file can be written be
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -99,6 +100,17 @@ def log_level(text: str) -> str:
             f"unknown log level {text!r}; expected one of {', '.join(LOG_LEVELS)}"
         )
     return level
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """The ``--log-level`` option of a command that runs a service."""
+    parser.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
+                        help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
+
+
+def start_logging(level: str) -> None:
+    """Log records at ``level`` and above to stderr, each with its time and logger."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def check_writable(path: Path | None, flag: str) -> None:

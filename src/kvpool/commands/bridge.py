@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from kvpool.commands._args import LOG_LEVELS, HelpFormatter, log_level, positive_float
+from kvpool.commands._args import HelpFormatter, add_log_level, positive_float, start_logging
 from kvpool.commands._signals import stop_signals_async
 from kvpool.errors import EventFormatError, InvalidArgumentError
 from kvpool.events.nats_publisher import (
@@ -74,14 +74,12 @@ def register(subparsers: Any) -> None:
                    help=f"JetStream stream (default {DEFAULT_STREAM})")
     p.add_argument("--subject-prefix", default=DEFAULT_SUBJECT_PREFIX,
                    help=f"events go to PREFIX.WORKER (default {DEFAULT_SUBJECT_PREFIX})")
-    p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
-                   help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
+    add_log_level(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args.log_level)
     if args.replay_endpoint is not None and args.zmq is None:
         raise InvalidArgumentError("--replay-endpoint needs --zmq")
     asyncio.run(_main(args))

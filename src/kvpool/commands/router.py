@@ -19,14 +19,13 @@ import asyncio
 import contextlib
 import gc
 import importlib
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from msgspec.structs import replace
 
-from kvpool.commands._args import LOG_LEVELS, HelpFormatter, log_level, port
+from kvpool.commands._args import HelpFormatter, add_log_level, port, start_logging
 from kvpool.commands._signals import stop_signals_async
 from kvpool.router.config import ServiceConfig, load_config
 from kvpool.router.service import serve
@@ -87,14 +86,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
                    help="auto (uvloop when installed, else asyncio; the default), asyncio or "
                    "uvloop")
-    p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
-                   help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
+    add_log_level(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args.log_level)
     config = load_config(args.config)
     listen = config.listen
     if args.host is not None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import socket
 import sys
@@ -47,14 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.commands._args import (
-    LOG_LEVELS,
     HelpFormatter,
-    log_level,
+    add_log_level,
     nonneg_float,
     port,
     positive,
     positive_float,
     size,
+    start_logging,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
 from kvpool.config import EVICTION_POLICIES, EvictionConfig
@@ -158,8 +157,7 @@ def register(subparsers: Any) -> None:
                    help="on SIGINT or SIGTERM, how long requests in flight may go on before "
                    f"they are aborted (default {DEFAULT_SHUTDOWN_GRACE_S:g}; a second signal "
                    "aborts them at once)")
-    p.add_argument("--log-level", type=log_level, default="WARNING", metavar="LEVEL",
-                   help=f"{', '.join(LOG_LEVELS)} (default WARNING)")
+    add_log_level(p)
     http = p.add_argument_group("HTTP (as kvpool router's listen keys)")
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model's name in /v1/models and answers (default: the built-in "
@@ -249,8 +247,7 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args.log_level)
     cache = cache_options(args)
     http = http_options(args)
     held = hold_address(args.host, args.port)  # a busy port is refused before the model loads
