@@ -55,7 +55,7 @@ import signal
 import stat
 import threading
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -213,20 +213,7 @@ def create_pools(
 ) -> dict[int, DiskPool]:
     """One file per layer group of ``layout`` (group -> (slots, block bytes)), sized and
     locked, after removing the files of dead owners; all or none are left."""
-    total = sum(slots * size for slots, size in layout.values())
-    directory = _check_directory(path, total)
-    pools: dict[int, DiskPool] = {}
-    with _all_or_none(
-        pools, f"cannot create the disk tier ({total} bytes) under {directory!r}"
-    ), _directory_lock(directory) as dir_fd:
-        reclaim(directory, dir_fd)
-        free = shutil.disk_usage(directory).free
-        if free < total:
-            raise StorageError(
-                f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
-            )
-        for group, (slots, size) in layout.items():
-            pools[group] = _create_file(directory, dir_fd, group, slots, size)
+    pools = _pools_in(path, layout, "create the disk tier", _create_file, check_free=True)
     for pool in pools.values():
         _LIVE[id(pool)] = pool
     _install_sigterm_cleanup()
@@ -302,15 +289,31 @@ def open_persistent_pools(
     when they exist (their bytes kept, resized to the layout), created otherwise, each locked
     for as long as it is open; all or none are left open. A file another live process holds
     is a :class:`StorageError`."""
+    return _pools_in(path, layout, "open the persistent disk tier", _open_persistent,
+                     check_free=False)
+
+
+def _pools_in(
+    path: str | os.PathLike[str] | None, layout: dict[int, tuple[int, int]], what: str,
+    open_one: Callable[[str, int, int, int, int], DiskPool], *, check_free: bool,
+) -> dict[int, DiskPool]:
+    """``open_one(directory, dir_fd, group, slots, block bytes)`` for each group of
+    ``layout`` in the checked directory, under its lock, after removing the files of dead
+    owners (and, with ``check_free``, after checking the disk holds them all); all or none
+    are left open."""
     total = sum(slots * size for slots, size in layout.values())
     directory = _check_directory(path, total)
     pools: dict[int, DiskPool] = {}
     with _all_or_none(
-        pools, f"cannot open the persistent disk tier ({total} bytes) under {directory!r}"
+        pools, f"cannot {what} ({total} bytes) under {directory!r}"
     ), _directory_lock(directory) as dir_fd:
         reclaim(directory, dir_fd)
+        if check_free and (free := shutil.disk_usage(directory).free) < total:
+            raise StorageError(
+                f"disk_path {directory!r} has {free} bytes free; the disk tier needs {total}"
+            )
         for group, (slots, size) in layout.items():
-            pools[group] = _open_persistent(directory, dir_fd, group, slots, size)
+            pools[group] = open_one(directory, dir_fd, group, slots, size)
     return pools
 
 
