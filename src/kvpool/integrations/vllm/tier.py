@@ -36,7 +36,7 @@ import contextlib
 import queue
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 
 from kvpool.integrations.vllm._vllm import import_failed
 from kvpool.integrations.vllm.config import KvpoolTierConfig
@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 __all__ = ["KvpoolTier"]
+
+_Done = TypeVar("_Done", StoreDone, LoadDone)
 
 _CONFIG_INFO_KEYS: Final = ("kvpool_disk_bytes", "kvpool_remote", "kvpool_eviction_policy",
                             "kvpool_namespace")
@@ -201,24 +203,25 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         size = self._block_size_bytes
         return self._flat[chunk_id * size:(chunk_id + 1) * size]
 
-    def _chunk_ids(self, job: TransferJob, done: StoreDone | LoadDone) -> list[int] | None:
-        """The job's chunk ids; None (the job failed, its result posted) when they do not
-        match its keys or the pool, which vLLM never sends."""
+    def _accept(self, job: TransferJob, outcome: type[_Done]) -> tuple[_Done, list[int]] | None:
+        """The job's outcome (an ``outcome`` of its id and keys) and its chunk ids; None (the
+        job failed, its result posted) when the ids do not match its keys or the pool, which
+        vLLM never sends."""
+        done = outcome(job.job_id, list(job.keys))
         ids: list[int] = job.chunk_ids.tolist()
-        if len(ids) == len(job.keys) and (not ids or (
+        if len(ids) == len(done.keys) and (not ids or (
                 min(ids) >= 0 and max(ids) < self._num_chunks)):
-            return ids
-        done.failures["internal"] += len(job.keys)
+            return done, ids
+        done.failures["internal"] += len(done.keys)
         self._jobs.add(done.job_id)
         self._done.put(done)
         return None
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        done = StoreDone(job_metadata.job_id, keys)
-        ids = self._chunk_ids(job_metadata, done)
-        if ids is None:
+        if (accepted := self._accept(job_metadata, StoreDone)) is None:
             return
+        done, ids = accepted
+        keys = done.keys
         remote = self.remote
         remote_keys = ([k for k in dict.fromkeys(keys) if not remote.is_known(k)]
                        if remote is not None else [])
@@ -226,11 +229,10 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
                      self._chunk, self._done.put)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        done = LoadDone(job_metadata.job_id, keys)
-        ids = self._chunk_ids(job_metadata, done)
-        if ids is None:
+        if (accepted := self._accept(job_metadata, LoadDone)) is None:
             return
+        done, ids = accepted
+        keys = done.keys
         disk = self.disk
         if disk is not None:
             on_disk = disk.pin_many(keys)
