@@ -29,8 +29,8 @@ from typing import Any
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool.planner.capacity import ModelSpec
 from kvpool.replay.cluster import ClusterConfig, planned_cache, replay_policy
-from kvpool.replay.engine_sim import SchedulerConfig
 from kvpool.replay.report import summarize
+from kvpool.replay.simmodel import SchedulerConfig
 from kvpool.replay.workloads import SyntheticParams, Workload, generate_synthetic, load_mooncake
 from kvpool.router.scoring import DEFAULT_LOAD_WEIGHT
 

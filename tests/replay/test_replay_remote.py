@@ -11,8 +11,8 @@ import pytest
 from kvpool.cli import main
 from kvpool.errors import InvalidArgumentError
 from kvpool.replay.cluster import ClusterConfig, block_cache, replay, replay_policy
-from kvpool.replay.engine_sim import SchedulerConfig
 from kvpool.replay.report import strip_wall, summarize, to_json
+from kvpool.replay.simmodel import SchedulerConfig
 from kvpool.replay.sizing import shared_store
 from kvpool.replay.workloads import Workload, synthetic_workload
 

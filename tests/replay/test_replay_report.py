@@ -14,8 +14,8 @@ from rich.console import Console
 from kvpool.cli import main
 from kvpool.replay import synthetic_workload
 from kvpool.replay.cluster import ClusterConfig, ReplayResult, block_cache, replay
-from kvpool.replay.engine_sim import SchedulerConfig
 from kvpool.replay.report import _describe, render, to_markdown, wrap_phrases
+from kvpool.replay.simmodel import SchedulerConfig
 
 
 def small_replay(**kw: object) -> ReplayResult:

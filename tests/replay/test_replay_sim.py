@@ -30,8 +30,9 @@ from kvpool.replay.cluster import (
     replay_policy,
     workload_bounds,
 )
-from kvpool.replay.engine_sim import RequestRecord, SchedulerConfig, SimWorker, TimeModel
+from kvpool.replay.engine_sim import SimWorker
 from kvpool.replay.report import render, strip_wall, to_json, to_markdown
+from kvpool.replay.simmodel import RequestRecord, SchedulerConfig, TimeModel
 from kvpool.replay.workloads import Request, Workload, synthetic_workload
 
 SMALL_SCHED = SchedulerConfig(max_batch_size=4, max_num_tokens=16)

@@ -47,8 +47,8 @@ from kvpool.replay.cluster import (
     planned_cache,
     replay,
 )
-from kvpool.replay.engine_sim import SchedulerConfig, TimeModel, gpu_capacity, peak_blocks
 from kvpool.replay.report import render, to_json, to_markdown, write_plot
+from kvpool.replay.simmodel import SchedulerConfig, TimeModel, gpu_capacity, peak_blocks
 from kvpool.replay.workloads import (
     BUILTIN_TRACES,
     DEFAULT_TOKENS_PER_HASH_ID,

@@ -28,7 +28,7 @@ policies' full-block hit rates; partial-block reuse is reported apart.
 * Unlimited cache (:func:`workload_bounds`, one per workload): the stream has, per request in
   arrival order, the whole blocks of its prompt minus its last token (lookups), then the
   further blocks the simulator commits for it (its last prompt block and its answer, see
-  :func:`~kvpool.replay.engine_sim.committed_tokens`), which later turns reuse. No routing,
+  :func:`~kvpool.replay.simmodel.committed_tokens`), which later turns reuse. No routing,
   eviction or timing can reuse more.
 * Belady (:attr:`PolicyResult.belady`, one per policy run): Belady's optimum, with optional
   admission (``bypass``), for the cluster's total capacity (every tier of every worker) over
@@ -61,15 +61,9 @@ import xxhash
 from kvpool.errors import InvalidArgumentError
 from kvpool.events.manager import EventManager
 from kvpool.replay.bounds import BlockStream, HitRateBound, belady_hit_rate, unlimited_hit_rate
-from kvpool.replay.engine_sim import (
-    LOOKUP,
-    RequestRecord,
-    SimWorker,
-    committed_tokens,
-    output_tokens,
-    reference_group,
-)
+from kvpool.replay.engine_sim import LOOKUP, SimWorker
 from kvpool.replay.parallel import run_tasks
+from kvpool.replay.simmodel import RequestRecord, committed_tokens, output_tokens, reference_group
 from kvpool.replay.sizing import (
     TRANSPORTS,
     ClusterConfig,

@@ -61,30 +61,13 @@ from kvpool.replay.simmodel import (
     RequestRecord,
     SchedulerConfig,
     TimeModel,
-    committed_tokens,
     fits_ever,
-    gpu_capacity,
-    output_tokens,
-    peak_blocks,
     reference_group,
 )
 from kvpool.replay.simrun import DECODE, DONE, PREFILL, WAITING, SimRun, SimStep
 from kvpool.replay.workloads import Request
 
-__all__ = [
-    "INSERT",
-    "LOOKUP",
-    "RequestRecord",
-    "SchedulerConfig",
-    "SimWorker",
-    "TimeModel",
-    "committed_tokens",
-    "fits_ever",
-    "gpu_capacity",
-    "output_tokens",
-    "peak_blocks",
-    "reference_group",
-]
+__all__ = ["INSERT", "LOOKUP", "SimWorker"]
 
 LOOKUP: Final = 0
 """Access kind: the whole blocks a request reused at its first admission."""

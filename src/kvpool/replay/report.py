@@ -30,7 +30,7 @@ from kvpool import __version__
 from kvpool.errors import KVPoolError
 from kvpool.replay.bounds import HitRateBound
 from kvpool.replay.cluster import PolicyResult, ReplayResult
-from kvpool.replay.engine_sim import reference_group
+from kvpool.replay.simmodel import reference_group
 
 __all__ = [
     "TIMELINE_BINS",

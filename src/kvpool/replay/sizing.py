@@ -16,7 +16,7 @@ from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
 from kvpool.hashing.keys import HashAlgo
 from kvpool.planner.capacity import ModelSpec, PoolPlan, plan_pools
-from kvpool.replay.engine_sim import SchedulerConfig, TimeModel, reference_group
+from kvpool.replay.simmodel import SchedulerConfig, TimeModel, reference_group
 from kvpool.tiers.remote.memory import MemoryStore
 from kvpool.validation import check_int, is_int
 
