@@ -41,7 +41,6 @@ Usage: .venv/bin/python benchmarks/bench_admission.py [--quick] [--skip-w2] [--p
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import gc
 import json
@@ -51,17 +50,17 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import report
+from common import admit_held, report
 from kvpool import (
     BlockHasher,
     CacheConfig,
     HashAlgo,
     KVCacheManager,
-    OutOfBlocksError,
     SequenceRequest,
 )
 
@@ -104,36 +103,27 @@ class HashTimer:
         # a checkout from before keys_after (a baseline) commits through extend only
         self._orig_after = getattr(BlockHasher, "keys_after", None)
 
-    def __enter__(self) -> HashTimer:
-        orig_extend, orig_key = self._orig
-        orig_after = self._orig_after
+    def _timed(self, method: Callable[..., object]) -> Callable[..., object]:
+        """``method``, adding the wall time of each call to ``seconds``."""
         timer = self
 
-        def after(h: BlockHasher, keys: object, raw: object) -> object:
+        def timed(h: BlockHasher, *args: object) -> object:
             t0 = time.perf_counter()
             try:
-                return orig_after(h, keys, raw)  # type: ignore[misc,arg-type]
+                return method(h, *args)
             finally:
                 timer.seconds += time.perf_counter() - t0
 
-        def extend(h: BlockHasher, tokens: object) -> object:
-            t0 = time.perf_counter()
-            try:
-                return orig_extend(h, tokens)  # type: ignore[arg-type]
-            finally:
-                timer.seconds += time.perf_counter() - t0
+        return timed
 
-        def key(h: BlockHasher, tokens: object) -> object:
-            t0 = time.perf_counter()
-            try:
-                return orig_key(h, tokens)  # type: ignore[arg-type]
-            finally:
-                timer.seconds += time.perf_counter() - t0
-
-        BlockHasher.extend = extend  # type: ignore[method-assign,assignment]
-        BlockHasher.key_of_prefix_block = key  # type: ignore[method-assign,assignment]
-        if orig_after is not None:
-            BlockHasher.keys_after = after  # type: ignore[method-assign,assignment]
+    def __enter__(self) -> HashTimer:
+        orig_extend, orig_key = self._orig
+        BlockHasher.extend = self._timed(orig_extend)  # type: ignore[method-assign,assignment]
+        BlockHasher.key_of_prefix_block = self._timed(  # type: ignore[method-assign,assignment]
+            orig_key)
+        if self._orig_after is not None:
+            BlockHasher.keys_after = self._timed(  # type: ignore[method-assign,assignment]
+                self._orig_after)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -184,31 +174,13 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
     m = KVCacheManager(CacheConfig(
         tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo, host_blocks=host_blocks,
         eviction=EvictionConfig(policy=policy)))
-    held: collections.deque[int] = collections.deque()
-    early = 0
     gc.collect()
     if not WITH_GC:
         gc.disable()
     ht = HashTimer().__enter__()
     t0 = time.perf_counter()
     c0 = time.process_time()
-    for i, toks in enumerate(reqs):
-        while True:
-            try:
-                admit(m, SequenceRequest(i, toks))
-                break
-            except OutOfBlocksError:
-                if not held:
-                    raise
-                j = held.popleft()
-                m.remove_sequence(j)
-                early += 1
-        m.store_context_blocks(i, len(toks))
-        held.append(i)
-        if len(held) > 31:
-            m.remove_sequence(held.popleft())
-    while held:
-        m.remove_sequence(held.popleft())
+    early = admit_held(m, functools.partial(admit, m), reqs, 32)
     total = time.perf_counter() - t0
     cpu = time.process_time() - c0
     ht.__exit__()

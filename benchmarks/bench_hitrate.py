@@ -32,7 +32,6 @@ Usage: .venv/bin/python benchmarks/bench_hitrate.py [--quick] [--full] [--part a
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import json
 import sys
@@ -42,10 +41,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, report
-from kvpool.config import CacheConfig, EvictionConfig, SequenceRequest
+from common import RESULTS_DIR, admit_held, report
+from kvpool.config import CacheConfig, EvictionConfig
 from kvpool.core.manager import KVCacheManager
-from kvpool.errors import OutOfBlocksError
 from kvpool.eviction import POLICIES
 from kvpool.hashing.keys import HashAlgo
 from kvpool.replay.bounds import (
@@ -74,28 +72,12 @@ def replay(wl: Workload, policy: str, gpu: int, host: int, gate: str,
     m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=gpu, host_blocks=host,
                                    hash_algo=ALGO, **config,
                                    eviction=EvictionConfig(policy=policy, offload_gate=gate)))
-    held: collections.deque[int] = collections.deque()
-    early = 0
+    requests = [r.tokens for r in wl.requests]
     gc.collect()
     gc.disable()
     t0 = time.perf_counter()
     c0 = time.process_time()
-    for i, r in enumerate(wl.requests):
-        while True:
-            try:
-                m.add_sequence(SequenceRequest(i, r.tokens))
-                break
-            except OutOfBlocksError:
-                if not held:
-                    raise
-                m.remove_sequence(held.popleft())
-                early += 1
-        m.store_context_blocks(i, len(r.tokens))
-        held.append(i)
-        if len(held) >= HELD:
-            m.remove_sequence(held.popleft())
-    while held:
-        m.remove_sequence(held.popleft())
+    early = admit_held(m, m.add_sequence, requests, HELD)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
     gc.enable()

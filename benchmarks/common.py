@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: a rich table on stdout and a JSON file under results/.
+"""Shared benchmark plumbing: a rich table on stdout and a JSON file under results/, and the
+held-window admission loop of the trace workloads.
 
 Every benchmark runs with one command (``.venv/bin/python benchmarks/bench_X.py``) and calls
 :func:`report` once with its rows.
@@ -6,17 +7,21 @@ Every benchmark runs with one command (``.venv/bin/python benchmarks/bench_X.py`
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+
+# the public API only: bench_admission --baseline runs this with another checkout's kvpool
+from kvpool import KVCacheManager, OutOfBlocksError, SequenceRequest
 
 RESULTS_DIR = Path(
     os.environ.get("KVPOOL_RESULTS_DIR", Path(__file__).resolve().parent.parent / "results")
@@ -109,3 +114,30 @@ def _fmt(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return "" if value is None else str(value)
+
+
+def admit_held(manager: KVCacheManager, add: Callable[[SequenceRequest], object],
+               requests: Sequence[Sequence[int]], window: int) -> int:
+    """Admit the token lists in order through ``add`` (request i as ``SequenceRequest(i,
+    tokens)``), store each one's context blocks and hold it while the next ``window - 1`` are
+    admitted; a request that does not fit releases the oldest held request early and retries.
+    Every request is removed at the end. Returns the number of early releases."""
+    held: collections.deque[int] = collections.deque()
+    early = 0
+    for i, toks in enumerate(requests):
+        while True:
+            try:
+                add(SequenceRequest(i, toks))
+                break
+            except OutOfBlocksError:
+                if not held:
+                    raise
+                manager.remove_sequence(held.popleft())
+                early += 1
+        manager.store_context_blocks(i, len(toks))
+        held.append(i)
+        if len(held) >= window:
+            manager.remove_sequence(held.popleft())
+    while held:
+        manager.remove_sequence(held.popleft())
+    return early
