@@ -13,16 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from dense_reference import one_thread  # noqa: E402, F401
 from test_engine_logits import Pair, tokens  # noqa: E402
 from test_persist import crash  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("ending", ["killed", "closed"])

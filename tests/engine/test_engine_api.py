@@ -10,18 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dense_reference import one_thread  # noqa: E402, F401
+
 from engine_serve_fixtures import tiny_tokenizer  # noqa: E402
 from kvpool.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from kvpool.errors import CapacityError, InvalidArgumentError  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """Tiny models run fastest on one thread (and do not fight other processes for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(vocab: int = 256, eos: int | None = None) -> Any:

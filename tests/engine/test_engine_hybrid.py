@@ -23,9 +23,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import test_engine_logits as logits  # noqa: E402
-from test_engine_logits import MAX_DIFF, TOL, TPB, one_thread, record_schedules  # noqa: E402, F401
+from test_engine_logits import MAX_DIFF, TPB, one_thread  # noqa: E402, F401
 
-from kvpool.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
+from kvpool.engine import Engine  # noqa: E402
 
 VOCAB = 128
 
@@ -200,22 +200,8 @@ def test_step_mixes_chunked_prefills_and_decodes(name: str) -> None:
     resumes from one of those cut checkpoints."""
     pair = Pair(name, {"gpu_blocks": 64, "checkpoint_policy": "every_block"},
                 max_num_tokens=10)
-    engine = pair.engine
-    seen = record_schedules(engine)
-    params = SamplingParams(max_tokens=5, ignore_eos=True, return_logits=True)
-    engine.add_request("a", tokens(40, 5), params)
-    engine.step()
     b = tokens(41, 23)
-    engine.add_request("b", b, params)
-    engine.add_request("c", tokens(42, 3), params)
-    done: list[RequestOutput] = []
-    while engine.has_unfinished_requests():
-        done += [o for o in engine.step() if o.finished]
-    for o in done:
-        pair.check(o)
-    assert len(done) == 3
-    mixed = [s for s in seen if s.decodes and any(e - s0 > 1 for _, s0, e in s.prefills)]
-    assert mixed, "no step mixed decodes with a prefill chunk"
+    seen = logits.mix_prefills_and_decodes(pair, b, tokens, max_tokens=5)
     chunks = [(s0, e) for s in seen for r, s0, e in s.prefills if r.request_id == "b"]
     assert len(chunks) > 1 and chunks[0][1] % TPB, "b's first chunk does not end mid-block"
     cut = chunks[0][1] // TPB * TPB  # a checkpoint cut inside b's first chunk
@@ -230,18 +216,7 @@ def test_admission_onboards_while_others_reuse_host_checkpoints(name: str) -> No
     state = 1
     pair = Pair(name, {"gpu_blocks": {0: 20, state: 8}, "host_blocks": 48,
                        "checkpoint_policy": "every_block"}, max_batch_size=4)
-    first, second = tokens(60, 17), tokens(61, 13)
-    pair.run([first, second], max_tokens=3)
-    for i in range(3):
-        pair.run([tokens(70 + i, 30)], max_tokens=3)
-    before = pair.engine.manager.stats()
-    seen = record_schedules(pair.engine)
-    outs = pair.run([first[:16] + tokens(62, 2), first[:12] + tokens(63, 3),
-                     second[:12] + tokens(64, 1), tokens(65, 5)], max_tokens=4)
-    assert len(seen[0].prefills) == 4, "the four requests were not admitted in one step"
-    assert [o.cached_tokens for o in outs] == [16, 12, 12, 0]
-    after = pair.engine.manager.stats()
-    assert after.onboard_blocks - before.onboard_blocks >= 7
+    before, after = logits.onboard_while_others_reuse(pair, tokens)
     assert after.tier_hits[1] - before.tier_hits[1] >= 3
 
 
@@ -255,6 +230,4 @@ def test_model_outside_the_engine_is_transformers_own() -> None:
 
 def test_max_abs_diff_seen() -> None:
     """Runs last in this module: every comparison above was within tolerance (and ran)."""
-    assert MAX_DIFF and max(MAX_DIFF) <= TOL
-    print(f"\nengine vs dense (hybrid models): {len(MAX_DIFF)} comparisons, "
-          f"max abs diff {max(MAX_DIFF):.3g}")
+    logits.assert_all_within_tol(MAX_DIFF, "engine vs dense (hybrid models)")

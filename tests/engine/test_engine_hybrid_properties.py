@@ -5,7 +5,6 @@ arrivals, shared prefixes, checkpoints cut inside chunks, preemption, offload)."
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -13,9 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dense_reference import model_pairs, one_thread  # noqa: E402, F401
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_engine_properties import one_thread, request_st, run_workload  # noqa: E402, F401
+from test_engine_properties import run_workload, workload_st  # noqa: E402
 
 from kvpool.engine import Engine  # noqa: E402
 
@@ -34,15 +34,7 @@ def _model(kind: str) -> Any:
         linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0, **common))
 
 
-MODELS: dict[str, tuple[Any, Any]] = {}
-
-
-def models(kind: str) -> tuple[Any, Any]:
-    """(engine model, dense reference) with the same weights, built once per kind."""
-    if kind not in MODELS:
-        model = _model(kind).float().eval()
-        MODELS[kind] = (model, copy.deepcopy(model))
-    return MODELS[kind]
+models = model_pairs(_model)
 
 
 @settings(max_examples=5, deadline=None)
@@ -52,12 +44,7 @@ def models(kind: str) -> tuple[Any, Any]:
     tpb=st.sampled_from([2, 4]),
     gpu_tokens=st.integers(24, 64),
     state_slots=st.integers(5, 12),
-    host_blocks=st.sampled_from([0, 12, 40]),
-    max_batch_size=st.integers(1, 4),
-    max_num_tokens=st.integers(4, 12),
-    requests=st.lists(request_st, min_size=1, max_size=6),
-    bases=st.lists(st.lists(st.integers(1, 127), min_size=14, max_size=14), min_size=2,
-                   max_size=2),
+    **workload_st,
 )
 def test_any_hybrid_workload_gives_dense_logits(
         kind: str, policy: str, tpb: int, gpu_tokens: int, state_slots: int, host_blocks: int,

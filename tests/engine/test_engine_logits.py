@@ -22,10 +22,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dense_reference import (  # noqa: E402, F401
+    TOL,
+    assert_all_within_tol,
+    check_dense,
+    one_thread,
+)
+
+from kvpool.core.stats import CacheStats  # noqa: E402
 from kvpool.engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from kvpool.engine.scheduler import Schedule  # noqa: E402
 
-TOL = 1e-4
 # KVPOOL_TEST_DEVICE=cuda runs every scenario on the GPU (benchmarks/gpu_check.sh)
 DEVICE = os.environ.get("KVPOOL_TEST_DEVICE", "cpu")
 TPB = 4
@@ -91,18 +98,8 @@ class Pair:
 
     def check(self, out: RequestOutput) -> None:
         """Logits and greedy tokens of ``out`` against the dense forward."""
-        assert out.finished and out.logits is not None
-        prompt, gen = out.prompt_token_ids, out.token_ids
-        assert len(out.logits) == len(gen)
-        with torch.no_grad():
-            dense = self.ref(torch.tensor([prompt + gen], device=DEVICE)).logits[0]
-        n = len(prompt)
-        expected = dense[n - 1:n - 1 + len(gen)]
-        got = torch.stack(out.logits)
-        diff = float((expected - got).abs().max())
-        MAX_DIFF.append(diff)
-        assert diff <= TOL, f"{out.request_id}: max abs diff {diff}"
-        assert expected.argmax(-1).tolist() == gen
+        assert out.finished
+        check_dense(self.ref, out, device=DEVICE, diffs=MAX_DIFF)
         self.checked += 1
 
     def run(self, prompts: list[list[int]], max_tokens: int = 6) -> list[RequestOutput]:
@@ -129,15 +126,6 @@ def record_schedules(engine: Engine) -> list[Schedule]:
 
     engine.scheduler.schedule = schedule  # type: ignore[method-assign]
     return seen
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """Tiny models run fastest on one thread (and do not fight other processes for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=EVERY_SCENARIO)
@@ -221,21 +209,7 @@ def test_recompute_when_suspend_cannot_free(model_name: str) -> None:
 
 def test_step_mixes_chunked_prefills_and_decodes(model_name: str) -> None:
     pair = Pair(model_name, {"gpu_blocks": 64}, max_num_tokens=9)
-    engine = pair.engine
-    seen = record_schedules(engine)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
-    engine.add_request("a", tokens(40, 5), params)
-    engine.step()
-    engine.add_request("b", tokens(41, 23), params)
-    engine.add_request("c", tokens(42, 3), params)
-    done: list[RequestOutput] = []
-    while engine.has_unfinished_requests():
-        done += [o for o in engine.step() if o.finished]
-    for o in done:
-        pair.check(o)
-    assert len(done) == 3
-    mixed = [s for s in seen if s.decodes and any(e - b > 1 for _, b, e in s.prefills)]
-    assert mixed, "no step mixed decodes with a prefill chunk"
+    seen = mix_prefills_and_decodes(pair, tokens(41, 23), tokens, max_tokens=6)
     chunked = [b for s in seen for r, b, _ in s.prefills if r.request_id == "b" and b > 0]
     assert chunked, "the long prompt was not chunked"
 
@@ -278,6 +252,37 @@ def test_admission_onboards_while_others_reuse_host_blocks(model_name: str) -> N
     """Seed 002: one step admits requests that onboard host blocks and requests that reuse
     the same host blocks (claimed before anything is allocated); no logits change."""
     pair = Pair(model_name, {"gpu_blocks": 20, "host_blocks": 48}, max_batch_size=4)
+    onboard_while_others_reuse(pair, tokens)
+
+
+def mix_prefills_and_decodes(pair: Pair, b: list[int], tokens: Callable[[int, int], list[int]],
+                             *, max_tokens: int) -> list[Schedule]:
+    """Request "a" (5 tokens), then the long prompt ``b`` and "c" (3 tokens) a step later,
+    stepped to the end (each output checked by ``pair``); some step mixes decodes with a
+    prefill chunk. Returns the engine's schedules."""
+    engine = pair.engine
+    seen = record_schedules(engine)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, return_logits=True)
+    engine.add_request("a", tokens(40, 5), params)
+    engine.step()
+    engine.add_request("b", b, params)
+    engine.add_request("c", tokens(42, 3), params)
+    done: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    for o in done:
+        pair.check(o)
+    assert len(done) == 3
+    mixed = [s for s in seen if s.decodes and any(e - s0 > 1 for _, s0, e in s.prefills)]
+    assert mixed, "no step mixed decodes with a prefill chunk"
+    return seen
+
+
+def onboard_while_others_reuse(pair: Pair, tokens: Callable[[int, int], list[int]]
+                               ) -> tuple[CacheStats, CacheStats]:
+    """Push two prompts' blocks to the host tier, then admit in one step requests that onboard
+    them and requests that reuse the same ones (each output checked by ``pair``); at least 7
+    blocks come back from the host. Returns the manager's stats before and after that step."""
     first, second = tokens(60, 17), tokens(61, 13)
     pair.run([first, second], max_tokens=3)
     for i in range(3):
@@ -288,10 +293,11 @@ def test_admission_onboards_while_others_reuse_host_blocks(model_name: str) -> N
                      second[:12] + tokens(64, 1), tokens(65, 5)], max_tokens=4)
     assert len(seen[0].prefills) == 4, "the four requests were not admitted in one step"
     assert [o.cached_tokens for o in outs] == [16, 12, 12, 0]
-    assert pair.engine.manager.stats().onboard_blocks - before.onboard_blocks >= 7
+    after = pair.engine.manager.stats()
+    assert after.onboard_blocks - before.onboard_blocks >= 7
+    return before, after
 
 
 def test_max_abs_diff_seen() -> None:
     """Runs last in this module: every comparison above was within tolerance (and ran)."""
-    assert MAX_DIFF and max(MAX_DIFF) <= TOL
-    print(f"\nengine vs dense: {len(MAX_DIFF)} comparisons, max abs diff {max(MAX_DIFF):.3g}")
+    assert_all_within_tol(MAX_DIFF, "engine vs dense")

@@ -4,7 +4,6 @@ after every step (random arrivals, shared prefixes, preemption, chunking, window
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dense_reference import check_dense, model_pairs, one_thread  # noqa: E402, F401
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -35,23 +35,7 @@ def _model(kind: str) -> Any:
     return transformers.Gemma3ForCausalLM(cfg)
 
 
-MODELS: dict[str, tuple[Any, Any]] = {}
-
-
-def models(kind: str) -> tuple[Any, Any]:
-    """(engine model, dense reference) with the same weights, built once per kind."""
-    if kind not in MODELS:
-        model = _model(kind).float().eval()
-        MODELS[kind] = (model, copy.deepcopy(model))
-    return MODELS[kind]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+models = model_pairs(_model)
 
 
 request_st = st.tuples(
@@ -63,17 +47,23 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=14)
-@given(
-    kind=st.sampled_from(["llama", "gemma3"]),
-    tpb=st.sampled_from([2, 4]),
-    gpu_tokens=st.integers(24, 64),
+# the engine's host tier and budgets, and its workload (two 14-token base prompts)
+workload_st = dict(
     host_blocks=st.sampled_from([0, 12, 40]),
     max_batch_size=st.integers(1, 4),
     max_num_tokens=st.integers(4, 12),
     requests=st.lists(request_st, min_size=1, max_size=6),
     bases=st.lists(st.lists(st.integers(1, 127), min_size=14, max_size=14), min_size=2,
                    max_size=2),
+)
+
+
+@settings(max_examples=14)
+@given(
+    kind=st.sampled_from(["llama", "gemma3"]),
+    tpb=st.sampled_from([2, 4]),
+    gpu_tokens=st.integers(24, 64),
+    **workload_st,
 )
 def test_any_workload_gives_dense_logits(kind: str, tpb: int, gpu_tokens: int,
                                          host_blocks: int, max_batch_size: int,
@@ -114,12 +104,6 @@ def run_workload(engine: Engine, ref: Any, requests: list[tuple[int, int, list[i
         assert step < 500
     assert len(finished) == admitted
     for out in finished:
-        assert out.finish_reason == "length" and out.logits is not None
-        tokens = out.prompt_token_ids + out.token_ids
-        with torch.no_grad():
-            dense = ref(torch.tensor([tokens])).logits[0]
-        n = len(out.prompt_token_ids)
-        expected = dense[n - 1:n - 1 + len(out.token_ids)]
-        assert float((expected - torch.stack(out.logits)).abs().max()) <= 1e-4
-        assert expected.argmax(-1).tolist() == out.token_ids
+        assert out.finish_reason == "length"
+        check_dense(ref, out)
     assert not engine.manager.sequences
