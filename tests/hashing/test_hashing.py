@@ -16,7 +16,7 @@ import subprocess
 import sys
 from array import array
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import cbor2
 import numpy as np
@@ -292,6 +292,17 @@ lora_st = st.one_of(st.none(), st.integers(0, M64))
 algo_st = st.sampled_from(list(HashAlgo))
 
 
+def extend_in_pieces(hasher: BlockHasher, tokens: list[int], data: st.DataObject, *,
+                     max_cuts: int) -> list[Any]:
+    """``hasher.extend`` over ``tokens`` cut at up to ``max_cuts`` drawn places; the keys the
+    calls returned, in order."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(tokens)), max_size=max_cuts)))
+    returned: list[Any] = []
+    for start, stop in zip([0, *cuts], [*cuts, len(tokens)], strict=True):
+        returned += hasher.extend(tokens[start:stop])
+    return returned
+
+
 @pytest.mark.parametrize(
     ("salt", "lora"), [(None, None), ("s", None), (None, 7), ("tenant", 2**64 - 1), ("", 0)]
 )
@@ -418,11 +429,8 @@ def test_width_boundary_tokens_match_reference(
     data: st.DataObject,
 ) -> None:
     """Chained over several blocks, fed in pieces, with and without salt and LoRA."""
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(tokens)), max_size=4)))
     hasher = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
-    returned = []
-    for start, stop in zip([0, *cuts], [*cuts, len(tokens)], strict=True):
-        returned += hasher.extend(tokens[start:stop])
+    returned = extend_in_pieces(hasher, tokens, data, max_cuts=4)
     expected = ref_chain(algo, tokens, tpb, salt, lora)
     n_full = len(tokens) // tpb
     assert returned == expected[:n_full]
@@ -594,51 +602,56 @@ def test_incremental_equals_one_shot(
     algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None,
     data: st.DataObject,
 ) -> None:
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(tokens)), max_size=8)))
     one_shot = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
     one_shot.extend(tokens)
     inc = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
-    returned = []
-    for start, stop in zip([0, *cuts], [*cuts, len(tokens)], strict=True):
-        returned += inc.extend(tokens[start:stop])
+    returned = extend_in_pieces(inc, tokens, data, max_cuts=8)
     assert returned == inc.keys == one_shot.keys
     assert inc.partial_key() == one_shot.partial_key()
     assert inc.pending_tokens == len(tokens) % tpb
 
 
-@given(algo=algo_st, tokens=tokens_st, tpb=tpb_st, salt=salt_st, lora=lora_st, data=st.data())
-def test_resumed_continues_like_resume(
-    algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None,
-    data: st.DataObject,
-) -> None:
-    # a forked hasher (the manager's per-commit hasher) chains exactly like a fresh hasher
-    # resumed after the same keys, from a prototype whatever was fed to it before
+class Resume(NamedTuple):
+    """A hasher fed ``tokens`` whole, the block ``k`` a resumed hasher starts after, and a
+    prototype with the same settings fed any prefix of the tokens, or nothing."""
+
+    tokens: list[int]
+    tpb: int
+    full: BlockHasher
+    k: int
+    proto: BlockHasher
+
+
+@st.composite
+def resumes(draw: st.DrawFn) -> Resume:
+    algo, tokens, tpb = draw(algo_st), draw(tokens_st), draw(tpb_st)
+    salt, lora = draw(salt_st), draw(lora_st)
     full = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
     full.extend(tokens)
-    k = data.draw(st.integers(0, len(full.keys)))
+    k = draw(st.integers(0, len(full.keys)))
     proto = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
-    if data.draw(st.booleans()):
-        proto.extend(tokens[: data.draw(st.integers(0, len(tokens)))])
+    if draw(st.booleans()):
+        proto.extend(tokens[: draw(st.integers(0, len(tokens)))])
+    return Resume(tokens, tpb, full, k, proto)
+
+
+@given(case=resumes())
+def test_resumed_continues_like_resume(case: Resume) -> None:
+    # a forked hasher (the manager's per-commit hasher) chains exactly like a fresh hasher
+    # resumed after the same keys, from a prototype whatever was fed to it before
+    tokens, tpb, full, k, proto = case
     forked = proto.resumed(full.keys[:k])
     assert forked.extend(tokens[k * tpb:]) == full.keys[k:]
     assert forked.keys == full.keys
     assert forked.partial_key() == full.partial_key()
 
 
-@given(algo=algo_st, tokens=tokens_st, tpb=tpb_st, salt=salt_st, lora=lora_st, data=st.data())
-def test_keys_after_chains_like_a_resumed_hasher(
-    algo: HashAlgo, tokens: list[int], tpb: int, salt: str | None, lora: int | None,
-    data: st.DataObject,
-) -> None:
+@given(case=resumes(), data=st.data())
+def test_keys_after_chains_like_a_resumed_hasher(case: Resume, data: st.DataObject) -> None:
     # keys_after (the manager's commit: raw token bytes, no hasher per call) gives the keys a
     # resumed hasher's extend gives, whatever was fed to the prototype before
-    full = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
-    full.extend(tokens)
-    k = data.draw(st.integers(0, len(full.keys)))
+    tokens, tpb, full, k, proto = case
     upto = data.draw(st.integers(k, len(full.keys)))
-    proto = BlockHasher(algo, tpb, cache_salt=salt, lora_id=lora)
-    if data.draw(st.booleans()):
-        proto.extend(tokens[: data.draw(st.integers(0, len(tokens)))])
     raw = array("I", tokens[k * tpb:upto * tpb]).tobytes()
     assert proto.keys_after(full.keys[:k], raw) == full.keys[k:upto]
     if raw:
