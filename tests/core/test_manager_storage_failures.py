@@ -390,6 +390,13 @@ def manager(disk):
         m.add_sequence(SequenceRequest(i, list(range(100 * i, 100 * i + 9))))
         m.remove_sequence(i)
     return m
+
+def result_of(call, *args, **kwargs):  # "ok", or the message of the StorageError call raised
+    try:
+        call(*args, **kwargs)
+        return "ok"
+    except StorageError as exc:
+        return str(exc)
 """
 
 
@@ -425,11 +432,7 @@ for damage in ("truncated", "removed"):
         ("onboard", lambda: m.add_sequence(SequenceRequest("a", list(range(0, 9))))),
         ("offload", lambda: m.add_sequence(SequenceRequest("b", list(range(900, 909))))),
     ]:
-        try:
-            call()
-            outcome[damage, name] = "ok"
-        except StorageError as exc:
-            outcome[damage, name] = str(exc)
+        outcome[damage, name] = result_of(call)
         m.flush_iteration_events()
         outcome[damage, name, "unchanged"] = snapshot(m) == before and not m.get_latest_events(0)
     m.check_invariants()
@@ -524,11 +527,7 @@ soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 out = {}
 # a disk tier larger than the file size limit: refused at creation, nothing left behind
 resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
-try:
-    manager(disk)
-    out["create"] = "ok"
-except StorageError as exc:
-    out["create"] = str(exc)
+out["create"] = result_of(manager, disk)
 out["left after create"] = os.listdir(disk)
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 m = manager(disk)
@@ -536,21 +535,13 @@ m = manager(disk)
 # check could see it coming; the blocks it was offloading to disk leave the cache instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
 on_disk = sum(t == 2 for _, _, tiers in m.tree_blocks() for t in tiers)
-try:
-    m.add_sequence(SequenceRequest("b", list(range(900, 909))))
-    out["write"] = "ok"
-except StorageError as exc:
-    out["write"] = str(exc)
+out["write"] = result_of(m.add_sequence, SequenceRequest("b", list(range(900, 909))))
 m.check_invariants()
 out["registered"] = "b" in m.sequences
 out["failed copies"] = m._st.failed_copies
 out["dropped from disk"] = on_disk - sum(t == 2 for _, _, tiers in m.tree_blocks() for t in tiers)
 m.remove_sequence("b")
-try:
-    m.add_sequence(SequenceRequest("c", list(range(800, 809))))
-    out["later"] = "ok"
-except StorageError as exc:
-    out["later"] = str(exc)
+out["later"] = result_of(m.add_sequence, SequenceRequest("c", list(range(800, 809))))
 m.check_invariants()
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 m.close()
@@ -583,11 +574,8 @@ out = {}
 geometry = GroupGeometry(1, 1, 256, "float32")  # 8 KiB blocks (4 tokens)
 with open(os.path.join(disk, "filler"), "wb") as fh:
     fh.write(b"x" * (64 * 1024 - 3 * 8192))  # leaves room for fewer than 4 blocks
-try:
-    TorchStorage(4, [geometry], [[2], [2], [4]], device="cpu", disk_path=disk)
-    out["no room"] = "ok"
-except StorageError as exc:
-    out["no room"] = str(exc)
+out["no room"] = result_of(TorchStorage, 4, [geometry], [[2], [2], [4]], device="cpu",
+                        disk_path=disk)
 out["left"] = sorted(os.listdir(disk))
 os.remove(os.path.join(disk, "filler"))
 s = TorchStorage(4, [geometry], [[2], [2], [4]], device="cpu", disk_path=disk)

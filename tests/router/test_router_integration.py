@@ -7,15 +7,20 @@ its worker."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from test_router_service import FakeTrtllm, eventually, get_json, post, run, workers_by_id
+from test_router_service import (
+    FakeTrtllm,
+    eventually,
+    get_json,
+    post,
+    router_command,
+    run,
+    workers_by_id,
+)
 
 from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
@@ -81,16 +86,8 @@ def test_router_subprocess_routes_kvpool_and_trtllm_workers(tmp_path: Path) -> N
         lines.append(f"  - {{id: trt, kind: trtllm, http_base_url: '{engine.url}', "
                      f"tokens_per_block: {TPB}}}")
         cfg.write_text("\n".join(lines) + "\n")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvpool.cli", "router", "--config", str(cfg),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
         try:
-            assert proc.stdout is not None
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            base = line.split()[-1]
-            async with aiohttp.ClientSession() as s:
+            async with router_command(cfg) as base, aiohttp.ClientSession() as s:
                 async def blocks(wid: str) -> list[int]:
                     view = workers_by_id((await get_json(s, f"{base}/workers"))[1])
                     return list(view[wid]["blocks_per_tier"])
@@ -153,12 +150,7 @@ def test_router_subprocess_routes_kvpool_and_trtllm_workers(tmp_path: Path) -> N
                 status, d = await post(s, f"{base}/route", {"token_ids": toks})
                 scores: dict[str, Any] = {c["worker_id"]: c for c in d["candidates"]}
                 assert status == 200 and scores["kv1"]["matched_blocks"][0] == 0
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 20) == 0
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
             w0.pub.close()
             w1.pub.close()
             await engine.stop()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,28 @@ class FakeTrtllm:
     async def stop(self) -> None:
         assert self.runner is not None
         await self.runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def router_command(cfg: Path) -> AsyncIterator[str]:
+    """``kvpool router --config cfg`` in a subprocess: its base URL once it listens; leaving
+    the block sends SIGTERM and checks it exits 0 (a block that failed kills it)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvpool.cli", "router", "--config", str(cfg),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert line.startswith("kvpool router listening on http://127.0.0.1:"), line
+        yield line.split()[-1]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
@@ -559,17 +582,8 @@ def test_kvpool_router_command_serves_until_terminated(tmp_path: Path) -> None:
             f"  - {{id: t, kind: trtllm, http_base_url: '{engine.url}', tokens_per_block: 16}}\n"
             "  - {id: k, kind: kvpool, tokens_per_block: 16}\n"
         )
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvpool.cli", "router", "--config", str(cfg),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        )
         try:
-            assert proc.stdout is not None
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            assert line.startswith("kvpool router listening on http://127.0.0.1:"), line
-            base = line.split()[-1]
-            async with aiohttp.ClientSession() as s:
+            async with router_command(cfg) as base, aiohttp.ClientSession() as s:
                 async def indexed() -> bool:
                     view = workers_by_id((await get_json(s, f"{base}/workers"))[1])
                     return list(view["t"]["blocks_per_tier"]) == [2, 0, 0]
@@ -586,12 +600,7 @@ def test_kvpool_router_command_serves_until_terminated(tmp_path: Path) -> None:
 
                 await eventually(routed_to_t)
                 assert (await get_json(s, f"{base}/health"))[0] == 200
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 20) == 0
         finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
             await engine.stop()
 
     run(main())
