@@ -134,6 +134,36 @@ class HashTimer:
 
 def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dict[str, object]:
     reqs = w1_requests(n)
+
+    def each_alone(m: KVCacheManager) -> int:
+        for i, toks in enumerate(reqs):
+            admit(m, SequenceRequest(i, toks))
+            m.store_context_blocks(i, len(toks))
+            m.remove_sequence(i)
+        return 0
+
+    return timed_run("W1", reqs, algo, host_blocks, policy, each_alone)
+
+
+def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
+           policy: str = "lru") -> dict[str, object]:
+    from kvpool.replay.workloads import load_mooncake
+
+    wl = load_mooncake(path, limit=n)
+    reqs = [list(r.tokens) for r in wl.requests]
+    return timed_run(
+        "W2" + (f"+host{host_blocks}" if host_blocks else ""), reqs, algo, host_blocks, policy,
+        lambda m: admit_held(m, functools.partial(admit, m), reqs, 32), requests=n,
+        tier_hits=True)
+
+
+def timed_run(workload: str, reqs: list[list[int]], algo: HashAlgo, host_blocks: int,
+              policy: str, run: Callable[[KVCacheManager], int], *,
+              requests: int | None = None, tier_hits: bool = False) -> dict[str, object]:
+    """``run(manager)`` (it returns its early releases) on a fresh manager (tpb 32, 20,000 GPU
+    blocks), timed with and without the manager's hashing: the workload's row (``requests``:
+    the count it divides by, by default the token lists'; ``tier_hits``: with the GPU's and
+    the host's)."""
     m = KVCacheManager(CacheConfig(
         tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo, host_blocks=host_blocks,
         eviction=EvictionConfig(policy=policy)))
@@ -143,64 +173,28 @@ def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dic
     with HashTimer() as ht:
         t0 = time.perf_counter()
         c0 = time.process_time()
-        for i, toks in enumerate(reqs):
-            admit(m, SequenceRequest(i, toks))
-            m.store_context_blocks(i, len(toks))
-            m.remove_sequence(i)
+        early = run(m)
         total = time.perf_counter() - t0
         cpu = time.process_time() - c0
     gc.enable()
     hashing = ht.seconds
+    n = len(reqs) if requests is None else requests
     blocks = sum(-(-len(t) // TPB) for t in reqs)
     st = m.stats()
-    return {
-        "workload": "W1", "algo": algo.value, "policy": policy, "requests": n,
+    row: dict[str, object] = {
+        "workload": workload, "algo": algo.value, "policy": policy, "requests": n,
         "prompt_blocks": blocks,
         "total_s": total, "cpu_s": cpu, "hashing_s": hashing, "manager_s": total - hashing,
         "us_per_request": total / n * 1e6,
         "us_per_block_incl_hash": total / blocks * 1e6,
         "us_per_block_excl_hash": (total - hashing) / blocks * 1e6,
         "block_hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
-        "early_releases": 0, "gc": WITH_GC,
     }
-
-
-def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
-           policy: str = "lru") -> dict[str, object]:
-    from kvpool.replay.workloads import load_mooncake
-
-    wl = load_mooncake(path, limit=n)
-    reqs = [list(r.tokens) for r in wl.requests]
-    m = KVCacheManager(CacheConfig(
-        tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo, host_blocks=host_blocks,
-        eviction=EvictionConfig(policy=policy)))
-    gc.collect()
-    if not WITH_GC:
-        gc.disable()
-    ht = HashTimer().__enter__()
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    early = admit_held(m, functools.partial(admit, m), reqs, 32)
-    total = time.perf_counter() - t0
-    cpu = time.process_time() - c0
-    ht.__exit__()
-    gc.enable()
-    hashing = ht.seconds
-    blocks = sum(-(-len(t) // TPB) for t in reqs)
-    st = m.stats()
-    tiers = st.tier_hits
-    return {
-        "workload": "W2" + (f"+host{host_blocks}" if host_blocks else ""), "algo": algo.value,
-        "policy": policy,
-        "requests": n, "prompt_blocks": blocks,
-        "total_s": total, "cpu_s": cpu, "hashing_s": hashing, "manager_s": total - hashing,
-        "us_per_request": total / n * 1e6,
-        "us_per_block_incl_hash": total / blocks * 1e6,
-        "us_per_block_excl_hash": (total - hashing) / blocks * 1e6,
-        "block_hit_rate": st.hit_rate, "token_hit_rate": st.token_hit_rate,
-        "gpu_tier_hits": tiers[0], "host_tier_hits": tiers[1],
-        "early_releases": early, "gc": WITH_GC,
-    }
+    if tier_hits:
+        row["gpu_tier_hits"], row["host_tier_hits"] = st.tier_hits[0], st.tier_hits[1]
+    row["early_releases"] = early
+    row["gc"] = WITH_GC
+    return row
 
 
 def compare_policies(policies: list[str], rounds: int, n: int) -> None:
