@@ -221,9 +221,8 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         if (accepted := self._accept(job_metadata, StoreDone)) is None:
             return
         done, ids = accepted
-        keys = done.keys
         remote = self.remote
-        remote_keys = ([k for k in dict.fromkeys(keys) if not remote.is_known(k)]
+        remote_keys = ([k for k in dict.fromkeys(done.keys) if not remote.is_known(k)]
                        if remote is not None else [])
         self._submit(done.job_id, run_store, done, self.disk, ids, remote, remote_keys,
                      self._chunk, self._done.put)
