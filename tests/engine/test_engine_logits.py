@@ -192,12 +192,18 @@ def tight_pool(model_name: str) -> tuple[int, list[list[int]]]:
 def test_suspend_and_resume_mid_decode(model_name: str) -> None:
     gpu, prompts = tight_pool(model_name)
     pair = Pair(model_name, {"gpu_blocks": gpu, "host_blocks": 64}, max_batch_size=3)
-    outs = pair.run(prompts, max_tokens=20)
+    suspend_and_resume(pair, prompts, max_tokens=20)
+
+
+def suspend_and_resume(pair: Pair, prompts: list[list[int]], *, max_tokens: int) -> None:
+    """``prompts`` outgrow the GPU pool while decoding: sequences are suspended to the host
+    and resumed (none recomputed), and each generates ``max_tokens`` (checked by ``pair``)."""
+    outs = pair.run(prompts, max_tokens=max_tokens)
     assert pair.engine.scheduler.preemptions > 0
     assert pair.engine.scheduler.recomputations == 0
     stats = pair.engine.manager.stats()
     assert stats.offload_blocks > 0 and stats.onboard_blocks > 0
-    assert all(len(o.token_ids) == 20 for o in outs)
+    assert all(len(o.token_ids) == max_tokens for o in outs)
 
 
 def test_recompute_when_suspend_cannot_free(model_name: str) -> None:
