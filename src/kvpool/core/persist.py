@@ -73,7 +73,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from kvpool.core.radix import NO_SLOT, Run, SlotId
+from kvpool.core.radix import NO_SLOT, Run, SlotId, prune
 from kvpool.errors import (
     CopiesLostError,
     CopyFailedError,
@@ -200,6 +200,10 @@ class PersistentDisk:
                 "'keep_prefix' keeps the blocks recorded before the damage"
             ) from exc
         self.restored = RestoreStats()
+        layout = state.layout
+        # the groups the tree caches: attention blocks and (hybrid models) state checkpoints
+        self._groups = (*layout.self_groups, *config.state_groups)
+        self._full = [g for g in layout.self_groups if not layout.kinds[g].windowed]
         self._interval = config.disk.sync_interval_s
         self._last_sync = time.monotonic()
         self._scopes: dict[int, Scope] = {}  # id(root run) -> its scope
@@ -385,7 +389,7 @@ class PersistentDisk:
         entries = self.manifest.entries
         # popped from the end: free slots no record names first, lowest numbers first
         free = {g: sorted(m.pools[_DISK][g].free, key=lambda s: (s in recorded, s), reverse=True)
-                for g in m.layout.self_groups
+                for g in self._groups
                 for recorded in [{slot for group, slot in entries if group == g}]}
         copies: list[BlockCopy] = []
         spilled: list[tuple[int, SlotId, Run, int]] = []
@@ -395,7 +399,7 @@ class PersistentDisk:
                 run = stack.pop()
                 stack += run.children.values()
                 for j in range(len(run.keys)):
-                    for g in m.layout.self_groups:
+                    for g in self._groups:
                         t, slot = run.tier[g][j], run.slot[g][j]
                         if slot != NO_SLOT and t != _DISK and free[g]:
                             dst = free[g].pop()
@@ -425,7 +429,7 @@ class PersistentDisk:
         """Re-index the manifest's trusted blocks into the (empty) tree as disk-resident and
         rewrite the manifest to exactly them, parents before children (module docstring)."""
         blocks = self._trusted_blocks()
-        kept = self._build(blocks)
+        kept = self._drop_unreachable_checkpoints(self._build(blocks))
         self._enqueue(kept, blocks)
         entries, paths = self.manifest.entries, self.manifest.paths
         placed: list[tuple[int, int]] = [
@@ -452,9 +456,11 @@ class PersistentDisk:
         config = m.config
         disk_slots = config.slots[_DISK]
         by_group: dict[int, list[ManifestEntry]] = {}
+        state = config.state_groups
         for e in self.manifest.entries.values():
-            usable = (e.group in m.layout.self_groups and e.slot < disk_slots[e.group]
-                      and 0 < len(e.tokens) <= config.tokens_per_block)
+            usable = (e.group in self._groups and e.slot < disk_slots[e.group]
+                      and 0 < len(e.tokens) <= config.tokens_per_block
+                      and (e.group not in state or len(e.tokens) == config.tokens_per_block))
             if usable:
                 by_group.setdefault(e.group, []).append(e)
             else:
@@ -522,6 +528,32 @@ class PersistentDisk:
                 kept.append((run, blocks[key].scope))
                 stack += [(run, k) for k in reversed(kids)]
         return kept
+
+    def _drop_unreachable_checkpoints(
+            self, kept: list[tuple[Run, Scope]]) -> list[tuple[Run, Scope]]:
+        """A restored checkpoint (a hybrid model's state group) is kept only where every
+        full-attention block of its prefix was restored with its bytes (a checkpoint is
+        served with its prefix's attention blocks, ``kvpool.core.checkpoints``); the others
+        are left out (counted as ``orphaned``: their slots stay free), and the slotless tails
+        they leave pruned. Returns the runs still in the tree."""
+        state = self._st.config.state_groups
+        if not state:
+            return kept
+        cut: list[Run] = []
+        ok_at: dict[int, bool] = {}  # id(run) -> every full block of the run and above slotted
+        for run, _ in kept:  # parents before children
+            parent = run.parent
+            ok = parent is None or parent.parent is None or ok_at.get(id(parent), False)
+            for j in range(len(run.keys)):
+                ok = ok and all(run.slot[g][j] != NO_SLOT for g in self._full)
+                if not ok and any(run.slot[g][j] != NO_SLOT for g in state):
+                    for g in state:
+                        run.slot[g][j] = NO_SLOT
+                    cut.append(run)
+            ok_at[id(run)] = ok
+        for run in reversed(cut):
+            prune(run)
+        return [(run, scope) for run, scope in kept if run.alive]
 
     def _new_run(self, parent: Run, chain: list[BlockKey],
                  blocks: dict[BlockKey, _Block]) -> Run | None:
