@@ -44,6 +44,12 @@ priority, in manifest order, and are announced as stored events on the disk tier
 is then rewritten to exactly what was re-indexed, parents before children (a torn tail later
 loses leaves first).
 
+Hybrid models' checkpoints (``CacheConfig.state_groups``, :mod:`kvpool.core.checkpoints`) are
+recorded, spilled and restored like blocks, under their state group (a full block's tokens
+only); a restored checkpoint is kept only where every full-attention block of its prefix was
+restored with its bytes, else it is left out (``orphaned``): a checkpoint is never served
+without its prefix.
+
 Durability: records are written with ``write(2)`` at the end of each call, so they survive the
 process (SIGKILL included); the disk files and then the manifest are fsynced every
 ``disk.sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
@@ -73,7 +79,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from kvpool.core.radix import NO_SLOT, Run, SlotId, prune
+from kvpool.core.radix import NO_SLOT, Run, SlotId
+from kvpool.core.state_groups import drop_unreachable
 from kvpool.errors import (
     CopiesLostError,
     CopyFailedError,
@@ -429,7 +436,10 @@ class PersistentDisk:
         """Re-index the manifest's trusted blocks into the (empty) tree as disk-resident and
         rewrite the manifest to exactly them, parents before children (module docstring)."""
         blocks = self._trusted_blocks()
-        kept = self._drop_unreachable_checkpoints(self._build(blocks))
+        kept = self._build(blocks)
+        if self._st.config.state_groups:  # a checkpoint only below its restored prefix
+            drop_unreachable([run for run, _ in kept], self._full, self._st.config.state_groups)
+            kept = [(run, scope) for run, scope in kept if run.alive]
         self._enqueue(kept, blocks)
         entries, paths = self.manifest.entries, self.manifest.paths
         placed: list[tuple[int, int]] = [
@@ -528,32 +538,6 @@ class PersistentDisk:
                 kept.append((run, blocks[key].scope))
                 stack += [(run, k) for k in reversed(kids)]
         return kept
-
-    def _drop_unreachable_checkpoints(
-            self, kept: list[tuple[Run, Scope]]) -> list[tuple[Run, Scope]]:
-        """A restored checkpoint (a hybrid model's state group) is kept only where every
-        full-attention block of its prefix was restored with its bytes (a checkpoint is
-        served with its prefix's attention blocks, ``kvpool.core.checkpoints``); the others
-        are left out (counted as ``orphaned``: their slots stay free), and the slotless tails
-        they leave pruned. Returns the runs still in the tree."""
-        state = self._st.config.state_groups
-        if not state:
-            return kept
-        cut: list[Run] = []
-        ok_at: dict[int, bool] = {}  # id(run) -> every full block of the run and above slotted
-        for run, _ in kept:  # parents before children
-            parent = run.parent
-            ok = parent is None or parent.parent is None or ok_at.get(id(parent), False)
-            for j in range(len(run.keys)):
-                ok = ok and all(run.slot[g][j] != NO_SLOT for g in self._full)
-                if not ok and any(run.slot[g][j] != NO_SLOT for g in state):
-                    for g in state:
-                        run.slot[g][j] = NO_SLOT
-                    cut.append(run)
-            ok_at[id(run)] = ok
-        for run in reversed(cut):
-            prune(run)
-        return [(run, scope) for run, scope in kept if run.alive]
 
     def _new_run(self, parent: Run, chain: list[BlockKey],
                  blocks: dict[BlockKey, _Block]) -> Run | None:
