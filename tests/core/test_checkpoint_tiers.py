@@ -320,3 +320,32 @@ def test_a_short_manifest_never_serves_a_wrong_checkpoint(tmp_path: Path) -> Non
         m.check_invariants()
         m.close()
     assert 0 < served < cuts  # the whole manifest serves it, a cut one loses it at last
+
+
+def test_a_restored_disk_checkpoint_is_claimed_against_the_same_steps_evictions(
+        tmp_path: Path) -> None:
+    """Two-phase admission after a restart: request q resumes from the restored checkpoint
+    (the disk tier's only state slot) while the running slots of the step evict the GPU's
+    checkpoint to the host, and the host's towards the disk: q's claim keeps its slot."""
+    cfg = _cfg(gpu_blocks=[32, 2], host_blocks=[16, 1], disk_blocks=[32, 1],
+               disk=DiskConfig(path=str(tmp_path), persistent=True))
+    m = KVCacheManager(cfg)
+    state, attn = _save(m)
+    m.close()
+    m = KVCacheManager(cfg)
+    assert m.slot_usage(2, 1)["evictable"] == 1
+    for x, seq in enumerate(("h", "o")):  # a checkpoint on the host, one on the GPU
+        _save(m, seq, 30.0 + x, [600 + 40 * x + i for i in range(20)])
+    assert [m.slot_usage(t, 1)["evictable"] for t in range(3)] == [1, 1, 1]
+    res = m.add_sequence_batch([SequenceRequest("q", QUERY),
+                                SequenceRequest("c", [900 + i for i in range(9)])])
+    assert [r.reused_tokens for r in res] == [16, 0]
+    slot = res[0].block_ids[1][0][0]
+    for part, want in zip(m.tensors(1), state, strict=True):
+        assert torch.equal(part[slot], want)
+    assert torch.equal(m.tensors(0)[res[0].block_ids[0][0][:4]], attn)
+    # o's checkpoint went to the host, pushing h's towards the disk: dropped there
+    assert m.count_reusable_tokens([*range(600, 617), 0]) == 0
+    assert m.count_reusable_tokens([*range(640, 657), 0]) == 16
+    m.check_invariants()
+    m.close()
