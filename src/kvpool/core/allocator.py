@@ -232,7 +232,7 @@ def evict(state: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
     state.stats.evicted(1, 1)
     if state.config.state_groups and not state.layout.kinds[g].windowed:
         # checkpoints at and below a lost attention block
-        _drop_orphans(state, [(run, i), *_blocks_below(run, i)])
+        _drop_orphans(state, [(run, i), *_blocks_below(run, i)], offload)
     if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
         state.emit.removed(g, [run.keys[i]])
         if not run.has_slot(i):
@@ -253,12 +253,13 @@ def _drop_below(state: CacheState, g: int, run: Run, i: int, offload: bool) -> l
     return _drop_queued(state, g, _blocks_below(run, i), offload)
 
 
-def _drop_orphans(state: CacheState, blocks: list[tuple[Run, int]]) -> None:
+def _drop_orphans(state: CacheState, blocks: list[tuple[Run, int]],
+                  offload: bool = False) -> None:
     """A full-attention block left the cache (the first of ``blocks``, the others below it):
     the queued recurrent-state checkpoints there can never be matched again, so they go too
-    (``kvpool.core.state_groups``)."""
+    (``kvpool.core.state_groups``); with ``offload`` to the remote tier, as their block."""
     for h in state.config.state_groups:
-        state.emit.removed(h, _drop_queued(state, h, blocks, False))
+        state.emit.removed(h, _drop_queued(state, h, blocks, offload))
 
 
 def _drop_queued(state: CacheState, g: int, blocks: list[tuple[Run, int]],

@@ -225,6 +225,8 @@ class CheckpointBook:
             pool.place(s, run, i)
             pool.enqueue(s, run.priority(i), key=run.keys[i])
             st.emit.stored(g, [(run, i, i + 1)], seq.lora_id)
+            if st.remote is not None:  # remote tier: write-through of the checkpoint
+                st.remote.checkpointed(g, s, run, i)
             saved[g] = s
         if self.policy in ("last", "marconi") and num_tokens not in self._kept(seq.seq_id):
             old = self.provisional.pop(seq.seq_id, None)

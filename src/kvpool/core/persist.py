@@ -44,6 +44,12 @@ priority, in manifest order, and are announced as stored events on the disk tier
 is then rewritten to exactly what was re-indexed, parents before children (a torn tail later
 loses leaves first).
 
+Hybrid models' checkpoints (``CacheConfig.state_groups``, :mod:`kvpool.core.checkpoints`) are
+recorded, spilled and restored like blocks, under their state group (a full block's tokens
+only); a restored checkpoint is kept only where every full-attention block of its prefix was
+restored with its bytes, else it is left out (``orphaned``): a checkpoint is never served
+without its prefix.
+
 Durability: records are written with ``write(2)`` at the end of each call, so they survive the
 process (SIGKILL included); the disk files and then the manifest are fsynced every
 ``disk.sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
@@ -74,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId
+from kvpool.core.state_groups import drop_unreachable
 from kvpool.errors import (
     CopiesLostError,
     CopyFailedError,
@@ -200,6 +207,10 @@ class PersistentDisk:
                 "'keep_prefix' keeps the blocks recorded before the damage"
             ) from exc
         self.restored = RestoreStats()
+        layout = state.layout
+        # the groups the tree caches: attention blocks and (hybrid models) state checkpoints
+        self._groups = (*layout.self_groups, *config.state_groups)
+        self._full = [g for g in layout.self_groups if not layout.kinds[g].windowed]
         self._interval = config.disk.sync_interval_s
         self._last_sync = time.monotonic()
         self._scopes: dict[int, Scope] = {}  # id(root run) -> its scope
@@ -385,7 +396,7 @@ class PersistentDisk:
         entries = self.manifest.entries
         # popped from the end: free slots no record names first, lowest numbers first
         free = {g: sorted(m.pools[_DISK][g].free, key=lambda s: (s in recorded, s), reverse=True)
-                for g in m.layout.self_groups
+                for g in self._groups
                 for recorded in [{slot for group, slot in entries if group == g}]}
         copies: list[BlockCopy] = []
         spilled: list[tuple[int, SlotId, Run, int]] = []
@@ -395,7 +406,7 @@ class PersistentDisk:
                 run = stack.pop()
                 stack += run.children.values()
                 for j in range(len(run.keys)):
-                    for g in m.layout.self_groups:
+                    for g in self._groups:
                         t, slot = run.tier[g][j], run.slot[g][j]
                         if slot != NO_SLOT and t != _DISK and free[g]:
                             dst = free[g].pop()
@@ -426,6 +437,9 @@ class PersistentDisk:
         rewrite the manifest to exactly them, parents before children (module docstring)."""
         blocks = self._trusted_blocks()
         kept = self._build(blocks)
+        if self._st.config.state_groups:  # a checkpoint only below its restored prefix
+            drop_unreachable([run for run, _ in kept], self._full, self._st.config.state_groups)
+            kept = [(run, scope) for run, scope in kept if run.alive]
         self._enqueue(kept, blocks)
         entries, paths = self.manifest.entries, self.manifest.paths
         placed: list[tuple[int, int]] = [
@@ -452,9 +466,11 @@ class PersistentDisk:
         config = m.config
         disk_slots = config.slots[_DISK]
         by_group: dict[int, list[ManifestEntry]] = {}
+        state = config.state_groups
         for e in self.manifest.entries.values():
-            usable = (e.group in m.layout.self_groups and e.slot < disk_slots[e.group]
-                      and 0 < len(e.tokens) <= config.tokens_per_block)
+            usable = (e.group in self._groups and e.slot < disk_slots[e.group]
+                      and 0 < len(e.tokens) <= config.tokens_per_block
+                      and (e.group not in state or len(e.tokens) == config.tokens_per_block))
             if usable:
                 by_group.setdefault(e.group, []).append(e)
             else:

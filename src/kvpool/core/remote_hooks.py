@@ -9,7 +9,8 @@ points of its calls (each a marked line: :mod:`kvpool.core.allocator`, :mod:`kvp
   colder local slot, or that tier is the last one). With ``remote.write="evict"`` it is noted
   for writing; in either mode it is noted for an event saying it is now held remotely.
 - :meth:`ManagerRemote.stored`: a sequence committed blocks; with ``remote.write="store"``
-  they are noted for writing (write-through).
+  they are noted for writing (write-through); :meth:`ManagerRemote.checkpointed` the same for
+  a hybrid model's new checkpoint (:mod:`kvpool.core.checkpoints`).
 - :meth:`ManagerRemote.before_copies`: the call's bookkeeping is done and its copies are
   about to run. The noted blocks' bytes are still in their slots (a slot freed or reused
   during a call is only overwritten by the call's copies, or by the engine after the call):
@@ -20,6 +21,13 @@ points of its calls (each a marked line: :mod:`kvpool.core.allocator`, :mod:`kvp
 A block whose slot a copy of the same call was still filling (moved down a tier and evicted
 again in one call) is read where that copy reads it (copies are forwarded, so their sources
 hold the bytes the call began with until the copies run).
+
+Checkpoints (hybrid models, docs/hybrid.md) travel as blocks do: a checkpoint is its state
+group's value under its prefix's last block key (``kvp:<scope>:<key>:<state group>``: never
+an attention block's key), its namespace names the state geometry (shapes, dtypes), so a
+store written by a manager of another geometry is never read as valid. It is written when it
+leaves its last local slot (``evict`` mode; a checkpoint dropped because its prefix's
+attention block left goes with that block) or when saved (``store`` mode).
 
 Events: a block handed to the remote tier is announced as stored on
 :data:`~kvpool.events.model.REMOTE_CACHE_LEVEL` (vLLM medium
@@ -66,6 +74,8 @@ class RemoteStats:
     """Blocks (per layer group) brought into local slots by ``prefetch``."""
     prefetched_bytes: int = 0
     prefetched_tokens: int = 0
+    prefetched_checkpoints: int = 0
+    """Checkpoints (per state group) brought into local slots by ``prefetch``."""
     rejected_values: int = 0
     """Remote values refused on read (missing between lookup and read, damaged, foreign)."""
     errors: int = 0
@@ -81,8 +91,33 @@ class RemoteStats:
     ``noeviction``, a read-only replica): reads and ``prefetch`` went on."""
 
 
+def _as_bytes(t: Any) -> bytes:
+    """The bytes of one tensor (a slot, or a part of a state slot)."""
+    import torch
+
+    flat = t.contiguous().view(torch.uint8).reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return bytes(flat.numpy().data)
+
+
+def _into(dst: Any, payload: memoryview) -> None:
+    """Copy ``payload`` into one tensor (a slot, or a part of a state slot)."""
+    import numpy as np
+    import torch
+
+    raw = dst.view(torch.uint8).reshape(-1)
+    src = np.frombuffer(payload, dtype=np.uint8)
+    if raw.device.type == "cpu":
+        raw.numpy()[:] = src
+    else:
+        raw.copy_(torch.from_numpy(src.copy()))
+
+
 def read_block(storage: Any, tier: int, g: int, slot: int) -> bytes:
-    """A snapshot of one slot's bytes (empty for metadata-only storage)."""
+    """A snapshot of one slot's bytes (empty for metadata-only storage). A state group's slot
+    (a hybrid model's checkpoint) is its parts at their offsets (``StateGeometry.parts``),
+    ``block_bytes`` in all, as the disk tier stores it."""
     tensors = getattr(storage, "tensors", None)
     if tensors is None:
         return b""
@@ -92,13 +127,14 @@ def read_block(storage: Any, tier: int, g: int, slot: int) -> bytes:
             buf = bytearray(pool.block_bytes)
             pool.read([slot], [memoryview(buf)])
             return bytes(buf)
-    t = tensors(g, tier)[slot]
-    import torch
-
-    flat = t.contiguous().view(torch.uint8).reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return bytes(flat.numpy().data)
+    views = tensors(g, tier)
+    if isinstance(views, tuple):  # a state group: typed views of the byte pool
+        geometry = storage.geometries[g]
+        out = bytearray(geometry.block_bytes())
+        for (off, n, _, _), part in zip(geometry.parts(), views, strict=True):
+            out[off:off + n] = _as_bytes(part[slot])
+        return bytes(out)
+    return _as_bytes(views[slot])
 
 
 def write_block(storage: Any, tier: int, g: int, slot: int, payload: memoryview) -> None:
@@ -106,15 +142,12 @@ def write_block(storage: Any, tier: int, g: int, slot: int, payload: memoryview)
     tensors = getattr(storage, "tensors", None)
     if tensors is None:
         return
-    import numpy as np
-    import torch
-
-    dst = tensors(g, tier)[slot].view(torch.uint8).reshape(-1)
-    src = np.frombuffer(payload, dtype=np.uint8)
-    if dst.device.type == "cpu":
-        dst.numpy()[:] = src
-    else:
-        dst.copy_(torch.from_numpy(src.copy()))
+    views = tensors(g, tier)
+    if isinstance(views, tuple):  # a state group (read_block)
+        for (off, n, _, _), part in zip(storage.geometries[g].parts(), views, strict=True):
+            _into(part[slot], payload[off:off + n])
+        return
+    _into(views[slot], payload)
 
 
 @dataclass(slots=True)
@@ -202,6 +235,20 @@ class ManagerRemote:
                 if s != NO_SLOT:
                     self._noted.append(_Noted(scope, seq.keys[b], 0, g, s, True, None))
 
+    def checkpointed(self, g: int, slot: int, run: Run, i: int) -> None:
+        """A checkpoint of state group g was saved into GPU slot ``slot`` (block i of
+        ``run``); with ``remote.write="store"`` it is noted for writing. Its bytes are read
+        where the call's copy into that slot reads them (the running slot)."""
+        if self.mode != "store":
+            return
+        t = 0
+        copy = self.state.copies.filling(0, g, slot)
+        if copy is not None:
+            t, slot = copy.src_tier, copy.src_slot
+        lora, salt = self.scope_of(run)
+        self._noted.append(_Noted(self.tier.scope(lora, salt), run.keys[i], t, g, slot, True,
+                                  None))
+
     def before_copies(self) -> None:
         """Snapshot and queue the noted blocks, emit their events (module docstring)."""
         if not self._noted:
@@ -238,6 +285,7 @@ class ManagerRemote:
         return RemoteStats(
             s.offloaded_blocks, s.offloaded_bytes, s.prefetch_calls,
             s.prefetched_blocks, s.prefetched_bytes, s.prefetched_tokens,
+            s.prefetched_checkpoints,
             sum(self.tier.codec.rejected.values()) - self.tier.codec.rejected["missing"],
             s.errors, s.last_error, w.written, w.failed, w.dropped, self.writer.pending,
             w.refused,

@@ -16,6 +16,17 @@ For each request, in order:
    cached, unreferenced blocks in the tier's eviction queue, announced by stored events on
    that tier; unused claimed slots go back to the free list.
 
+Hybrid models (``CacheConfig.state_groups``, docs/hybrid.md): a request's prefix is reusable
+only up to a checkpoint, so after its attention blocks each request also gets the deepest
+checkpoint that ends a prefix of its local attention match, past its deepest local one
+(:func:`_prefetch_checkpoint`): one existence round trip over the candidate boundaries
+(deepest first), the first whose value in every state group verifies is read, a slot per state
+group of the prefetch tier is claimed and the path matched again (its attention blocks must
+still all hold a slot), and the checkpoint enters the tree there as a cached, queued slot,
+announced on that tier. Admission then claims it like any checkpoint of that tier (two-phase:
+no allocation of the same step can evict it). The count returned is then the tokens that
+became reusable (the checkpoint cut of the local match, after minus before).
+
 Admission then sees the prefetched blocks like any cached block: ``plan_batch`` and
 ``add_sequence_batch`` agree exactly, as ever. A :class:`~kvpool.errors.RemoteTierError`
 (server down or slow) is counted and that request gets 0; nothing local is lost.
@@ -34,6 +45,7 @@ from kvpool.core.allocator import lower_slot
 from kvpool.core.commit import reindex
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId, match_full
 from kvpool.core.remote_hooks import write_block
+from kvpool.core.state_groups import checkpoint_cut
 from kvpool.errors import InvalidArgumentError, RemoteTierError
 from kvpool.hashing.keys import BlockHasher, BlockKey
 
@@ -106,30 +118,99 @@ def prefetch(state: CacheState, remote: ManagerRemote | None, lock: AbstractCont
     if remote is None:
         return [0] * len(reqs)
     out: list[int] = []
-    groups = list(state.layout.self_groups)
     remote.stats.prefetch_calls += 1
+    hybrid = bool(state.config.state_groups) and state.config.enable_block_reuse
     for r in reqs:
-        with lock:
-            plan = _plan(state, r) if state.config.enable_block_reuse else None
-        if plan is None:
-            out.append(0)
-            continue
-        scope = remote.tier.scope(r.lora_id, r.cache_salt)
-        try:
-            blocks = remote.tier.fetch_continuation(scope, plan.keys[plan.local:], groups)
-        except RemoteTierError as e:
-            remote.failed(e)
-            out.append(0)
-            continue
-        blocks = _valid(state, blocks, groups)
-        if not blocks:
-            out.append(0)
+        if not hybrid:
+            out.append(_prefetch_blocks(state, remote, lock, r) * state.layout.tpb)
             continue
         with lock:
-            made = _install(state, remote, r, plan, blocks)
-        out.append(made * state.layout.tpb)
-        remote.stats.prefetched_tokens += made * state.layout.tpb
+            before = _reusable(state, r)
+        _prefetch_blocks(state, remote, lock, r)
+        _prefetch_checkpoint(state, remote, lock, r)
+        with lock:
+            out.append(max(0, _reusable(state, r) - before) * state.layout.tpb)
     return out
+
+
+def _prefetch_blocks(state: CacheState, remote: ManagerRemote, lock: AbstractContextManager[Any],
+                     r: SequenceRequest) -> int:
+    """The request's remote continuation of its attention blocks; the blocks made local."""
+    groups = list(state.layout.self_groups)
+    with lock:
+        plan = _plan(state, r) if state.config.enable_block_reuse else None
+    if plan is None:
+        return 0
+    scope = remote.tier.scope(r.lora_id, r.cache_salt)
+    try:
+        blocks = remote.tier.fetch_continuation(scope, plan.keys[plan.local:], groups)
+    except RemoteTierError as e:
+        remote.failed(e)
+        return 0
+    blocks = _valid(state, blocks, groups)
+    if not blocks:
+        return 0
+    with lock:
+        made = _install(state, remote, r, plan, blocks)
+    remote.stats.prefetched_tokens += made * state.layout.tpb
+    return made
+
+
+def _reusable(state: CacheState, r: SequenceRequest) -> int:
+    """Blocks of the request's local match that end on a checkpoint (manager locked)."""
+    path, n = local_blocks(state, r, (len(r.tokens) - 1) // state.layout.tpb)
+    return checkpoint_cut(state.config.state_groups, path, n)
+
+
+def _prefetch_checkpoint(state: CacheState, remote: ManagerRemote,
+                         lock: AbstractContextManager[Any], r: SequenceRequest) -> bool:
+    """The deepest remote checkpoint past the request's local one that ends a prefix of its
+    local attention match, installed (module docstring). Whether one was."""
+    groups = list(state.config.state_groups)
+    with lock:
+        path, n = local_blocks(state, r, (len(r.tokens) - 1) // state.layout.tpb)
+        have = checkpoint_cut(groups, path, n)
+        keys = [run.keys[j] for run, a, b in path for j in range(a, b)][have:n]
+    if not keys:
+        return False
+    keys.reverse()  # deepest first
+    scope = remote.tier.scope(r.lora_id, r.cache_salt)
+    try:
+        found = remote.tier.fetch_first(scope, keys, groups)
+    except RemoteTierError as e:
+        remote.failed(e)
+        return False
+    if found is None or not _valid(state, [found[1]], groups):
+        return False
+    end = n - found[0]  # blocks of the prefix the checkpoint ends
+    with lock:
+        return _install_checkpoint(state, remote, r, end, found[1])
+
+
+def _install_checkpoint(state: CacheState, remote: ManagerRemote, r: SequenceRequest,
+                        end: int, payloads: list[memoryview]) -> bool:
+    """Put a fetched checkpoint (one payload per state group) at block ``end - 1`` of the
+    request's path, if that prefix's attention blocks still all hold a slot."""
+    state.check_storage()
+    t = 1 if state.layout.tiers > 1 else 0
+    groups = list(state.config.state_groups)
+    claimed = _claim(state, t, groups, 1)
+    path, local = local_blocks(state, r, end)
+    placed = 0
+    if local >= end and all(claimed.values()):
+        run, _, b = path[-1]
+        j = b - 1
+        for gi, g in enumerate(groups):
+            if run.slot[g][j] == NO_SLOT:
+                _put(state, t, g, claimed[g].pop(), run, j, payloads[gi])
+                state.emit.stored(g, [(run, j, j + 1)], r.lora_id)
+                remote.stats.prefetched_bytes += len(payloads[gi])
+                placed += 1
+    for g in groups:
+        state.pools[t][g].give(claimed[g])
+    state.emit.flush_removed()
+    remote.stats.prefetched_checkpoints += placed
+    return placed > 0
 
 
 def _valid(state: CacheState, blocks: list[list[memoryview]],

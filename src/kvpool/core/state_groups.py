@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvpool.config import SequenceRequest
-from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId
+from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId, prune
 
 
 class StateGroup:
@@ -140,3 +140,23 @@ def plan_needs(view: _View, p: _Plan, g: int, claims: _Claims) -> int:
     p.queued[g] = queued
     claims.claim(g, queued)
     return beams
+
+
+def drop_unreachable(runs: list[Run], full: Sequence[int], state_groups: Sequence[int]) -> None:
+    """Clear the checkpoints of ``runs`` (new runs, parents before children, their slots not
+    yet in any pool: a warm restart, :mod:`kvpool.core.persist`) that sit below a block
+    lacking a slot in a full-attention group of ``full``, and prune the slotless tails left."""
+    ok_at: dict[int, bool] = {}  # id(run) -> every full block of the run and above slotted
+    cut: list[Run] = []
+    for run in runs:
+        parent = run.parent
+        ok = parent is None or parent.parent is None or ok_at.get(id(parent), False)
+        for j in range(len(run.keys)):
+            ok = ok and all(run.slot[g][j] != NO_SLOT for g in full)
+            if not ok and any(run.slot[g][j] != NO_SLOT for g in state_groups):
+                for g in state_groups:
+                    run.slot[g][j] = NO_SLOT
+                cut.append(run)
+        ok_at[id(run)] = ok
+    for run in reversed(cut):
+        prune(run)

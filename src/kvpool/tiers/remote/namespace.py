@@ -5,8 +5,9 @@ Two engines may exchange a block's bytes only when the bytes mean the same thing
 
 - the model (a caller-given name, e.g. a model id and revision: geometry alone does not tell a
   fine-tune from its base),
-- per layer group its kind (full attention, a window of n tokens, cross attention) and its KV
-  geometry (layers, KV heads, head dim, dtype),
+- per layer group its kind (full attention, a window of n tokens, cross attention, recurrent
+  state) and its geometry (layers, KV heads, head dim, dtype; a state group's layers, array
+  shapes and dtypes: a hybrid model's checkpoints, docs/hybrid.md),
 - tokens per block and the block-key hash algorithm.
 
 A :class:`ScopeNamespace` narrows it to one reuse scope (LoRA id, cache salt): the v2 root key
@@ -14,7 +15,9 @@ of the scope (sha256 of its LoRA id and salt id) names the scope for every algor
 vLLM mix the scope into the first block instead, so their roots do not differ by scope). Two
 namespaces are equal exactly when their :attr:`digest` bytes are.
 
-A block's remote key is ``kvp:<scope digest, hex>:<full chained key, hex>:<layer group>``: the
+A block's remote key is ``kvp:<scope digest, hex>:<full chained key, hex>:<layer group>``
+(a hybrid model's checkpoint is its state group's value under its prefix's last block key, so
+it never collides with that block's attention bytes): the
 whole key (a 64-bit projection would let two blocks collide), in its canonical byte form
 (:func:`key_bytes`), hex so that no byte of it is a Redis Cluster hash-tag brace: the keys of
 one namespace spread over every slot of a cluster.
@@ -30,6 +33,7 @@ from typing import Any, Final, Protocol
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.hashing.keys import BlockKey, HashAlgo, cache_salt_id, hash_algo, v2_root_key
+from kvpool.tiers.storage import StateGeometry
 from kvpool.validation import check_int, check_u64
 
 
@@ -71,15 +75,21 @@ def key_bytes(algo: HashAlgo, key: BlockKey) -> bytes:
 
 def _group_entries(config: LayoutSource) -> list[dict[str, object]]:
     cross = set(config.cross_attention_groups)
+    state = set(getattr(config, "state_groups", ()))
     geometry = config.layer_geometry
     groups: list[dict[str, object]] = []
     for g, window in enumerate(config.window_sizes):
-        kind = "cross" if g in cross else ("full" if window is None else f"window:{window}")
+        kind = ("state" if g in state else "cross" if g in cross
+                else ("full" if window is None else f"window:{window}"))
         entry: dict[str, object] = {"kind": kind}
         if geometry is not None:
             geo = geometry[g]
-            entry.update(layers=geo.num_layers, kv_heads=geo.kv_heads, head_dim=geo.head_dim,
-                         dtype=geo.dtype)
+            if isinstance(geo, StateGeometry):  # a recurrent state: its arrays and dtypes
+                entry.update(layers=geo.num_layers, shapes=[list(s) for s in geo.shapes],
+                             dtypes=list(geo.dtypes or ()))
+            else:
+                entry.update(layers=geo.num_layers, kv_heads=geo.kv_heads,
+                             head_dim=geo.head_dim, dtype=geo.dtype)
         groups.append(entry)
     return groups
 

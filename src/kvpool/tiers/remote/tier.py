@@ -90,3 +90,27 @@ class RemoteTier:
                 payloads.append(payload)
             blocks.append(payloads)
         return blocks
+
+    def fetch_first(self, scope: ScopeNamespace, keys: Sequence[BlockKey],
+                    layer_groups: Sequence[int]) -> tuple[int, list[memoryview]] | None:
+        """The first of ``keys`` whose values in every one of ``layer_groups`` are held and
+        verified: (its index in ``keys``, one payload per group), or None. A hybrid model's
+        checkpoints: ``keys`` deepest first, ``layer_groups`` its state groups. One existence
+        round trip, then one read per candidate until one verifies."""
+        groups = list(layer_groups)
+        if not keys or not groups:
+            return None
+        n = len(groups)
+        per_group = [scope.remote_keys(keys, g) for g in groups]
+        remote = [per_group[i][b] for b in range(len(keys)) for i in range(n)]
+        exists = self.store.exists_many(remote)
+        decode = self.codec.decode
+        for b in range(len(keys)):
+            if not all(exists[b * n:(b + 1) * n]):
+                continue
+            wanted = remote[b * n:(b + 1) * n]
+            values = self.store.get_many(wanted)
+            payloads = [decode(v, scope.digest, k) for v, k in zip(values, wanted, strict=True)]
+            if all(p is not None for p in payloads):
+                return b, [p for p in payloads if p is not None]
+        return None
