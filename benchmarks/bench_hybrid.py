@@ -13,14 +13,17 @@ Workloads:
 
 Modes: kvpool ``marconi`` (the default policy), kvpool ``every_block`` (tpb 16), ``align``
 (vLLM's 544-token grid, the better of every boundary and last boundary), and ``attention``
-(the same workload on an attention-only model, every byte for attention blocks).
+(the same workload on an attention-only model, every byte for attention blocks). kvpool's
+checkpoints are evicted by Marconi's FLOP-aware score (``EvictionConfig.checkpoint_alpha``,
+kvpool.eviction.flops); ``marconi_lru`` and ``every_block_lru`` are the same policies with
+their checkpoints evicted by LRU (``checkpoint_alpha=None``), the two orderings side by side.
 
 Checks (exit 1 if one fails): marconi >= 3x align on ``short`` and >= 1.2x on
 ``conversation``; marconi >= 1.3x every_block on both; on ``short`` marconi >= 90 % of the
 attention-only model's hit rate. Results: results/bench_hybrid.json.
 
 Usage: .venv/bin/python benchmarks/bench_hybrid.py [--workload short|conversation|all]
-       [--requests N] [--splits 0.2,0.5] [--modes marconi,align]
+       [--requests N] [--splits 0.2,0.5] [--modes marconi,align,...]
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.planner.hybrid import hybrid_presets
-from kvpool.replay.hybrid import SPLITS, best_split
+from kvpool.replay.hybrid import CHECKPOINT_ALPHA, SPLITS, best_split
 from kvpool.replay.workloads import Request, builtin_trace, load_mooncake, synthetic_workload
 
 GIB = 1 << 30
-RUNS = (("marconi", "kvpool", "marconi"), ("every_block", "kvpool", "every_block"),
-        ("align", "align", "every_block"), ("attention", "attention", "-"))
+RUNS = (("marconi", "kvpool", "marconi", CHECKPOINT_ALPHA),
+        ("every_block", "kvpool", "every_block", CHECKPOINT_ALPHA),
+        ("align", "align", "every_block", None), ("attention", "attention", "-", None),
+        ("marconi_lru", "kvpool", "marconi", None),
+        ("every_block_lru", "kvpool", "every_block", None))
+CHECKED = ("marconi", "every_block", "align", "attention")
 
 
 def _workload(name: str, requests: int | None) -> tuple[list[Request], int]:
@@ -56,16 +63,18 @@ def run(name: str, requests: int | None, splits: tuple[float, ...],
     spec = hybrid_presets()["qwen3-next-80b-a3b"]
     reqs, budget = _workload(name, requests)
     rows: dict[str, Any] = {}
-    for label, mode, policy in RUNS:
+    for label, mode, policy, alpha in RUNS:
         if label not in modes:
             continue
         t = time.perf_counter()
-        r = best_split(reqs, spec, budget, mode=mode, policy=policy, splits=splits)
+        r = best_split(reqs, spec, budget, mode=mode, policy=policy, splits=splits,
+                       checkpoint_alpha=alpha)
         rows[label] = {"hit_rate": round(r.hit_rate, 4), "policy": r.policy,
+                       "checkpoint_alpha": alpha if mode == "kvpool" else None,
                        "tokens_per_block": r.tokens_per_block,
                        "state_fraction": r.state_fraction,
                        "attention_blocks": r.attention_blocks, "state_slots": r.state_slots,
-                       "seconds": round(time.perf_counter() - t, 1)}
+                       "seconds": round(time.perf_counter() - t, 1), "requests": len(reqs)}
         print(name, label, rows[label], flush=True)
     return {"workload": name, "requests": len(reqs), "budget_gib": budget // GIB, "rows": rows}
 
@@ -94,7 +103,7 @@ def main() -> int:
     ap.add_argument("--workload", choices=["short", "conversation", "all"], default="all")
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--modes", default=",".join(r[0] for r in RUNS),
-                    help="runs to do, comma-separated (default: all four)")
+                    help="runs to do, comma-separated (default: all six)")
     ap.add_argument("--splits", default=None,
                     help="state fractions to try, comma-separated (default: SPLITS)")
     args = ap.parse_args()
@@ -107,7 +116,7 @@ def main() -> int:
         result = run(name, args.requests, splits, tuple(args.modes.split(",")))
         result["rows"] = {**merged.get(name, {}).get("rows", {}), **result["rows"]}
         merged[name] = result
-        if len(result["rows"]) == len(RUNS):
+        if all(r in result["rows"] for r in CHECKED):
             failed += checks(result)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(merged, indent=1) + "\n")
