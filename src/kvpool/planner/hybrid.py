@@ -10,7 +10,7 @@ model                    layers  attention        recurrent layers (per layer st
 =======================  ======  ===============  =========================================
 qwen3-next-80b-a3b       48      12 × (2, 256)    36 GDN: conv (8192, 3), (32, 128, 128)
 nemotron-h-8b            52      4 × (8, 128)     24 Mamba2: conv (10240, 3), (128, 64, 128) fp32
-falcon-h1-7b             44      44 × (2, 128)    44 Mamba2: conv (5120, 3), (24, 128, 256)
+falcon-h1-7b             44      44 × (2, 128)    44 Mamba2: conv (3584, 3), (24, 128, 256)
 jamba-v0.1               32      4 × (8, 128)     28 Mamba1: conv (8192, 3), (8192, 16)
 =======================  ======  ===============  =========================================
 
@@ -117,11 +117,14 @@ _PRESETS: Final[Mapping[str, HybridSpec]] = MappingProxyType({
         "nemotron-h-8b", attention_layers=4, kv_heads=8, head_dim=128, state_layers=24,
         state_shapes=((10240, 3), (128, 64, 128)), max_seq_len=8192,
         state_dtypes=("bfloat16", "float32")),
-    # Falcon-H1-7B: 44 layers, each attention and Mamba2 in parallel; 24 SSM heads of 128,
-    # d_ssm 3072, 1 group of state 256: conv_dim = 3072 + 2 x 256 ... x (see docs)
+    # Falcon-H1-7B (tiiuae/Falcon-H1-7B-Instruct config.json: num_hidden_layers 44,
+    # num_key_value_heads 2, head_dim 128, mamba_n_heads 24, mamba_d_head 128, mamba_d_ssm 3072,
+    # mamba_n_groups 1, mamba_d_state 256, mamba_d_conv 4, max_position_embeddings 262144; the
+    # heads, dims and context also in transformers' FalconH1 docs table): each layer runs
+    # attention and Mamba2 in parallel; conv_dim = d_ssm + 2 x groups x state = 3072 + 512
     "falcon-h1-7b": HybridSpec(
         "falcon-h1-7b", attention_layers=44, kv_heads=2, head_dim=128, state_layers=44,
-        state_shapes=((5120, 3), (24, 128, 256)), max_seq_len=262_144, parallel=True),
+        state_shapes=((3584, 3), (24, 128, 256)), max_seq_len=262_144, parallel=True),
     # Jamba v0.1: attention at layers 8k+4, Mamba1 elsewhere; d_inner 8192, d_state 16
     "jamba-v0.1": HybridSpec(
         "jamba-v0.1", attention_layers=4, kv_heads=8, head_dim=128, state_layers=28,
