@@ -23,7 +23,7 @@ Checks (exit 1 if one fails): marconi >= 3x align on ``short`` and >= 1.2x on
 attention-only model's hit rate. Results: results/bench_hybrid.json.
 
 Usage: .venv/bin/python benchmarks/bench_hybrid.py [--workload short|conversation|all]
-       [--requests N] [--splits 0.2,0.5] [--modes marconi,align,...]
+       [--requests N] [--splits 0.2,0.5] [--modes marconi,align,...] [--alpha 2.0]
 """
 
 from __future__ import annotations
@@ -59,13 +59,14 @@ def _workload(name: str, requests: int | None) -> tuple[list[Request], int]:
 
 
 def run(name: str, requests: int | None, splits: tuple[float, ...],
-        modes: tuple[str, ...]) -> dict[str, Any]:
+        modes: tuple[str, ...], alpha: float | None = CHECKPOINT_ALPHA) -> dict[str, Any]:
     spec = hybrid_presets()["qwen3-next-80b-a3b"]
     reqs, budget = _workload(name, requests)
     rows: dict[str, Any] = {}
-    for label, mode, policy, alpha in RUNS:
+    for label, mode, policy, default in RUNS:
         if label not in modes:
             continue
+        alpha = default if default is None else alpha
         t = time.perf_counter()
         r = best_split(reqs, spec, budget, mode=mode, policy=policy, splits=splits,
                        checkpoint_alpha=alpha)
@@ -74,6 +75,7 @@ def run(name: str, requests: int | None, splits: tuple[float, ...],
                        "tokens_per_block": r.tokens_per_block,
                        "state_fraction": r.state_fraction,
                        "attention_blocks": r.attention_blocks, "state_slots": r.state_slots,
+                       "checkpoints_per_request": round(r.checkpoints / len(reqs), 1),
                        "seconds": round(time.perf_counter() - t, 1), "requests": len(reqs)}
         print(name, label, rows[label], flush=True)
     return {"workload": name, "requests": len(reqs), "budget_gib": budget // GIB, "rows": rows}
@@ -106,6 +108,9 @@ def main() -> int:
                     help="runs to do, comma-separated (default: all six)")
     ap.add_argument("--splits", default=None,
                     help="state fractions to try, comma-separated (default: SPLITS)")
+    ap.add_argument("--alpha", type=float, default=CHECKPOINT_ALPHA,
+                    help="checkpoint_alpha of the marconi and every_block rows "
+                         f"(default {CHECKPOINT_ALPHA})")
     args = ap.parse_args()
     names = ["short", "conversation"] if args.workload == "all" else [args.workload]
     out = Path(__file__).resolve().parent.parent / "results" / "bench_hybrid.json"
@@ -113,7 +118,7 @@ def main() -> int:
     failed: list[str] = []
     for name in names:
         splits = tuple(map(float, args.splits.split(","))) if args.splits else SPLITS
-        result = run(name, args.requests, splits, tuple(args.modes.split(",")))
+        result = run(name, args.requests, splits, tuple(args.modes.split(",")), args.alpha)
         result["rows"] = {**merged.get(name, {}).get("rows", {}), **result["rows"]}
         merged[name] = result
         if all(r in result["rows"] for r in CHECKED):

@@ -61,6 +61,7 @@ class HybridResult:
     prompt_tokens: int
     hit_tokens: int
     skipped: int  # requests that did not fit at all
+    checkpoints: int = 0  # checkpoints saved (state copies written: the policy's cost)
 
     @property
     def hit_rate(self) -> float:
@@ -89,9 +90,9 @@ def _config(spec: HybridSpec, budget_bytes: int, mode: str, policy: str, tpb: in
     return cfg, blocks, state
 
 
-def _save(m: KVCacheManager, seq: str, start: int, end: int) -> None:
-    for p in m.checkpoint_positions(seq, start, end):
-        m.save_checkpoint(seq, p)
+def _save(m: KVCacheManager, seq: str, start: int, end: int) -> int:
+    """Save the checkpoints the policy asks for in (start, end]; how many were saved."""
+    return sum(m.save_checkpoint(seq, p) for p in m.checkpoint_positions(seq, start, end))
 
 
 def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes: int, *,
@@ -107,7 +108,7 @@ def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes:
                                  state_fraction, checkpoint_alpha)
     m = KVCacheManager(cfg)
     hybrid = mode != "attention"
-    prompt = hits = skipped = 0
+    prompt = hits = skipped = saved = 0
     for n, req in enumerate(requests):
         seq = f"r{n}"
         prompt += len(req.tokens)
@@ -119,7 +120,7 @@ def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes:
         hits += r.reused_tokens
         length = len(req.tokens)
         if hybrid:
-            _save(m, seq, r.reused_tokens, length)
+            saved += _save(m, seq, r.reused_tokens, length)
         out = output_tokens(req)
         if len(out) > 1:
             try:
@@ -128,11 +129,12 @@ def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes:
                 m.remove_sequence(seq)
                 continue
             if hybrid:
-                _save(m, seq, length, length + len(out) - 2)
+                saved += _save(m, seq, length, length + len(out) - 2)
         m.remove_sequence(seq)
     m.close()
     return HybridResult(mode, cfg.checkpoint_policy if hybrid else "-", cfg.tokens_per_block,
-                        state_fraction if hybrid else 0.0, blocks, state, prompt, hits, skipped)
+                        state_fraction if hybrid else 0.0, blocks, state, prompt, hits, skipped,
+                        saved)
 
 
 def best_split(requests: Sequence[Request], spec: HybridSpec, budget_bytes: int, *,
