@@ -13,14 +13,17 @@ Workloads:
 
 Modes: kvpool ``marconi`` (the default policy), kvpool ``every_block`` (tpb 16), ``align``
 (vLLM's 544-token grid, the better of every boundary and last boundary), and ``attention``
-(the same workload on an attention-only model, every byte for attention blocks).
+(the same workload on an attention-only model, every byte for attention blocks). kvpool's
+checkpoints are evicted by Marconi's FLOP-aware score (``EvictionConfig.checkpoint_alpha``,
+kvpool.eviction.flops); ``marconi_lru`` and ``every_block_lru`` are the same policies with
+their checkpoints evicted by LRU (``checkpoint_alpha=None``), the two orderings side by side.
 
 Checks (exit 1 if one fails): marconi >= 3x align on ``short`` and >= 1.2x on
 ``conversation``; marconi >= 1.3x every_block on both; on ``short`` marconi >= 90 % of the
 attention-only model's hit rate. Results: results/bench_hybrid.json.
 
 Usage: .venv/bin/python benchmarks/bench_hybrid.py [--workload short|conversation|all]
-       [--requests N] [--splits 0.2,0.5] [--modes marconi,align]
+       [--requests N] [--splits 0.2,0.5] [--modes marconi,align,...] [--alpha 2.0]
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.planner.hybrid import hybrid_presets
-from kvpool.replay.hybrid import SPLITS, best_split
+from kvpool.replay.hybrid import CHECKPOINT_ALPHA, SPLITS, best_split
 from kvpool.replay.workloads import Request, builtin_trace, load_mooncake, synthetic_workload
 
 GIB = 1 << 30
-RUNS = (("marconi", "kvpool", "marconi"), ("every_block", "kvpool", "every_block"),
-        ("align", "align", "every_block"), ("attention", "attention", "-"))
+RUNS = (("marconi", "kvpool", "marconi", CHECKPOINT_ALPHA),
+        ("every_block", "kvpool", "every_block", CHECKPOINT_ALPHA),
+        ("align", "align", "every_block", None), ("attention", "attention", "-", None),
+        ("marconi_lru", "kvpool", "marconi", None),
+        ("every_block_lru", "kvpool", "every_block", None))
+CHECKED = ("marconi", "every_block", "align", "attention")
 
 
 def _workload(name: str, requests: int | None) -> tuple[list[Request], int]:
@@ -52,20 +59,24 @@ def _workload(name: str, requests: int | None) -> tuple[list[Request], int]:
 
 
 def run(name: str, requests: int | None, splits: tuple[float, ...],
-        modes: tuple[str, ...]) -> dict[str, Any]:
+        modes: tuple[str, ...], alpha: float | None = CHECKPOINT_ALPHA) -> dict[str, Any]:
     spec = hybrid_presets()["qwen3-next-80b-a3b"]
     reqs, budget = _workload(name, requests)
     rows: dict[str, Any] = {}
-    for label, mode, policy in RUNS:
+    for label, mode, policy, default in RUNS:
         if label not in modes:
             continue
+        alpha = default if default is None else alpha
         t = time.perf_counter()
-        r = best_split(reqs, spec, budget, mode=mode, policy=policy, splits=splits)
+        r = best_split(reqs, spec, budget, mode=mode, policy=policy, splits=splits,
+                       checkpoint_alpha=alpha)
         rows[label] = {"hit_rate": round(r.hit_rate, 4), "policy": r.policy,
+                       "checkpoint_alpha": alpha if mode == "kvpool" else None,
                        "tokens_per_block": r.tokens_per_block,
                        "state_fraction": r.state_fraction,
                        "attention_blocks": r.attention_blocks, "state_slots": r.state_slots,
-                       "seconds": round(time.perf_counter() - t, 1)}
+                       "checkpoints_per_request": round(r.checkpoints / len(reqs), 1),
+                       "seconds": round(time.perf_counter() - t, 1), "requests": len(reqs)}
         print(name, label, rows[label], flush=True)
     return {"workload": name, "requests": len(reqs), "budget_gib": budget // GIB, "rows": rows}
 
@@ -94,9 +105,12 @@ def main() -> int:
     ap.add_argument("--workload", choices=["short", "conversation", "all"], default="all")
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--modes", default=",".join(r[0] for r in RUNS),
-                    help="runs to do, comma-separated (default: all four)")
+                    help="runs to do, comma-separated (default: all six)")
     ap.add_argument("--splits", default=None,
                     help="state fractions to try, comma-separated (default: SPLITS)")
+    ap.add_argument("--alpha", type=float, default=CHECKPOINT_ALPHA,
+                    help="checkpoint_alpha of the marconi and every_block rows "
+                         f"(default {CHECKPOINT_ALPHA})")
     args = ap.parse_args()
     names = ["short", "conversation"] if args.workload == "all" else [args.workload]
     out = Path(__file__).resolve().parent.parent / "results" / "bench_hybrid.json"
@@ -104,10 +118,10 @@ def main() -> int:
     failed: list[str] = []
     for name in names:
         splits = tuple(map(float, args.splits.split(","))) if args.splits else SPLITS
-        result = run(name, args.requests, splits, tuple(args.modes.split(",")))
+        result = run(name, args.requests, splits, tuple(args.modes.split(",")), args.alpha)
         result["rows"] = {**merged.get(name, {}).get("rows", {}), **result["rows"]}
         merged[name] = result
-        if len(result["rows"]) == len(RUNS):
+        if all(r in result["rows"] for r in CHECKED):
             failed += checks(result)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(merged, indent=1) + "\n")

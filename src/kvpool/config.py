@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import InvalidArgumentError
 
 # re-exported: the values a configuration names, defined once beside the policies that use them
+from kvpool.eviction.flops import DEFAULT_ALPHA
 from kvpool.eviction.policies import EVICTION_POLICIES as EVICTION_POLICIES
 from kvpool.eviction.priority import DEFAULT_PRIORITY as DEFAULT_PRIORITY
 from kvpool.eviction.priority import MAX_PRIORITY as MAX_PRIORITY
@@ -261,19 +262,25 @@ class EvictionConfig:
     ``history_multiple`` times a layer group's slots (all tiers). ``offload_gate="reused"``:
     only victims the policy saw released more than once may go down a tier (``"all"``: any).
     Blocks whose retention priority is below ``offload_min_priority`` are dropped, never
-    offloaded (nor written to the remote tier).
+    offloaded (nor written to the remote tier). ``checkpoint_alpha``: the state groups' pools
+    (hybrid models' checkpoints) evict by Marconi's score ``recency + alpha x FLOPs saved``
+    (:mod:`kvpool.eviction.flops`, default 2.0: measured, docs/hybrid.md); None: by
+    ``policy``, like blocks.
     """
 
     policy: str = "2q"
     offload_gate: str = "all"
     offload_min_priority: int = DEFAULT_PRIORITY
     history_multiple: float = 4.0
+    checkpoint_alpha: float | None = DEFAULT_ALPHA
 
     def __post_init__(self) -> None:
         _one_of("CacheConfig.eviction.policy", self.policy, sorted(EVICTION_POLICIES))
         _one_of("CacheConfig.eviction.offload_gate", self.offload_gate, OFFLOAD_GATES)
         _check_priority("CacheConfig.eviction.offload_min_priority", self.offload_min_priority)
         check_number("CacheConfig.eviction.history_multiple", self.history_multiple, 0, 1024)
+        if self.checkpoint_alpha is not None:
+            check_number("CacheConfig.eviction.checkpoint_alpha", self.checkpoint_alpha, 0, 1e6)
 
 
 _GROUPS: dict[str, type[DiskConfig | RemoteConfig | EventsConfig | EvictionConfig]] = {

@@ -59,7 +59,8 @@ def configs(draw: st.DrawFn, tmp: Path) -> CacheConfig:
         disk_blocks=draw(st.integers(1, 6)) if tiers == 2 else 0,
         disk=DiskConfig(path=str(tmp) if tiers == 2 else None),
         max_beam_width=2,
-        eviction=EvictionConfig(policy=draw(st.sampled_from(["lru", "2q", "s3fifo"]))),
+        eviction=EvictionConfig(policy=draw(st.sampled_from(["lru", "2q", "s3fifo"])),
+                                checkpoint_alpha=draw(st.sampled_from([None, 0.0, 1.0]))),
         layer_geometry=geo,
     )
 

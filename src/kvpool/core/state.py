@@ -42,7 +42,7 @@ from typing import Protocol
 from kvpool.config import CacheConfig
 from kvpool.core.emit import Emitter, EventSink
 from kvpool.core.layout import Layout
-from kvpool.core.radix import Run, SlotId
+from kvpool.core.radix import NO_SLOT, Run, SlotId
 from kvpool.core.sequence import Sequence as Seq
 from kvpool.core.slots import SlotPool
 from kvpool.core.stats import CacheStats
@@ -54,6 +54,7 @@ from kvpool.errors import (
     UnknownSequenceError,
 )
 from kvpool.eviction import EvictionPolicy, make_policies
+from kvpool.eviction.flops import FlopAware
 from kvpool.hashing.keys import BlockHasher
 from kvpool.tiers.copies import CallCopies
 from kvpool.tiers.storage import BlockCopy, Storage
@@ -94,6 +95,34 @@ def _unrepaired(state: CacheState, failed: list[BlockCopy]) -> list[BlockCopy]:
     return failed
 
 
+def _span_in(pool: Pool, g: int, tpb: int) -> Callable[[int], tuple[int, int]]:
+    """For a slot of state group ``g``'s ``pool``: the tokens of the prefix its checkpoint
+    ends, and of the nearest shorter prefix holding a checkpoint of ``g`` (any tier; 0: none);
+    (0, 0) for a slot holding nothing."""
+    def span(slot: int) -> tuple[int, int]:
+        run = pool.run_at[slot]
+        if run is None:
+            return 0, 0
+        i = pool.idx_at[slot]
+        chain: list[Run] = []
+        r: Run | None = run.parent
+        while r is not None:
+            chain.append(r)
+            r = r.parent
+        offset = sum(len(a.keys) for a in chain)  # blocks before ``run``
+        end = offset + i + 1
+        for r in (run, *chain):
+            sl = r.slot[g]
+            for j in range(i - 1, -1, -1):
+                if sl[j] != NO_SLOT:
+                    return end * tpb, (offset + j + 1) * tpb
+            if r.parent is not None:
+                i = len(r.parent.keys)
+                offset -= i
+        return end * tpb, 0
+    return span
+
+
 class CacheState:
     """The state one manager's calls share (see the module docstring)."""
 
@@ -115,11 +144,20 @@ class CacheState:
             config.eviction.policy, config.slots, self.clock,
             offload_gate=config.eviction.offload_gate,
             history_multiple=config.eviction.history_multiple)
+        alpha = config.eviction.checkpoint_alpha
+        if alpha is not None:  # checkpoints by Marconi's score (kvpool.eviction.flops)
+            for t, tier in enumerate(queues):
+                for g in config.state_groups:
+                    tier[g] = FlopAware(self.clock, capacity=config.slots[t][g], alpha=alpha)
         self.pools: list[list[Pool]] = [
             [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
             for t in range(layout.tiers)
         ]
         self.gpu = self.pools[0]
+        for tier_pools in self.pools:
+            for g, pool in enumerate(tier_pools):
+                if isinstance(pool.queue, FlopAware):
+                    pool.queue.bind(_span_in(pool, g, layout.tpb))
         # one tree per reuse scope (LoRA id, cache salt): scopes never share a root, whatever
         # the hash algorithm (v1 and vLLM mix the scope into the first block's key, so their
         # root keys are equal across scopes)

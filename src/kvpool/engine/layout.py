@@ -24,15 +24,13 @@ from kvpool.config import CacheConfig
 from kvpool.engine.recurrent import StateShape, probe_state, recurrent_mixers
 from kvpool.errors import InvalidArgumentError
 from kvpool.planner.capacity import LayerSpec, ModelSpec, parse_size, plan_pools
+from kvpool.planner.hybrid import split_state
 from kvpool.tiers.storage import GroupGeometry, LayerGeometry, StateGeometry
 from kvpool.validation import is_int
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _ENGINE_DECIDES = ("window_sizes", "layer_geometry", "sink_tokens", "device", "state_groups")
 _ATTENTION = ("full_attention", "sliding_attention", "hybrid")
-STATE_SHARE = 0.25
-"""Share of each tier's planned budget that goes to the state groups' slots (running states
-and checkpoints) when ``cache`` gives budgets rather than slot counts."""
 DEFAULT_GPU_MEM = 1 << 30
 """GPU (device) KV budget when ``cache`` names neither ``gpu_blocks`` nor ``gpu_mem``."""
 
@@ -170,20 +168,16 @@ def _bytes(name: str, value: object) -> int:
 
 
 def _state_slots(layout: ModelLayout, budgets: list[int],
-                 max_batch_size: int) -> list[dict[int, int]]:
-    """Per tier, the slots of each state group: :data:`STATE_SHARE` of the tier's budget split
-    evenly between the state groups; on the GPU at least a running slot per sequence and one
-    checkpoint more."""
-    out: list[dict[int, int]] = []
-    n = len(layout.state_groups)
-    for tier, budget in enumerate(budgets):
-        row = {}
-        for g in layout.state_groups:
-            slot_bytes = layout.geometry[g].block_bytes(1)
-            slots = int(budget * STATE_SHARE / n) // slot_bytes
-            row[g] = max(slots, max_batch_size + 1) if tier == 0 else slots
-        out.append(row)
-    return out
+                 max_batch_size: int) -> tuple[list[dict[int, int]], list[int]]:
+    """Per tier, the slots of each state group and the bytes left for attention blocks:
+    the planner's rule (:func:`kvpool.planner.hybrid.split_state`, as ``kvpool plan``): on the
+    GPU a running slot per sequence, then ``DEFAULT_STATE_FRACTION`` of every tier's rest for
+    checkpoints."""
+    groups = layout.state_groups
+    split = split_state(budgets, [layout.geometry[g].block_bytes(1) for g in groups],
+                        max_batch_size=max_batch_size)
+    slots = [dict(zip(groups, row, strict=True)) for row in split.state_slots]
+    return slots, list(split.attention_bytes)
 
 
 def cache_config(layout: ModelLayout, cache: Mapping[str, Any] | None, *, device: str,
@@ -212,9 +206,9 @@ def cache_config(layout: ModelLayout, cache: Mapping[str, Any] | None, *, device
     if "gpu_blocks" not in fields:
         budgets = [mems.get("gpu_mem", DEFAULT_GPU_MEM), mems.get("host_mem", 0),
                    mems.get("disk_mem", 0)]
-        state = _state_slots(layout, budgets, max_batch_size)
+        state: list[dict[int, int]] = [{}, {}, {}]
         if layout.state_groups:
-            budgets = [int(b * (1 - STATE_SHARE)) for b in budgets]
+            state, budgets = _state_slots(layout, budgets, max_batch_size)
         plan = plan_pools(layout.spec, tpb, *budgets,
                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                           max_seq_len=min(fields["max_seq_len"], layout.max_model_len))

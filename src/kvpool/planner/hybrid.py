@@ -10,7 +10,7 @@ model                    layers  attention        recurrent layers (per layer st
 =======================  ======  ===============  =========================================
 qwen3-next-80b-a3b       48      12 × (2, 256)    36 GDN: conv (8192, 3), (32, 128, 128)
 nemotron-h-8b            52      4 × (8, 128)     24 Mamba2: conv (10240, 3), (128, 64, 128) fp32
-falcon-h1-7b             44      44 × (2, 128)    44 Mamba2: conv (5120, 3), (24, 128, 256)
+falcon-h1-7b             44      44 × (2, 128)    44 Mamba2: conv (3584, 3), (24, 128, 256)
 jamba-v0.1               32      4 × (8, 128)     28 Mamba1: conv (8192, 3), (8192, 16)
 =======================  ======  ===============  =========================================
 
@@ -23,7 +23,7 @@ kernel's block alignment (16 for FlashAttention, the default) whose per-layer at
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
@@ -31,8 +31,8 @@ from typing import Any, Final
 from kvpool.errors import InvalidArgumentError
 from kvpool.planner.model_spec import DTYPE_BYTES
 
-__all__ = ["DEFAULT_STATE_FRACTION", "HybridPlan", "HybridSpec", "hybrid_presets",
-           "plan_hybrid"]
+__all__ = ["DEFAULT_STATE_FRACTION", "HybridPlan", "HybridSpec", "StateSplit", "hybrid_presets",
+           "plan_hybrid", "split_state"]
 
 DEFAULT_STATE_FRACTION: Final = 0.2
 """Share of each tier's budget (above the running slots) for state checkpoints: the best split
@@ -117,11 +117,14 @@ _PRESETS: Final[Mapping[str, HybridSpec]] = MappingProxyType({
         "nemotron-h-8b", attention_layers=4, kv_heads=8, head_dim=128, state_layers=24,
         state_shapes=((10240, 3), (128, 64, 128)), max_seq_len=8192,
         state_dtypes=("bfloat16", "float32")),
-    # Falcon-H1-7B: 44 layers, each attention and Mamba2 in parallel; 24 SSM heads of 128,
-    # d_ssm 3072, 1 group of state 256: conv_dim = 3072 + 2 x 256 ... x (see docs)
+    # Falcon-H1-7B (tiiuae/Falcon-H1-7B-Instruct config.json: num_hidden_layers 44,
+    # num_key_value_heads 2, head_dim 128, mamba_n_heads 24, mamba_d_head 128, mamba_d_ssm 3072,
+    # mamba_n_groups 1, mamba_d_state 256, mamba_d_conv 4, max_position_embeddings 262144; the
+    # heads, dims and context also in transformers' FalconH1 docs table): each layer runs
+    # attention and Mamba2 in parallel; conv_dim = d_ssm + 2 x groups x state = 3072 + 512
     "falcon-h1-7b": HybridSpec(
         "falcon-h1-7b", attention_layers=44, kv_heads=2, head_dim=128, state_layers=44,
-        state_shapes=((5120, 3), (24, 128, 256)), max_seq_len=262_144, parallel=True),
+        state_shapes=((3584, 3), (24, 128, 256)), max_seq_len=262_144, parallel=True),
     # Jamba v0.1: attention at layers 8k+4, Mamba1 elsewhere; d_inner 8192, d_state 16
     "jamba-v0.1": HybridSpec(
         "jamba-v0.1", attention_layers=4, kv_heads=8, head_dim=128, state_layers=28,
@@ -173,13 +176,46 @@ class HybridPlan:
                 "vllm_block_size": self.spec.vllm_block_size()}
 
 
+@dataclass(frozen=True, slots=True)
+class StateSplit:
+    """What :func:`split_state` gives the state groups of each tier, and what is left."""
+
+    state_slots: tuple[tuple[int, ...], ...]  # [tier][state group]; the GPU's include running
+    attention_bytes: tuple[int, ...]  # per tier: the budget left for attention blocks
+
+
+def split_state(budgets: Sequence[int], slot_bytes: Sequence[int], *, max_batch_size: int,
+                state_fraction: float = DEFAULT_STATE_FRACTION) -> StateSplit:
+    """The one sizing rule of state pools (``kvpool plan``, the engine): the GPU first holds
+    one running slot per concurrent sequence in every state group (``slot_bytes``: one slot's
+    bytes per state group), then ``state_fraction`` of each tier's remaining bytes holds
+    checkpoints, split evenly between the state groups; the rest is for attention blocks.
+    Raises :class:`InvalidArgumentError` when the GPU cannot hold the running slots."""
+    if not 0 <= state_fraction < 1:
+        raise InvalidArgumentError(f"state_fraction must be in [0, 1), got {state_fraction!r}")
+    running = max_batch_size * sum(slot_bytes)
+    if budgets[0] < running:
+        raise InvalidArgumentError(
+            f"{max_batch_size} sequences' running states need {running:,} B of GPU memory, "
+            f"the budget is {budgets[0]:,}")
+    slots, left = [], []
+    for t, budget in enumerate(budgets):
+        free = budget - (running if t == 0 else 0)
+        share = free * state_fraction / len(slot_bytes) if slot_bytes else 0
+        row = tuple(int(share) // b + (max_batch_size if t == 0 else 0) for b in slot_bytes)
+        slots.append(row)
+        used = sum((n - (max_batch_size if t == 0 else 0)) * b
+                   for n, b in zip(row, slot_bytes, strict=True))
+        left.append(free - used)
+    return StateSplit(tuple(slots), tuple(left))
+
+
 def plan_hybrid(spec: HybridSpec, tokens_per_block: int, gpu_bytes: int, host_bytes: int = 0,
                 disk_bytes: int = 0, *, max_batch_size: int,
                 state_fraction: float = DEFAULT_STATE_FRACTION) -> HybridPlan:
-    """Split each tier's budget between state slots and attention blocks: the GPU first gets
-    one running slot per concurrent sequence, then ``state_fraction`` of every tier's bytes
-    holds checkpoints and the rest attention blocks. Raises :class:`InvalidArgumentError` when
-    the GPU cannot hold the running slots and one block per sequence."""
+    """Split each tier's budget between state slots and attention blocks
+    (:func:`split_state`). Raises :class:`InvalidArgumentError` when the GPU cannot hold the
+    running slots and one block per sequence."""
     if not 0 <= state_fraction < 1:
         raise InvalidArgumentError(f"state_fraction must be in [0, 1), got {state_fraction!r}")
     block = spec.attention_bytes_per_token * tokens_per_block
@@ -188,11 +224,8 @@ def plan_hybrid(spec: HybridSpec, tokens_per_block: int, gpu_bytes: int, host_by
         raise InvalidArgumentError(
             f"{spec.name}: {max_batch_size} sequences need {running + max_batch_size * block:,}"
             f" B of GPU memory (running states + one block each), the budget is {gpu_bytes:,}")
-    blocks, states = [], []
-    for t, budget in enumerate((gpu_bytes, host_bytes, disk_bytes)):
-        free = budget - (running if t == 0 else 0)
-        ckpt = int(free * state_fraction) // spec.state_bytes
-        states.append(ckpt + (max_batch_size if t == 0 else 0))
-        blocks.append((free - ckpt * spec.state_bytes) // block)
-    return HybridPlan(spec, tokens_per_block, tuple(blocks), tuple(states), max_batch_size,
+    split = split_state((gpu_bytes, host_bytes, disk_bytes), (spec.state_bytes,),
+                        max_batch_size=max_batch_size, state_fraction=state_fraction)
+    return HybridPlan(spec, tokens_per_block, tuple(b // block for b in split.attention_bytes),
+                      tuple(row[0] for row in split.state_slots), max_batch_size,
                       (gpu_bytes, host_bytes, disk_bytes))

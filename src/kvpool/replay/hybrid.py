@@ -33,6 +33,7 @@ from typing import Final
 from kvpool.config import CacheConfig, EvictionConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
+from kvpool.eviction.flops import DEFAULT_ALPHA
 from kvpool.planner.hybrid import HybridSpec
 from kvpool.replay.simmodel import output_tokens
 from kvpool.replay.workloads import Request
@@ -42,6 +43,9 @@ __all__ = ["MODES", "HybridResult", "best_split", "hybrid_hit_rate"]
 MODES: Final = ("kvpool", "align", "attention")
 SPLITS: Final = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
 """The state fractions :func:`best_split` tries."""
+CHECKPOINT_ALPHA: Final[float | None] = DEFAULT_ALPHA
+"""The kvpool mode's ``EvictionConfig.checkpoint_alpha`` by default (the config's); ``align``
+always evicts its states by LRU, as vLLM does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,7 @@ class HybridResult:
     prompt_tokens: int
     hit_tokens: int
     skipped: int  # requests that did not fit at all
+    checkpoints: int = 0  # checkpoints saved (state copies written: the policy's cost)
 
     @property
     def hit_rate(self) -> float:
@@ -64,11 +69,12 @@ class HybridResult:
 
 
 def _config(spec: HybridSpec, budget_bytes: int, mode: str, policy: str, tpb: int,
-            state_fraction: float) -> tuple[CacheConfig, int, int]:
+            state_fraction: float, alpha: float | None) -> tuple[CacheConfig, int, int]:
     """The cache of one replay: its config, attention blocks and state slots."""
     if mode == "align":  # vLLM's grid; every boundary of it, or only the last reached
         tpb = spec.vllm_block_size()
         policy = policy if policy in ("every_block", "last") else "every_block"
+        alpha = None
     block = spec.attention_bytes_per_token * tpb
     if mode == "attention":
         return CacheConfig(tokens_per_block=tpb, gpu_blocks=max(1, budget_bytes // block),
@@ -79,26 +85,30 @@ def _config(spec: HybridSpec, budget_bytes: int, mode: str, policy: str, tpb: in
         raise InvalidArgumentError(f"a budget of {budget_bytes} B leaves no attention block")
     cfg = CacheConfig(tokens_per_block=tpb, gpu_blocks=[blocks, state],
                       window_sizes=[None, None], state_groups=[1], checkpoint_policy=policy,
-                      enable_partial_reuse=False, eviction=EvictionConfig(policy="lru"))
+                      enable_partial_reuse=False,
+                      eviction=EvictionConfig(policy="lru", checkpoint_alpha=alpha))
     return cfg, blocks, state
 
 
-def _save(m: KVCacheManager, seq: str, start: int, end: int) -> None:
-    for p in m.checkpoint_positions(seq, start, end):
-        m.save_checkpoint(seq, p)
+def _save(m: KVCacheManager, seq: str, start: int, end: int) -> int:
+    """Save the checkpoints the policy asks for in (start, end]; how many were saved."""
+    return sum(m.save_checkpoint(seq, p) for p in m.checkpoint_positions(seq, start, end))
 
 
 def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes: int, *,
                     mode: str = "kvpool", policy: str = "marconi", tokens_per_block: int = 16,
-                    state_fraction: float = 0.1) -> HybridResult:
-    """Replay ``requests`` in order on one cache of ``budget_bytes`` (module docstring)."""
+                    state_fraction: float = 0.1,
+                    checkpoint_alpha: float | None = CHECKPOINT_ALPHA) -> HybridResult:
+    """Replay ``requests`` in order on one cache of ``budget_bytes`` (module docstring);
+    ``checkpoint_alpha``: ``EvictionConfig.checkpoint_alpha`` of the kvpool mode's state pool
+    (None: LRU like the attention blocks)."""
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {list(MODES)}, got {mode!r}")
     cfg, blocks, state = _config(spec, budget_bytes, mode, policy, tokens_per_block,
-                                 state_fraction)
+                                 state_fraction, checkpoint_alpha)
     m = KVCacheManager(cfg)
     hybrid = mode != "attention"
-    prompt = hits = skipped = 0
+    prompt = hits = skipped = saved = 0
     for n, req in enumerate(requests):
         seq = f"r{n}"
         prompt += len(req.tokens)
@@ -110,7 +120,7 @@ def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes:
         hits += r.reused_tokens
         length = len(req.tokens)
         if hybrid:
-            _save(m, seq, r.reused_tokens, length)
+            saved += _save(m, seq, r.reused_tokens, length)
         out = output_tokens(req)
         if len(out) > 1:
             try:
@@ -119,21 +129,24 @@ def hybrid_hit_rate(requests: Iterable[Request], spec: HybridSpec, budget_bytes:
                 m.remove_sequence(seq)
                 continue
             if hybrid:
-                _save(m, seq, length, length + len(out) - 2)
+                saved += _save(m, seq, length, length + len(out) - 2)
         m.remove_sequence(seq)
     m.close()
     return HybridResult(mode, cfg.checkpoint_policy if hybrid else "-", cfg.tokens_per_block,
-                        state_fraction if hybrid else 0.0, blocks, state, prompt, hits, skipped)
+                        state_fraction if hybrid else 0.0, blocks, state, prompt, hits, skipped,
+                        saved)
 
 
 def best_split(requests: Sequence[Request], spec: HybridSpec, budget_bytes: int, *,
                mode: str = "kvpool", policy: str = "marconi", tokens_per_block: int = 16,
-               splits: Sequence[float] = SPLITS) -> HybridResult:
+               splits: Sequence[float] = SPLITS,
+               checkpoint_alpha: float | None = CHECKPOINT_ALPHA) -> HybridResult:
     """:func:`hybrid_hit_rate` at each state fraction of ``splits``; the best one."""
     if mode == "attention":
         splits = splits[:1]
     policies = ("every_block", "last") if mode == "align" else (policy,)
     results = [hybrid_hit_rate(requests, spec, budget_bytes, mode=mode, policy=pol,
-                               tokens_per_block=tokens_per_block, state_fraction=f)
+                               tokens_per_block=tokens_per_block, state_fraction=f,
+                               checkpoint_alpha=checkpoint_alpha)
                for f in splits for pol in policies]
     return max(results, key=lambda r: r.hit_tokens)
