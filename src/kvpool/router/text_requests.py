@@ -37,8 +37,9 @@ from kvpool.router.tokenizer_source import TokenizerSources
 __all__ = ["INLINE_CHARS", "POOL_CHARS", "PromptTokens", "TextRequests"]
 
 INLINE_CHARS: Final = 2048
-"""Up to this many characters left to encode are encoded on the event loop (about 1 ms of
-tokenizer time at most); more in the pool."""
+"""Up to this much work left to encode (:attr:`~kvpool.router.tokenize.Plan.work`, in
+characters the tokenizer encodes) is encoded on the event loop (about 1 ms at most); more in
+the pool."""
 POOL_CHARS: Final = 256 * 1024
 """Texts longer than this are rendered, cut and encoded in the pool altogether."""
 _POOL_THREADS: Final = 2
@@ -131,7 +132,7 @@ class TextRequests:
             return await loop.run_in_executor(
                 self.pool, lambda: encoder.finish(prepare(arg)))
         plan = prepare(arg)
-        if plan.missing <= INLINE_CHARS:
+        if plan.work <= INLINE_CHARS:
             return encoder.finish(plan)
         return await loop.run_in_executor(self.pool, encoder.finish, plan)
 
