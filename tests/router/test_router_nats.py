@@ -110,6 +110,25 @@ async def agree(services: list[RouterService], timeout: float) -> float:
         await asyncio.sleep(0.01)
 
 
+async def started_replicas(url: str, n: int = 3,
+                           router: dict[str, Any] | None = None) -> list[RouterService]:
+    replicas = [RouterService(bus_config(url, f"r{i}", router)) for i in range(n)]
+    for r in replicas:
+        await r.start()
+    return replicas
+
+
+async def publish_rounds(pubs: dict[str, NatsEventPublisher], traffic: Traffic, rounds: int,
+                         n: int, *, timeout: float = 20, **batch: Any) -> int:
+    """``rounds`` batches of every worker, published and drained; returns ``n`` plus them."""
+    for _ in range(rounds):
+        for w, p in pubs.items():
+            p.publish(traffic.batch(w, **batch))
+            n += 1
+    await drained(pubs, n, timeout)
+    return n
+
+
 def run(coro: Any) -> None:
     asyncio.run(asyncio.wait_for(coro, 90))
 
@@ -118,17 +137,10 @@ def test_three_replicas_and_four_workers_agree_and_a_late_replica_catches_up(
         nats_server: NatsServer) -> None:
     async def main() -> None:
         url = nats_server.url
-        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
-        for r in replicas:
-            await r.start()
+        replicas = await started_replicas(url)
         pubs = publishers(url)
         traffic = Traffic(1)
-        n = 0
-        for _ in range(60):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 60, 0)
         took = await agree(replicas, 1.0)
         blocks = sum(len(r.index.masks) for r in replicas[:1])
         assert blocks > 100
@@ -138,11 +150,7 @@ def test_three_replicas_and_four_workers_agree_and_a_late_replica_catches_up(
         # a replica started now: the newest snapshot, then the tail
         assert replicas[0].bus is not None
         await replicas[0].bus.write_snapshot()
-        for _ in range(5):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 5, n)
         late = RouterService(bus_config(url, "late"))
         t0 = time.monotonic()
         await late.start()
@@ -171,12 +179,7 @@ def test_a_replica_behind_a_lossy_link_repairs_every_gap(nats_server: NatsServer
             await r.start()
         pubs = publishers(url)
         traffic = Traffic(2)
-        n = 0
-        for _ in range(100):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w, blocks=4))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 100, 0, blocks=4)
         await agree([clean, lossy], 3.0)
         assert lossy.bus is not None and clean.bus is not None
         c = lossy.bus.counters
@@ -199,17 +202,10 @@ def test_a_replica_started_after_the_others_died_and_the_server_restarted(
         nats_server: NatsServer) -> None:
     async def main() -> None:
         url = nats_server.url
-        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
-        for r in replicas:
-            await r.start()
+        replicas = await started_replicas(url)
         pubs = publishers(url)
         traffic = Traffic(4)
-        n = 0
-        for _ in range(40):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 40, 0)
         await agree(replicas, 1.0)
         survivor = replicas[2]
         assert survivor.bus is not None
@@ -218,11 +214,8 @@ def test_a_replica_started_after_the_others_died_and_the_server_restarted(
             await r.stop()
         nats_server.kill()
         nats_server.start()
-        for _ in range(10):  # the workers go on publishing once the server is back
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n, timeout=30)
+        # the workers go on publishing once the server is back
+        n = await publish_rounds(pubs, traffic, 10, n, timeout=30)
         late = RouterService(bus_config(url, "late"))
         t0 = time.monotonic()
         await late.start()
@@ -251,9 +244,7 @@ def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
 
     async def main() -> None:
         url = nats_server.url
-        replicas = [RouterService(bus_config(url, f"r{i}", router)) for i in range(3)]
-        for r in replicas:
-            await r.start()
+        replicas = await started_replicas(url, router=router)
         pubs = publishers(url)
         traffic = Traffic(5)
         n = 0
