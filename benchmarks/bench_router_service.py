@@ -41,6 +41,11 @@ after the single router on ZMQ the same load goes to N router replicas with ``bu
 (their clients split evenly; each replica also applies the others' in-flight announcements).
 A second row; its ``vs zmq`` is its routes per router CPU second (summed over the replicas)
 over the ZMQ row's. Targets: >= 0.9x, p99 <= 20 ms, 0 errors.
+
+Nothing waits unbounded: a router that has not exited 15 s after SIGTERM is sent SIGABRT (its
+threads' stacks when started with ``PYTHONFAULTHANDLER=1``) and killed, and the run fails
+naming it; a load phase fails when the routers use no CPU for 10 s while clients wait, or
+when one exits.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -80,6 +86,10 @@ ALGO = HashAlgo.V2_SHA256_64
 TARGET_RPS = 3000
 TARGET_TOKENIZING_SHARE = 0.15
 TARGET_P99_MS = 20.0
+STOP_TIMEOUT_S = 15.0
+"""A router must exit this soon after SIGTERM."""
+STALL_S = 10.0
+"""A load phase fails when no answer came back for this long (the clients' own timeout)."""
 FAMILIES = 64
 
 
@@ -289,7 +299,8 @@ async def _load(
     decode = msgspec.json.Decoder(_Answer).decode
 
     async def connect() -> _Connection:
-        _, conn = await loop.create_connection(_Connection, host, int(port))
+        _, conn = await asyncio.wait_for(loop.create_connection(_Connection, host, int(port)),
+                                         STALL_S)
         return conn
 
     async def client() -> None:
@@ -318,6 +329,31 @@ async def _load(
 
 class _Answer(msgspec.Struct):
     worker_id: str
+
+
+async def _watched(load: Any, procs: list[Any], label: str) -> Any:
+    """``load`` (the clients' gather); fails with the routers' CPU seconds when none of them
+    used CPU for :data:`STALL_S` while it ran (a router stuck, not a slow machine), and when a
+    router exited meanwhile."""
+    task = asyncio.ensure_future(load)
+    cpu = [_cpu_s(p.pid) for p in procs]
+    idle_since = time.monotonic()
+    while not task.done():
+        await asyncio.wait([task], timeout=1.0)
+        if task.done():
+            break
+        dead = [p.pid for p in procs if p.returncode is not None]
+        now = [_cpu_s(p.pid) for p in procs if p.returncode is None]
+        if dead:
+            task.cancel()
+            raise SystemExit(f"{label}: router process(es) {dead} exited during the load")
+        if now != cpu:
+            cpu, idle_since = now, time.monotonic()
+        elif time.monotonic() - idle_since > STALL_S:
+            task.cancel()
+            raise SystemExit(f"{label}: stalled, the routers used no CPU for {STALL_S:.0f} s "
+                             "while clients waited")
+    return task.result()
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
@@ -368,12 +404,15 @@ async def _measure(args: argparse.Namespace, procs: list[Any], bases: list[str],
         ids = {w["id"] for w in view["workers"]}
         k = len(bases)
         t0 = time.perf_counter()
-        parts = await asyncio.gather(*(
+        parts = await _watched(asyncio.gather(*(
             _load(base, bodies[i::k], max(1, args.clients // k), ids)
-            for i, base in enumerate(bases)))
+            for i, base in enumerate(bases))), procs, label)
         wall = time.perf_counter() - t0
         stop.set()
-        publisher.join()
+        publisher.join(STALL_S)
+        if publisher.is_alive():
+            raise SystemExit(f"{label}: the workers' publishing thread did not stop in "
+                             f"{STALL_S:.0f} s")
         rss_after = [_rss_kib(p.pid) for p in procs]
         cpu = sum(_cpu_s(p.pid) for p in procs) - sum(cpu_before)
         own_cpu = _cpu_s(os.getpid()) - own_before
@@ -421,8 +460,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     rows.append(await _measure(args, [proc], [base], bodies, workers, label,
                                                pool))
             finally:
-                proc.terminate()
-                await proc.wait()
+                await _stop_routers([(proc, "zmq router")])
             if url is not None:
                 row = await _run_replicas(args, workers, Path(tmp), url, arms["token ids"])
                 row["vs zmq"] = row["per router cpu s"] / rows[0]["per router cpu s"]
@@ -495,16 +533,39 @@ def _tokenizing_row(rows: list[dict[str, Any]], mean_tokens: float) -> dict[str,
 
 async def _run_replicas(args: argparse.Namespace, workers: list[Worker], tmp: Path, url: str,
                         bodies: list[bytes]) -> dict[str, Any]:
-    started = [await _start_router(workers, tmp, args.router_pythonpath, args.event_loop,
-                                   (url, f"r{i}")) for i in range(args.replicas)]
+    started: list[tuple[Any, str]] = []
     try:
+        for i in range(args.replicas):
+            started.append(await _start_router(workers, tmp, args.router_pythonpath,
+                                               args.event_loop, (url, f"r{i}")))
         return await _measure(args, [p for p, _ in started], [b for _, b in started], bodies,
                               workers, f"nats x{args.replicas}")
     finally:
-        for p, _ in started:
+        await _stop_routers([(p, f"replica r{i}") for i, (p, _) in enumerate(started)])
+
+
+async def _stop_routers(procs: list[tuple[Any, str]]) -> None:
+    """SIGTERM each router, then wait at most :data:`STOP_TIMEOUT_S` for all of them: a
+    router that has not exited by then is a bug the bench reports (after SIGABRT, which makes
+    a router started with ``PYTHONFAULTHANDLER`` print its threads' stacks, then SIGKILL)."""
+    for p, _ in procs:
+        if p.returncode is None:
             p.terminate()
-        for p, _ in started:
-            await p.wait()
+    stuck = []
+    for p, name in procs:
+        try:
+            await asyncio.wait_for(p.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            stuck.append(name)
+            p.send_signal(signal.SIGABRT)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(p.wait(), 2)
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+    if stuck:
+        raise SystemExit(f"{', '.join(stuck)} did not exit within {STOP_TIMEOUT_S:.0f} s of "
+                         "SIGTERM (stacks above when PYTHONFAULTHANDLER=1)")
 
 
 def main() -> None:

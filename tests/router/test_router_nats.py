@@ -12,6 +12,7 @@ Sizes are scaled down for the suite (``bench_router_nats.py`` runs the issue's s
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import sys
@@ -46,9 +47,11 @@ def nats_server(tmp_path: Path) -> Any:
         server.stop()
 
 
-def bus_config(url: str, replica: str, **nats: Any) -> ServiceConfig:
+def bus_config(url: str, replica: str, router: dict[str, Any] | None = None,
+               **nats: Any) -> ServiceConfig:
     return parse_config({
         "listen": {"host": "127.0.0.1", "port": 0},
+        "router": router or {},
         "bus": "nats",
         "nats": {"url": url, "replica_id": replica, "snapshot_interval_s": 0.2,
                  "check_interval_s": 0.1, "catch_up_timeout_s": 20, **nats},
@@ -107,6 +110,25 @@ async def agree(services: list[RouterService], timeout: float) -> float:
         await asyncio.sleep(0.01)
 
 
+async def started_replicas(url: str, n: int = 3,
+                           router: dict[str, Any] | None = None) -> list[RouterService]:
+    replicas = [RouterService(bus_config(url, f"r{i}", router)) for i in range(n)]
+    for r in replicas:
+        await r.start()
+    return replicas
+
+
+async def publish_rounds(pubs: dict[str, NatsEventPublisher], traffic: Traffic, rounds: int,
+                         n: int, *, timeout: float = 20, **batch: Any) -> int:
+    """``rounds`` batches of every worker, published and drained; returns ``n`` plus them."""
+    for _ in range(rounds):
+        for w, p in pubs.items():
+            p.publish(traffic.batch(w, **batch))
+            n += 1
+    await drained(pubs, n, timeout)
+    return n
+
+
 def run(coro: Any) -> None:
     asyncio.run(asyncio.wait_for(coro, 90))
 
@@ -115,17 +137,10 @@ def test_three_replicas_and_four_workers_agree_and_a_late_replica_catches_up(
         nats_server: NatsServer) -> None:
     async def main() -> None:
         url = nats_server.url
-        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
-        for r in replicas:
-            await r.start()
+        replicas = await started_replicas(url)
         pubs = publishers(url)
         traffic = Traffic(1)
-        n = 0
-        for _ in range(60):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 60, 0)
         took = await agree(replicas, 1.0)
         blocks = sum(len(r.index.masks) for r in replicas[:1])
         assert blocks > 100
@@ -135,11 +150,7 @@ def test_three_replicas_and_four_workers_agree_and_a_late_replica_catches_up(
         # a replica started now: the newest snapshot, then the tail
         assert replicas[0].bus is not None
         await replicas[0].bus.write_snapshot()
-        for _ in range(5):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 5, n)
         late = RouterService(bus_config(url, "late"))
         t0 = time.monotonic()
         await late.start()
@@ -168,12 +179,7 @@ def test_a_replica_behind_a_lossy_link_repairs_every_gap(nats_server: NatsServer
             await r.start()
         pubs = publishers(url)
         traffic = Traffic(2)
-        n = 0
-        for _ in range(100):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w, blocks=4))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 100, 0, blocks=4)
         await agree([clean, lossy], 3.0)
         assert lossy.bus is not None and clean.bus is not None
         c = lossy.bus.counters
@@ -196,17 +202,10 @@ def test_a_replica_started_after_the_others_died_and_the_server_restarted(
         nats_server: NatsServer) -> None:
     async def main() -> None:
         url = nats_server.url
-        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
-        for r in replicas:
-            await r.start()
+        replicas = await started_replicas(url)
         pubs = publishers(url)
         traffic = Traffic(4)
-        n = 0
-        for _ in range(40):
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n)
+        n = await publish_rounds(pubs, traffic, 40, 0)
         await agree(replicas, 1.0)
         survivor = replicas[2]
         assert survivor.bus is not None
@@ -215,11 +214,8 @@ def test_a_replica_started_after_the_others_died_and_the_server_restarted(
             await r.stop()
         nats_server.kill()
         nats_server.start()
-        for _ in range(10):  # the workers go on publishing once the server is back
-            for w, p in pubs.items():
-                p.publish(traffic.batch(w))
-                n += 1
-        await drained(pubs, n, timeout=30)
+        # the workers go on publishing once the server is back
+        n = await publish_rounds(pubs, traffic, 10, n, timeout=30)
         late = RouterService(bus_config(url, "late"))
         t0 = time.monotonic()
         await late.start()
@@ -238,16 +234,17 @@ def test_a_replica_started_after_the_others_died_and_the_server_restarted(
 def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
         nats_server: NatsServer) -> None:
     """16 clients route through any replica and report the end (50-300 ms later) to any
-    replica; meanwhile probes ask every replica at the same instant where a request would go.
-    At the instants when no in-flight announcement is in transit, >= 99 % agree: each
-    replica's load and predictions hold the others' routes. (All replicas share this test's
-    one event loop on a shared machine, so announcements spend milliseconds in transit; the
-    probes taken then are counted apart.)"""
+    replica; meanwhile probes ask every replica at the same instant where a request would go:
+    >= 99 % of them agree, counting the probes taken while announcements were in transit (all
+    replicas share this test's one event loop, so they spend milliseconds in transit). The
+    replicas' default ``agree_margin`` does it (``KVPOOL_TEST_AGREE_MARGIN=0``, the plain
+    ``cost`` rule, agreed on 90-97 %)."""
+    margin = os.environ.get("KVPOOL_TEST_AGREE_MARGIN")
+    router = {"agree_margin": float(margin)} if margin is not None else {}
+
     async def main() -> None:
         url = nats_server.url
-        replicas = [RouterService(bus_config(url, f"r{i}")) for i in range(3)]
-        for r in replicas:
-            await r.start()
+        replicas = await started_replicas(url, router=router)
         pubs = publishers(url)
         traffic = Traffic(5)
         n = 0
@@ -301,7 +298,7 @@ def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
         async with aiohttp.ClientSession() as session:
             clients = [asyncio.create_task(client(session, k)) for k in range(16)]
             await asyncio.sleep(0.3)
-            while total < 200:
+            while total + in_transit < 600:
                 toks = prompt()
                 picks = []
                 for r in replicas:  # one instant: no await between the replicas
@@ -317,7 +314,8 @@ def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
             await asyncio.gather(*clients)
         print(f"same worker {same}/{total} with nothing in transit; {same_any}/{in_transit} "
               "while announcements were in transit")
-        assert same >= 0.99 * total, (same, total)
+        assert same + same_any >= 0.99 * (total + in_transit), (same, total, same_any,
+                                                                  in_transit)
         assert replicas[0].bus is not None and replicas[0].bus.inflight.applied > 100
         await asyncio.sleep(0.1)
         active = [sum(r.router.active_requests(w) for w in WORKERS) for r in replicas]

@@ -484,3 +484,47 @@ def test_a_decision_latency_counts_in_the_first_bucket_bounding_it(elapsed: floa
         at = RouterStats()
         at.count_latency(bound)
         assert at.latency_buckets[LATENCY_BUCKETS_S.index(bound)] == 1
+
+
+# ------------------------------------------------------------------------- agree_margin
+
+
+def _probe(router: Router, toks: list[int]) -> str:
+    d = router.route(toks, request_id="probe")
+    router.request_finished("probe")
+    return d.worker_id
+
+
+@given(st.lists(st.integers(0, 3), min_size=4, max_size=4),
+       st.lists(st.integers(0, 1), min_size=4, max_size=4), st.integers(0, 10_000))
+def test_agree_margin_picks_by_the_request_not_by_small_load_differences(
+        loads: list[int], lag: list[int], family: int) -> None:
+    """Two replicas whose load views differ by one short request per worker (well inside the
+    margin) pick the same worker for every request; the pick depends on the request (its
+    first block key) and the near-best set only, not on the order of the views."""
+    workers = ("w0", "w1", "w2", "w3")
+    toks = [family * 100 + j for j in range(40)]
+    picks = []
+    for extra in ([0] * 4, lag):
+        _, router = make(*workers, agree_margin=32.0)
+        for w, n, e in zip(workers, loads, extra, strict=True):
+            load_up(router, w, n + e, tokens=20, tag=f"{n}-{e}-")  # 0.4 cost tokens each
+        picks.append(_probe(router, toks))
+    assert picks[0] == picks[1]
+
+
+def test_agree_margin_keeps_a_clear_prefix_win_and_off_is_the_plain_rule() -> None:
+    index, router = make("a", "b", "c", agree_margin=32.0)
+    toks = list(range(64))  # 16 blocks of 4
+    hold(index, "b", toks, dict.fromkeys(range(15), 0))
+    assert _probe(router, toks) == "b"  # 60 tokens better than the others: not near
+    # near-best by rendezvous: the same worker whichever order the workers were added in
+    picks = set()
+    for order in (("a", "b", "c"), ("c", "a", "b"), ("b", "c", "a")):
+        _, r = make(*order, agree_margin=32.0)
+        picks.add(_probe(r, [9, 9, 9, 9, 9]))
+    assert len(picks) == 1
+    with pytest.raises(InvalidArgumentError):
+        make("a", agree_margin=-1.0)
+    _, plain = make("a", "b")
+    assert plain.agree_margin == 0.0  # the single router's rule is unchanged by default

@@ -158,6 +158,10 @@ class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_timeout_s: _NonNegative = 600.0
     shared_tier_weight: _Weight = DEFAULT_SHARED_TIER_WEIGHT
     shared_tier_blocks: _Positive = DEFAULT_SHARED_TIER_BLOCKS
+    agree_margin: _NonNegative | None = None
+    """Cost tokens within which candidates count as tied and the request's rendezvous hash
+    picks (:mod:`kvpool.router.agreement`); default 0 (off) with ``bus: direct``,
+    ``DEFAULT_AGREE_MARGIN`` with ``bus: nats``, so replicas pick alike."""
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 

@@ -46,7 +46,7 @@ from kvpool.router.nats_inflight import InflightShare
 from kvpool.router.nats_snapshot import BusState, dump_snapshot, index_digest, load_snapshot
 from kvpool.router.scoring import Router
 
-__all__ = ["BusCounters", "NatsBus", "bus_worker"]
+__all__ = ["BusCounters", "NatsBus", "bus_worker", "cancel_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ SNAPSHOT_OBJECT = "index"
 _FETCH_BATCH = 1024
 _GET_TRIES = 20
 _GET_TIMEOUT_S = 0.5
+_STOP_S = 5.0
+_RECANCEL_S = 0.1
 
 
 @dataclass(slots=True)
@@ -119,24 +121,22 @@ class NatsBus:
         await self._load_snapshot()
         await self._subscribe()
         await self.inflight.start(self._nc)
-        self._tasks = [asyncio.create_task(self._consume()), asyncio.create_task(self._check())]
+        self._tasks = [asyncio.create_task(self._consume(), name="nats-consume"),
+                       asyncio.create_task(self._check(), name="nats-check")]
         if o.snapshot_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._snapshots()))
+            self._tasks.append(asyncio.create_task(self._snapshots(), name="nats-snapshots"))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._catch_up(), o.catch_up_timeout_s)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """Cancel the loops and close the connection, each bounded by :data:`_STOP_S`."""
+        await cancel_all(self._tasks, _STOP_S)
         self._tasks.clear()
         if self._nc is not None:
             with contextlib.suppress(Exception):
-                await self.inflight.stop()
+                await asyncio.wait_for(self.inflight.stop(), _STOP_S)
             with contextlib.suppress(Exception):
-                await self._nc.close()
+                await asyncio.wait_for(self._nc.close(), _STOP_S)
             self._nc = None
 
     async def write_snapshot(self) -> bool:
@@ -348,6 +348,30 @@ class NatsBus:
             "inflight_sent": self.inflight.sent, "inflight_applied": self.inflight.applied,
             "at": time.time(),
         }
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
+    """Cancel ``tasks`` and wait until they end, cancelling again those still running.
+
+    One ``cancel()`` is not enough: on Python 3.11, ``asyncio.wait_for`` (which nats-py's
+    ``fetch`` and requests await) returns its inner result when that completes at the moment
+    the cancellation arrives, so the cancellation is lost and a ``while True`` loop around it
+    runs on (a replica's ``_consume`` did: SIGTERM left the process idle for ever). Tasks still
+    running after ``timeout_s`` are logged and left behind."""
+    pending = {t for t in tasks if not t.done()}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            logger.warning("%d task(s) did not end on cancellation: %s", len(pending),
+                           ", ".join(sorted(t.get_name() for t in pending)))
+            return
+        _, pending = await asyncio.wait(pending, timeout=min(_RECANCEL_S, left))
+    for task in tasks:  # retrieve what they ended with (a cancellation, an error)
+        if task.done() and not task.cancelled():
+            task.exception()
 
 
 def bus_worker(w: WorkerConfig) -> WorkerConfig:

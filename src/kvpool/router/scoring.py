@@ -97,6 +97,7 @@ import numpy as np
 
 from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
 from kvpool.hashing.keys import tokens_to_u32
+from kvpool.router.agreement import agreed_choice, request_tie_key
 from kvpool.router.approx import DEFAULT_APPROX_TTL_S, ApproxCaches
 from kvpool.router.decision import (
     LATENCY_BUCKETS_S,
@@ -171,6 +172,7 @@ class Router:
         approx_ttl_s: float = DEFAULT_APPROX_TTL_S,
         shared_tier_weight: float = DEFAULT_SHARED_TIER_WEIGHT,
         shared_tier_blocks: int = DEFAULT_SHARED_TIER_BLOCKS,
+        agree_margin: float = 0.0,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -192,6 +194,7 @@ class Router:
                             ("request_timeout_s", request_timeout_s)):
             _check_nonneg(name, value)
         _check_nonneg("shared_tier_weight", shared_tier_weight)
+        _check_nonneg("agree_margin", agree_margin)
         if shared_tier_weight > 1:
             raise InvalidArgumentError(
                 f"shared_tier_weight must be in [0, 1], got {shared_tier_weight!r}"
@@ -205,6 +208,7 @@ class Router:
         self.max_batch_size = max_batch_size
         self.request_timeout_s = float(request_timeout_s)
         self.shared_tier_weight = float(shared_tier_weight)
+        self.agree_margin = float(agree_margin)
         self.approx = ApproxCaches(index.stride, approx_ttl_s)
         self.approx_capacity_blocks = tuple(approx_capacity_blocks)
         ApproxCaches(index.stride).add(0, self.approx_capacity_blocks)  # validates
@@ -270,7 +274,11 @@ class Router:
         self._sync_approx()
         matches, group_keys = self._match(toks, cache_salt, healthy)
         cands = self._score(matches, len(toks))
-        winner = cands[self._choose(cands)]
+        if self.agree_margin > 0 and self.mode is not RouteMode.TRTLLM and self.temperature == 0:
+            winner = cands[agreed_choice(cands, self.agree_margin, request_tie_key(
+                group_keys, toks))]
+        else:
+            winner = cands[self._choose(cands)]
         request_id, prefill = self._commit(
             winner, group_keys, len(toks), now, request_id, prefill_tokens
         )

@@ -85,6 +85,7 @@ from kvpool.httpserve import (
     read_body,
 )
 from kvpool.httpserve.jsondoc import decode_token_array, off_loop
+from kvpool.router.agreement import DEFAULT_AGREE_MARGIN
 from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
@@ -202,6 +203,8 @@ class RouterService:
             request_timeout_s=o.request_timeout_s,
             shared_tier_weight=o.shared_tier_weight,
             shared_tier_blocks=o.shared_tier_blocks,
+            agree_margin=(o.agree_margin if o.agree_margin is not None
+                          else DEFAULT_AGREE_MARGIN if config.bus == "nats" else 0.0),
             seed=o.seed,
         )
         for w in config.workers:
