@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from kvpool.replay.bench_figures import BENCH_RUNS, bench_table
 from kvpool.replay.report import best_marks, fmt_ms, fmt_pct
 
 __all__ = ["FIGURES", "Figure", "block_pattern", "check", "render_block", "run", "write"]
@@ -64,6 +66,35 @@ class Figure:
 
     def commands(self) -> list[str]:
         return [" ".join([".venv/bin/kvpool", "replay", *args]) for args in self.runs]
+
+    def argv(self, i: int, path: Path) -> tuple[list[str], dict[str, str]]:
+        """The child process of run ``i`` writing ``path``, and its extra environment."""
+        return ([sys.executable, "-m", "kvpool.cli", "replay", *self.runs[i], "--no-progress",
+                 "--json", str(path)], {})
+
+
+@dataclass(frozen=True)
+class BenchFigure:
+    """The benchmarks' figure: each :class:`~kvpool.replay.bench_figures.BenchRun` writes one
+    document into ``docs/figures/bench``; :func:`~kvpool.replay.bench_figures.bench_table`
+    makes the table."""
+
+    name: str
+    quick: bool = False
+
+    def json_paths(self, root: Path) -> list[Path]:
+        return [root / FIGURE_DIR / "bench" / f"{r.json}.json" for r in BENCH_RUNS]
+
+    def commands(self) -> list[str]:
+        return [r.command() for r in BENCH_RUNS]
+
+    def table(self, docs: Sequence[dict[str, Any]]) -> list[str]:
+        return bench_table({r.json: d for r, d in zip(BENCH_RUNS, docs, strict=True)})
+
+    def argv(self, i: int, path: Path) -> tuple[list[str], dict[str, str]]:
+        run = BENCH_RUNS[i]
+        return ([sys.executable, f"benchmarks/{run.script}", *run.args],
+                {"KVPOOL_RESULTS_DIR": str(path.parent)})
 
 
 def _policy_table(docs: Sequence[dict[str, Any]]) -> list[str]:
@@ -108,7 +139,7 @@ def _shared_tier_table(docs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 _TRACE: Final = ("--trace", "conversation", "--limit")
-FIGURES: Final[tuple[Figure, ...]] = (
+FIGURES: Final[tuple[Figure | BenchFigure, ...]] = (
     Figure("quick", (("--requests", "300", "--workers", "2",
                       "--policies", "cost,trtllm,approx,round-robin"),),
            _policy_table, quick=True),
@@ -120,6 +151,7 @@ FIGURES: Final[tuple[Figure, ...]] = (
         (*_TRACE, "1000", "--gpu-mem", "16GiB", "--policies", "cost,trtllm,round-robin",
          "--remote-mem", "256GiB"),
     ), _shared_tier_table),
+    BenchFigure("benchmarks"),
 )
 
 
@@ -131,7 +163,7 @@ def block_pattern(name: str) -> re.Pattern[str]:
     )
 
 
-def render_block(figure: Figure, root: Path) -> str:
+def render_block(figure: Figure | BenchFigure, root: Path) -> str:
     """The block as this module writes it: the commands, then the table."""
     docs = [json.loads(p.read_text()) for p in figure.json_paths(root)]
     body = ["```bash", *figure.commands(), "```", "", *figure.table(docs)]
@@ -179,19 +211,19 @@ def write(root: Path) -> list[str]:
     return changed
 
 
-def run(figure: Figure, root: Path, out_dir: Path | None = None) -> list[Path]:
-    """Replay ``figure``'s runs (their tables print), writing their JSON into ``out_dir``
-    (default: the figure's files under ``root``)."""
+def run(figure: Figure | BenchFigure, root: Path, out_dir: Path | None = None) -> list[Path]:
+    """Run ``figure``'s replays or benchmarks (their tables print), writing their JSON into
+    ``out_dir`` (default: the figure's files under ``root``)."""
     paths = figure.json_paths(root)
     if out_dir is not None:
         paths = [out_dir / p.name for p in paths]
-    for args, path in zip(figure.runs, paths, strict=True):
+    for i, path in enumerate(paths):
         path.parent.mkdir(parents=True, exist_ok=True)
         # the command itself, in a child: the replay layer does not import the CLI above it
-        code = subprocess.call([sys.executable, "-m", "kvpool.cli", "replay", *args,
-                                "--no-progress", "--json", str(path)])
+        argv, env = figure.argv(i, path)
+        code = subprocess.call(argv, cwd=root, env={**os.environ, **env})
         if code != 0:
-            raise SystemExit(f"kvpool replay {' '.join(args)} exited {code}")
+            raise SystemExit(f"{' '.join(argv[1:])} exited {code}")
     return paths
 
 
