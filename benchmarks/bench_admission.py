@@ -56,8 +56,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report
-
-# the public API only, so that --baseline can run a checkout with another module layout
 from kvpool import (
     BlockHasher,
     CacheConfig,
@@ -66,10 +64,13 @@ from kvpool import (
     OutOfBlocksError,
     SequenceRequest,
 )
+
+# the public API only, so that --baseline can run a checkout with another module layout
+from kvpool.config import EvictionConfig
 from kvpool.replay.workloads import builtin_trace
 
 TPB = 32
-DEFAULT_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
+DEFAULT_POLICY = EvictionConfig().policy
 VOCAB = 128_256  # Llama 3's vocabulary size: W1's token ids are in [0, VOCAB)
 WITH_GC = True  # --no-gc: turn the garbage collector off in the timed loops
 TRACE = builtin_trace("conversation")  # shipped in kvpool/data
@@ -143,8 +144,9 @@ class HashTimer:
 
 def run_w1(n: int, algo: HashAlgo, host_blocks: int, policy: str = "lru") -> dict[str, object]:
     reqs = w1_requests(n)
-    m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
-                                   host_blocks=host_blocks, eviction_policy=policy))
+    m = KVCacheManager(CacheConfig(
+        tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo, host_blocks=host_blocks,
+        eviction=EvictionConfig(policy=policy)))
     gc.collect()
     if not WITH_GC:
         gc.disable()
@@ -179,8 +181,9 @@ def run_w2(path: Path, n: int, algo: HashAlgo, host_blocks: int,
 
     wl = load_mooncake(path, limit=n)
     reqs = [list(r.tokens) for r in wl.requests]
-    m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo,
-                                   host_blocks=host_blocks, eviction_policy=policy))
+    m = KVCacheManager(CacheConfig(
+        tokens_per_block=TPB, gpu_blocks=20_000, hash_algo=algo, host_blocks=host_blocks,
+        eviction=EvictionConfig(policy=policy)))
     held: collections.deque[int] = collections.deque()
     early = 0
     gc.collect()
@@ -292,7 +295,7 @@ def main() -> None:
     ap.add_argument("--algo", default="v2_sha256", choices=[a.value for a in HashAlgo])
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--policy", default=DEFAULT_POLICY,
-                    help=f"CacheConfig.eviction_policy (default: the library's, {DEFAULT_POLICY})")
+                    help=f"CacheConfig.eviction.policy (default: the library's, {DEFAULT_POLICY})")
     ap.add_argument("--no-gc", action="store_true",
                     help="turn Python's garbage collector off in the timed loops (default: on)")
     ap.add_argument("--compare-policies", metavar="NAMES",

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, report
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EvictionConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.eviction import POLICIES
@@ -72,8 +72,8 @@ def replay(wl: Workload, policy: str, gpu: int, host: int, gate: str,
     """Run the W2 admission loop through a fresh manager (``config``: more CacheConfig
     fields); returns its stats and cost."""
     m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=gpu, host_blocks=host,
-                                   hash_algo=ALGO, eviction_policy=policy, offload_gate=gate,
-                                   **config))
+                                   hash_algo=ALGO, **config,
+                                   eviction=EvictionConfig(policy=policy, offload_gate=gate)))
     held: collections.deque[int] = collections.deque()
     early = 0
     gc.collect()

@@ -23,6 +23,7 @@ import torch
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool import CacheConfig, KVCacheManager, SequenceRequest
+from kvpool.config import DiskConfig, EvictionConfig
 from kvpool.tiers.storage import GroupGeometry
 
 TPB = 16
@@ -31,11 +32,11 @@ BLOCKS_PER_PROMPT = 4
 
 
 def config(path: str, disk_blocks: int, persistent: bool) -> CacheConfig:
-    return CacheConfig(
-        tokens_per_block=TPB, gpu_blocks=64, host_blocks=64, disk_blocks=disk_blocks,
-        disk_path=path, layer_geometry=[GEOMETRY], device="cpu", offload_min_priority=0,
-        disk_persistent=persistent, disk_sync_interval_s=None, model_id="bench",
-    )
+    return CacheConfig(tokens_per_block=TPB, gpu_blocks=64, host_blocks=64,
+                       disk_blocks=disk_blocks, layer_geometry=[GEOMETRY], device="cpu",
+                       model_id="bench",
+                       disk=DiskConfig(path=path, persistent=persistent, sync_interval_s=None),
+                       eviction=EvictionConfig(offload_min_priority=0))
 
 
 def serve(m: KVCacheManager, prompts: list[list[int]], tag: str) -> float:

@@ -42,6 +42,7 @@ import redis
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
 from kvpool import CacheConfig, KVCacheManager, SequenceRequest
+from kvpool.config import RemoteConfig
 from kvpool.hashing.keys import BlockHasher
 from kvpool.tiers.remote.codec import ValueCodec
 from kvpool.tiers.remote.store import DEFAULT_BATCH_BYTES, RemoteStore
@@ -176,10 +177,10 @@ def _geometry(size: int) -> GroupGeometry:
 
 
 def _manager(url: str | None, size: int, blocks: int, **kw: Any) -> KVCacheManager:
-    return KVCacheManager(CacheConfig(
-        tokens_per_block=TPB, gpu_blocks=kw.pop("gpu_blocks", 4),
-        host_blocks=kw.pop("host_blocks", blocks + 1),
-        layer_geometry=[_geometry(size)], remote_url=url, model_id="bench", **kw))
+    return KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=kw.pop("gpu_blocks", 4),
+                                      host_blocks=kw.pop("host_blocks", blocks + 1),
+                                      layer_geometry=[_geometry(size)], model_id="bench", **kw,
+                                      remote=RemoteConfig(url=url)))
 
 
 def prefetch_rows(url: str, blocks: int, sizes: list[int], rounds: int) -> list[dict[str, Any]]:

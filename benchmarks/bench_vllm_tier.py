@@ -24,7 +24,8 @@ Needs vLLM 0.33's own code: ``tests/peers/install_vllm.sh .venv`` installs it (`
    32-chunk job of 256 KiB chunks), ``--latency-jobs`` jobs on a tier of 64 chunks (so
    KvpoolTier's stores evict), p50/p99/max in µs of wall time and of the calling thread's CPU
    time (``time.thread_time``: what the call itself costs, without the time the OS gave other
-   processes or threads meanwhile), KvpoolTier and vLLM's fs tier.
+   processes or threads meanwhile), KvpoolTier and vLLM's fs tier in turn, job by job (both
+   under the same machine load), the garbage collector on, both tiers with their defaults.
 
 Results: results/bench_vllm_tier.json. Usage:
     python benchmarks/bench_vllm_tier.py [--requests 4000] [--capacities 4000,8000,16000]
@@ -267,34 +268,40 @@ def _timed(calls: dict[str, list[list[float]]], name: str, fn: Any, *args: Any) 
     calls[name][1].append(cpu)
 
 
+def _latency_round(tier: Any, calls: dict[str, list[list[float]]], n: int) -> None:
+    """One store job, the lookups of its keys, one load job of them (each drained)."""
+    ctx = ReqContext("latency")
+    ids = np.arange(JOB_CHUNKS, dtype=np.int32)
+    keys = [_key(n * JOB_CHUNKS + i) for i in range(JOB_CHUNKS)]
+    _timed(calls, "submit_store", tier.submit_store, TransferJob(2 * n, keys, ids, False, ctx))
+    tier.drain_jobs()
+    tier.get_finished_jobs()
+    tier.on_schedule_end(ScheduleEndContext((), ()))
+    for k in keys:
+        _timed(calls, "lookup", tier.lookup, k, ctx)
+    _timed(calls, "submit_load", tier.submit_load, TransferJob(2 * n + 1, keys, ids, True, ctx))
+    tier.drain_jobs()
+    tier.get_finished_jobs()
+
+
 def latency(n_jobs: int, root: Path) -> list[dict[str, Any]]:
-    rows = []
-    for kind in ("KvpoolTier", "fs"):
-        pool = _pool(JOB_CHUNKS)
-        pool[:] = np.random.default_rng(1).integers(-128, 128, pool.shape, dtype=np.int8)
-        tier = _build(kind, pool, root / f"latency-{kind}", 2 * JOB_CHUNKS)
-        ctx = ReqContext("latency")
-        ids = np.arange(JOB_CHUNKS, dtype=np.int32)
-        calls: dict[str, list[list[float]]] = {}
-        for n in range(n_jobs):
-            keys = [_key(n * JOB_CHUNKS + i) for i in range(JOB_CHUNKS)]
-            _timed(calls, "submit_store", tier.submit_store,
-                   TransferJob(2 * n, keys, ids, False, ctx))
-            tier.drain_jobs()
-            tier.get_finished_jobs()
-            tier.on_schedule_end(ScheduleEndContext((), ()))
-            for k in keys:
-                _timed(calls, "lookup", tier.lookup, k, ctx)
-            _timed(calls, "submit_load", tier.submit_load,
-                   TransferJob(2 * n + 1, keys, ids, True, ctx))
-            tier.drain_jobs()
-            tier.get_finished_jobs()
+    """Both tiers in turn, job by job (A/B under the same machine load), GC on."""
+    kinds = ("KvpoolTier", "fs")
+    pools = {kind: _pool(JOB_CHUNKS) for kind in kinds}
+    tiers = {}
+    for kind in kinds:
+        pools[kind][:] = np.random.default_rng(1).integers(-128, 128, pools[kind].shape,
+                                                           dtype=np.int8)
+        tiers[kind] = _build(kind, pools[kind], root / f"latency-{kind}", 2 * JOB_CHUNKS)
+    calls: dict[str, dict[str, list[list[float]]]] = {kind: {} for kind in kinds}
+    for n in range(n_jobs):
+        for kind in kinds if n % 2 else kinds[::-1]:
+            _latency_round(tiers[kind], calls[kind], n)
+    for tier in tiers.values():
         tier.shutdown()
-        del pool
-        rows += [{"part": "latency", "tier": kind, "call": name, "samples": len(wall),
-                  **_percentiles(wall, ""), **_percentiles(cpu, "cpu_")}
-                 for name, (wall, cpu) in calls.items()]
-    return rows
+    return [{"part": "latency", "tier": kind, "call": name, "samples": len(wall),
+             **_percentiles(wall, ""), **_percentiles(cpu, "cpu_")}
+            for kind in kinds for name, (wall, cpu) in calls[kind].items()]
 
 
 def main() -> None:

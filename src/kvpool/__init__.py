@@ -8,7 +8,16 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvpool.config import CacheConfig, RetentionConfig, SequenceRequest, TokenRangeRetention
+from kvpool.config import (
+    CacheConfig,
+    DiskConfig,
+    EventsConfig,
+    EvictionConfig,
+    RemoteConfig,
+    RetentionConfig,
+    SequenceRequest,
+    TokenRangeRetention,
+)
 from kvpool.core.manager import AdmitResult, KVCacheManager
 from kvpool.core.plan import BatchPlan, PartialClaimTracker, PartialMode, RequestPlan
 from kvpool.core.stats import CacheStats, RequestStats
@@ -51,8 +60,11 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "CapacityError",
+    "DiskConfig",
     "DuplicateSequenceError",
     "EventManager",
+    "EventsConfig",
+    "EvictionConfig",
     "GroupGeometry",
     "HashAlgo",
     "InvalidArgumentError",
@@ -68,6 +80,7 @@ __all__ = [
     "PartialClaimTracker",
     "PartialMode",
     "PoolPlan",
+    "RemoteConfig",
     "RequestPlan",
     "RequestStats",
     "RetentionConfig",

@@ -28,7 +28,7 @@ from kvpool.commands._signals import (
 from kvpool.errors import KVPoolError
 
 # Subcommand modules under kvpool.commands, in the order --help lists them.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "replay", "serve", "cache")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "router", "bridge", "replay", "serve", "cache")
 
 EXIT_STATUS = """exit status:
   0    done; serve and router: also stopped by SIGINT or SIGTERM

@@ -151,6 +151,14 @@ class ManifestError(StorageError):
     that the manifest can be discarded instead."""
 
 
+class CopiesLostError(StorageError):
+    """Copies that brought blocks live sequences use (onto the GPU, or held for a suspended
+    sequence) failed after the call's bookkeeping, which cannot be undone: those sequences'
+    blocks lost their bytes. The one error a call raises *having changed* the manager (what it
+    registered, suspended or resumed stays); the manager then refuses every later call that
+    may copy with this error too (build a new manager, re-admit the sequences)."""
+
+
 class CopyFailedError(StorageError):
     """Some copies of one ``copy_blocks`` call failed while running (a disk full or past its
     file size limit, an I/O error); every other copy of the call completed. ``failed`` holds

@@ -283,7 +283,7 @@ TYPED_OPTIONS = _typed_options()
 
 def test_every_command_has_typed_options() -> None:
     commands = {name for name, _ in TYPED_OPTIONS}
-    assert commands == {"plan", "replay", "router", "serve"}
+    assert commands == {"bridge", "plan", "replay", "router", "serve"}
     assert ("serve", "--log-level") in TYPED_OPTIONS and ("serve", "--port") in TYPED_OPTIONS
     assert ("serve", "--shutdown-grace") in TYPED_OPTIONS
 

@@ -117,15 +117,16 @@ class Workload:
     """One random workload against a persistent disk tier (see the module docstring)."""
 
     def __init__(self, disk: Disk, sync_every_call: bool, totals: dict[str, int]) -> None:
-        from kvpool import CacheConfig, GroupGeometry
+        from kvpool import CacheConfig, DiskConfig, GroupGeometry
 
         self.disk = disk
         self.totals = totals
         self.config = CacheConfig(
             tokens_per_block=TPB, gpu_blocks=8, host_blocks=2, disk_blocks=DISK_BLOCKS,
             layer_geometry=[GroupGeometry(1, 1, 2, "float32")], device="cpu",
-            disk_path=disk.path, disk_persistent=True, model_id="test/disk-full",
-            enable_partial_reuse=False, disk_sync_interval_s=1e-9 if sync_every_call else None,
+            model_id="test/disk-full", enable_partial_reuse=False,
+            disk=DiskConfig(path=disk.path, persistent=True,
+                            sync_interval_s=1e-9 if sync_every_call else None),
         )
         self.live: dict[int, list[int]] = {}
         self.next_id = 0
@@ -166,13 +167,16 @@ class Workload:
                 f"{list(tokens)[-TPB:]} (prefix of {len(tokens)} tokens)")
 
     def call(self, fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-        """Run a manager call; one that raises must leave debug_state() unchanged."""
-        from kvpool.errors import KVPoolError
+        """Run a manager call; one that raises must leave debug_state() unchanged (and so is
+        never the CopiesLostError of a call that could not be undone: a full disk only ever
+        fails copies to colder tiers, which leave the cache instead)."""
+        from kvpool.errors import CopiesLostError, KVPoolError
 
         before = self.m.debug_state()
         try:
             return fn(), None
         except KVPoolError as exc:
+            assert not isinstance(exc, CopiesLostError), repr(exc)
             assert self.m.debug_state() == before, f"{exc!r} changed the manager"
             self.totals["raised"] += 1
             return None, exc

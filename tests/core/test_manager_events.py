@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, EvictionConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
@@ -33,7 +33,8 @@ def workload_step(m: KVCacheManager, rng: random.Random, live: list[int], sid: i
 
 def test_events_over_zmq_with_a_dropped_message_reproduce_the_cache() -> None:
     m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=8, host_blocks=6,
-                                   hash_algo="v1_block_key", event_buffer_max_size=10_000))
+                                   hash_algo="v1_block_key",
+                                   events=EventsConfig(buffer_max_size=10_000)))
     pub = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint)
     index = EventIndex(strict=True)
@@ -67,8 +68,8 @@ def test_events_over_zmq_with_a_dropped_message_reproduce_the_cache() -> None:
 
 
 def test_committed_chain_is_one_stored_event_and_eviction_removes() -> None:
-    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=4,
-                                   enable_partial_reuse=False, event_buffer_max_size=100))
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=4, enable_partial_reuse=False,
+                                   events=EventsConfig(buffer_max_size=100)))
     m.add_sequence(SequenceRequest(0, [1, 2, 3, 4, 5, 6, 7]))
     m.remove_sequence(0)  # commits 3 full blocks as one chain
     m.flush_iteration_events()
@@ -84,7 +85,8 @@ def test_committed_chain_is_one_stored_event_and_eviction_removes() -> None:
 
 
 def test_failed_admission_emits_nothing() -> None:
-    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=3, event_buffer_max_size=100))
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=3,
+                                   events=EventsConfig(buffer_max_size=100)))
     m.add_sequence(SequenceRequest(0, [1, 2, 3]))
     m.remove_sequence(0)
     m.flush_iteration_events()
@@ -103,7 +105,8 @@ def test_failed_admission_emits_nothing() -> None:
 @pytest.mark.parametrize("salt", [None, "tenant"])
 def test_stored_event_hashes_are_what_a_router_computes(algo: HashAlgo, salt: str | None) -> None:
     m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=16, hash_algo=algo,
-                                   enable_partial_reuse=False, event_buffer_max_size=100))
+                                   enable_partial_reuse=False,
+                                   events=EventsConfig(buffer_max_size=100)))
     prompt = list(range(100, 117))  # 17 tokens: 4 full blocks of the prompt minus its last
     m.add_sequence(SequenceRequest(0, prompt, cache_salt=salt))
     m.remove_sequence(0)
@@ -116,7 +119,8 @@ def test_stored_event_hashes_are_what_a_router_computes(algo: HashAlgo, salt: st
 
 def test_decoding_without_tokens_keeps_every_hash_and_tier() -> None:
     m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=6, host_blocks=4,
-                                   hash_algo="v1_block_key", event_buffer_max_size=1000))
+                                   hash_algo="v1_block_key",
+                                   events=EventsConfig(buffer_max_size=1000)))
     for sid in range(6):
         m.add_sequence(SequenceRequest(sid, [sid % 2, *range(10 * sid, 10 * sid + 12)]))
         m.remove_sequence(sid)
@@ -149,7 +153,8 @@ def test_stored_blocks_carry_their_own_tokens(
     with partial reuse, a trailing partial block (the key is chained here with the public
     v1_block_key, block by block, not by the manager's hasher)."""
     m = KVCacheManager(CacheConfig(tokens_per_block=tpb, gpu_blocks=64, hash_algo="v1_block_key",
-                                   enable_partial_reuse=partial, event_buffer_max_size=10_000))
+                                   enable_partial_reuse=partial,
+                                   events=EventsConfig(buffer_max_size=10_000)))
     expected: dict[int, tuple[int, ...]] = {}
     for sid, prompt in enumerate(prompts):
         parent = 0
@@ -175,8 +180,9 @@ def test_stored_blocks_carry_their_own_tokens(
 def test_evicted_blocks_are_removed_in_eviction_order(policy: str, needed: int) -> None:
     """A released chain is evicted tail first, and its removed event lists the hashes in that
     order: a whole chain (needed >= its length, the next one's tail too) or only its tail."""
-    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=6, eviction_policy=policy,
-                                   enable_partial_reuse=False, event_buffer_max_size=100))
+    m = KVCacheManager(CacheConfig(tokens_per_block=2, gpu_blocks=6, enable_partial_reuse=False,
+                                   events=EventsConfig(buffer_max_size=100),
+                                   eviction=EvictionConfig(policy=policy)))
     chains = []
     for sid, first in enumerate((10, 20)):
         m.add_sequence(SequenceRequest(sid, list(range(first, first + 6))))

@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, EvictionConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import KVPoolError, OutOfBlocksError
 from kvpool.events.index import EventIndex
@@ -52,9 +52,11 @@ def configs(draw: st.DrawFn, tiers: bool) -> CacheConfig:
         max_beam_width=draw(st.integers(1, 3)),
         host_blocks=host,
         disk_blocks=disk,
-        offload_min_priority=draw(st.sampled_from([0, 35, 50])),
-        eviction_policy=draw(st.sampled_from(sorted(POLICIES))),
-        offload_gate=draw(st.sampled_from(["all", "reused"])),
+        eviction=EvictionConfig(
+            offload_min_priority=draw(st.sampled_from([0, 35, 50])),
+            policy=draw(st.sampled_from(sorted(POLICIES))),
+            offload_gate=draw(st.sampled_from(["all", "reused"])),
+        ),
         hash_algo=draw(st.sampled_from(list(HashAlgo))),
     )
 
@@ -87,7 +89,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not data.draw(st.booleans()):
             kw["enable_block_reuse"] = False
         if data.draw(st.booleans()):
-            kw["event_buffer_max_size"] = 1_000_000
+            kw["events"] = EventsConfig(buffer_max_size=1_000_000)
         self.m = KVCacheManager(CacheConfig(**kw))
 
     @property
@@ -247,7 +249,7 @@ class ManagerMachine(RuleBasedStateMachine):
 def _kwargs(cfg: CacheConfig) -> dict[str, Any]:
     names = ("tokens_per_block", "gpu_blocks", "window_sizes", "sink_tokens",
              "enable_block_reuse", "enable_partial_reuse", "max_beam_width", "host_blocks",
-             "disk_blocks", "offload_min_priority", "eviction_policy", "offload_gate")
+             "disk_blocks", "eviction")
     return {n: getattr(cfg, n) for n in names}
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.config import CacheConfig, RetentionConfig, SequenceRequest, TokenRangeRetention
+from kvpool.config import (
+    CacheConfig,
+    DiskConfig,
+    RetentionConfig,
+    SequenceRequest,
+    TokenRangeRetention,
+)
 from kvpool.core.manager import KVCacheManager
 from kvpool.core.plan import PartialMode
 from kvpool.core.radix import NO_SLOT
@@ -348,8 +354,8 @@ def test_bad_constructor_arguments_are_typed_errors() -> None:
         KVCacheManager(cfg, storage="disk")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match=r"RetentionConfig\.ranges must be a sequence"):
         RetentionConfig(ranges=None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError, match="disk_path must be a path"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=8, disk_path=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.disk\.path must be a path"):
+        DiskConfig(path=5)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="clock must be a callable"):
         CacheConfig(tokens_per_block=4, gpu_blocks=8, clock=5)  # type: ignore[arg-type]
     with pytest.raises(GeometryError, match="block_bytes_per_group must be a sequence"):

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, DiskConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
-from kvpool.errors import KVPoolError, StorageError
+from kvpool.errors import CopiesLostError, KVPoolError, StorageError
 from kvpool.events.index import EventIndex
 from kvpool.tiers.storage import BlockCopy, GroupGeometry, MetadataStorage
 
@@ -74,7 +74,7 @@ class Flaky(MetadataStorage):
 
 def tiered(**kw: Any) -> KVCacheManager:
     kw = {"tokens_per_block": 4, "gpu_blocks": 4, "host_blocks": 4, "disk_blocks": 4,
-          "event_buffer_max_size": 10_000, **kw}
+          "events": EventsConfig(buffer_max_size=10_000), **kw}
     return KVCacheManager(CacheConfig(**kw))
 
 
@@ -112,7 +112,7 @@ def partial_copy(m: KVCacheManager) -> None:
 def prepare(call: Callable[[KVCacheManager], None]) -> KVCacheManager:
     if call is partial_copy:  # one tier: the only copies are partial-block copies
         m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=8,
-                                       event_buffer_max_size=10_000))
+                                       events=EventsConfig(buffer_max_size=10_000)))
         # a running sequence's stored blocks: partly matching one means copying it
         m.add_sequence(SequenceRequest("src", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
         m.store_context_blocks("src", 8)
@@ -162,7 +162,8 @@ def test_an_unreadable_disk_slot_refuses_the_admission_before_anything_changes(
     pytest.importorskip("torch")
     cfg = CacheConfig(tokens_per_block=4, gpu_blocks=4, host_blocks=4, disk_blocks=8,
                       layer_geometry=[GroupGeometry(1, 1, 64, "float32")], device="cpu",
-                      disk_path=str(tmp_path), event_buffer_max_size=10_000)
+                      disk=DiskConfig(path=str(tmp_path)),
+                      events=EventsConfig(buffer_max_size=10_000))
     with KVCacheManager(cfg) as m:
         fill_gpu_and_host(m)
         on_disk = [t for _, _, tiers in m.tree_blocks() for t in tiers if t == 2]
@@ -204,15 +205,12 @@ def test_calls_that_copy_nothing_keep_working_after_close() -> None:
 @st.composite
 def configs(draw: st.DrawFn) -> CacheConfig:
     host = draw(st.integers(0, 5))
-    return CacheConfig(
-        tokens_per_block=draw(st.integers(1, 3)),
-        gpu_blocks=draw(st.integers(3, 10)),
-        host_blocks=host,
-        disk_blocks=draw(st.integers(0, 5)) if host else 0,
-        enable_partial_reuse=draw(st.booleans()),
-        max_beam_width=draw(st.integers(1, 2)),
-        event_buffer_max_size=1_000_000,
-    )
+    return CacheConfig(tokens_per_block=draw(st.integers(1, 3)),
+                       gpu_blocks=draw(st.integers(3, 10)), host_blocks=host,
+                       disk_blocks=draw(st.integers(0, 5)) if host else 0,
+                       enable_partial_reuse=draw(st.booleans()),
+                       max_beam_width=draw(st.integers(1, 2)),
+                       events=EventsConfig(buffer_max_size=1_000_000))
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9], [5, 5, 5, 5, 5, 5]]
@@ -258,7 +256,11 @@ class FailingStorageMachine(RuleBasedStateMachine):
         mark = (ev.num_pending, ev.next_event_id)  # type: ignore[union-attr]
         try:
             call()
-        except StorageError:
+        except StorageError as exc:
+            # CopiesLostError: the one error after which the manager may have changed, raised
+            # by the call whose copies were lost and by every later call that may copy
+            assert isinstance(exc, CopiesLostError) == (
+                self.broken or (copy_injected and not self.storage.fail_copy)), repr(exc)
             if copy_injected and not self.storage.fail_copy:
                 # the copy ran and failed, bringing a block a sequence uses (beyond repair):
                 # the call's bookkeeping stays (what it registered, suspended or resumed is
@@ -372,7 +374,8 @@ TestFailingStorage = FailingStorageMachine.TestCase
 
 CHILD_PRELUDE = """
 import json, os, sys
-from kvpool import CacheConfig, GroupGeometry, KVCacheManager, SequenceRequest, StorageError
+from kvpool import (CacheConfig, DiskConfig, EventsConfig, GroupGeometry, KVCacheManager,
+                    SequenceRequest, StorageError)
 
 def snapshot(m):
     return json.dumps(m.debug_state(), default=repr, sort_keys=True) + repr(
@@ -381,7 +384,7 @@ def snapshot(m):
 def manager(disk):
     cfg = CacheConfig(tokens_per_block=4, gpu_blocks=4, host_blocks=4, disk_blocks=8,
                       layer_geometry=[GroupGeometry(1, 1, 64, "float32")], device="cpu",
-                      disk_path=disk, event_buffer_max_size=10_000)
+                      disk=DiskConfig(path=disk), events=EventsConfig(buffer_max_size=10_000))
     m = KVCacheManager(cfg)
     for i in range(6):  # blocks pushed down to the disk tier
         m.add_sequence(SequenceRequest(i, list(range(100 * i, 100 * i + 9))))
@@ -496,8 +499,8 @@ def test_disk_files_of_dead_owners_are_reclaimed_live_ones_kept_and_sigterm_remo
             # the live child, starting, reclaimed the dead one's files
             assert not any(os.path.exists(f) for f in dead_files)
             cfg = CacheConfig(tokens_per_block=4, gpu_blocks=2, host_blocks=2, disk_blocks=2,
-                              layer_geometry=[GroupGeometry(1, 1, 64, "float32")],
-                              device="cpu", disk_path=str(disk_dir))
+                              layer_geometry=[GroupGeometry(1, 1, 64, "float32")], device="cpu",
+                              disk=DiskConfig(path=str(disk_dir)))
             with KVCacheManager(cfg) as m:
                 mine = m.storage.disk_files  # type: ignore[attr-defined]
                 assert sorted(os.listdir(disk_dir)) == sorted(

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 torch = pytest.importorskip("torch")
 
-from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
+from kvpool.config import CacheConfig, DiskConfig, EvictionConfig, SequenceRequest  # noqa: E402
 from kvpool.core.manager import KVCacheManager  # noqa: E402
 from kvpool.core.radix import NO_SLOT  # noqa: E402
 from kvpool.errors import OutOfBlocksError, StorageError  # noqa: E402
@@ -58,18 +58,15 @@ class DataPlaneMachine(RuleBasedStateMachine):
         groups = data.draw(st.integers(1, 2))
         self.tmp = Path(f"/tmp/kvpool-test-{id(self)}")
         self.tmp.mkdir(exist_ok=True)
-        self.m = KVCacheManager(CacheConfig(
-            tokens_per_block=data.draw(st.integers(1, 3)),
-            gpu_blocks=data.draw(st.integers(3, 8)),
-            window_sizes=[None] * groups,
-            host_blocks=data.draw(st.integers(1, 5)),
-            disk_blocks=data.draw(st.integers(0, 4)),
-            disk_path=str(self.tmp),
-            offload_min_priority=0,
-            enable_partial_reuse=data.draw(st.booleans()),
-            layer_geometry=[GEOM] * groups,
-            device="cpu",
-        ))
+        self.m = KVCacheManager(CacheConfig(tokens_per_block=data.draw(st.integers(1, 3)),
+                                            gpu_blocks=data.draw(st.integers(3, 8)),
+                                            window_sizes=[None] * groups,
+                                            host_blocks=data.draw(st.integers(1, 5)),
+                                            disk_blocks=data.draw(st.integers(0, 4)),
+                                            enable_partial_reuse=data.draw(st.booleans()),
+                                            layer_geometry=[GEOM] * groups, device="cpu",
+                                            disk=DiskConfig(path=str(self.tmp)),
+                                            eviction=EvictionConfig(offload_min_priority=0)))
 
     @property
     def mgr(self) -> KVCacheManager:
@@ -222,7 +219,7 @@ def test_tensors_need_real_storage_and_disk_path() -> None:
     m = KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=4))
     with pytest.raises(StorageError, match="metadata-only"):
         m.tensors(0)
-    with pytest.raises(ValueError, match="disk_path"):
+    with pytest.raises(ValueError, match=r"CacheConfig\.disk\.path"):
         CacheConfig(tokens_per_block=4, gpu_blocks=4, host_blocks=2, disk_blocks=2,
                     layer_geometry=[GEOM])
     with KVCacheManager(CacheConfig(tokens_per_block=4, gpu_blocks=4, layer_geometry=[GEOM],

@@ -29,10 +29,20 @@ from hypothesis.stateful import initialize, precondition, rule
 
 torch = pytest.importorskip("torch")
 
-from kvpool.config import CacheConfig, SequenceRequest  # noqa: E402
+from test_manager_tiers import GEOM as TIERS_GEOM  # noqa: E402
+from test_manager_tiers import DataPlaneMachine  # noqa: E402
+
+from kvpool.config import (  # noqa: E402
+    CacheConfig,
+    DiskConfig,
+    EventsConfig,
+    EvictionConfig,
+    SequenceRequest,
+)
 from kvpool.core.manager import KVCacheManager  # noqa: E402
 from kvpool.core.persist import MANIFEST_NAME  # noqa: E402
 from kvpool.errors import (  # noqa: E402
+    CopiesLostError,
     InvalidArgumentError,
     ManifestError,
     StorageError,
@@ -43,19 +53,20 @@ from kvpool.tiers.diskfile import close_pools, persistent_name  # noqa: E402
 from kvpool.tiers.manifest import Manifest  # noqa: E402
 from kvpool.tiers.storage import GroupGeometry, Tier  # noqa: E402
 from kvpool.tiers.torch_storage import TorchStorage  # noqa: E402
-from test_manager_tiers import GEOM as TIERS_GEOM  # noqa: E402
-from test_manager_tiers import DataPlaneMachine  # noqa: E402
 
 TPB = 4
 GEOM = GroupGeometry(num_layers=1, kv_heads=1, head_dim=4, dtype="float32")
 BLOCK_BYTES = GEOM.block_bytes(TPB)
 
 
-def config(path: Path | str, **kw: object) -> CacheConfig:
+def config(path: Path | str, *, damaged: str = "refuse", sync_interval_s: float | None = None,
+           **kw: object) -> CacheConfig:
     base: dict[str, object] = dict(
-        tokens_per_block=TPB, gpu_blocks=6, host_blocks=2, disk_blocks=32, disk_path=str(path),
-        layer_geometry=[GEOM], device="cpu", disk_persistent=True, offload_min_priority=0,
-        disk_sync_interval_s=None, model_id="test-model",
+        tokens_per_block=TPB, gpu_blocks=6, host_blocks=2, disk_blocks=32,
+        layer_geometry=[GEOM], device="cpu", model_id="test-model",
+        disk=DiskConfig(path=str(path), persistent=True, manifest_damaged=damaged,
+                        sync_interval_s=sync_interval_s),
+        eviction=EvictionConfig(offload_min_priority=0),
     )
     base.update(kw)
     return CacheConfig(**base)  # type: ignore[arg-type]
@@ -174,7 +185,7 @@ def run_child(path: Path, *, seed: int, n: int, loop: bool, sig: int, delay: flo
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_warm_restart_after_the_process_is_killed(tmp_path: Path, sig: int) -> None:
-    """A child stores 12 prompts and is killed; a manager started on the same disk_path finds
+    """A child stores 12 prompts and is killed; a manager started on the same disk.path finds
     the blocks that were on disk, serves exactly what the killed one would have, and every
     onboarded byte equals the original."""
     prompts = workload(7, 12)
@@ -218,7 +229,7 @@ def test_killed_at_random_moments_never_serves_a_wrong_byte(tmp_path: Path) -> N
     every block the next manager re-indexes holds its own bytes, twice over."""
     for round_, delay in enumerate((0.05, 0.3)):
         run_child(tmp_path, seed=round_, n=10, loop=True, sig=signal.SIGKILL, delay=delay)
-        m = KVCacheManager(config(tmp_path, disk_manifest_damaged="keep_prefix"))
+        m = KVCacheManager(config(tmp_path, damaged="keep_prefix"))
         assert check_disk_blocks(m) == m.persistent_disk.restored.blocks  # type: ignore[union-attr]
         check_onboarded(m, workload(round_, 10))
         m.close()
@@ -252,6 +263,30 @@ def test_no_spill_after_a_failed_copy(tmp_path: Path) -> None:
     m = KVCacheManager(config(tmp_path))
     assert {tuple(t) for t, _, tiers in m.tree_blocks() if tiers[0] == Tier.DISK} == on_disk
     m.close()
+
+
+def test_a_failed_fsync_of_the_disk_files_is_copies_lost_for_it_and_every_later_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sync() whose data fsync fails changes nothing but raises CopiesLostError (the bytes on
+    disk may be gone), and so does every later call that may copy; calls that copy nothing
+    keep working."""
+    m = KVCacheManager(config(tmp_path))
+    for k, tokens in enumerate(workload(12, 6)):
+        serve(m, f"s{k}", tokens)
+    disk = m.persistent_disk
+    assert disk is not None
+
+    def failing() -> None:
+        raise StorageError("fsync: Input/output error")
+
+    monkeypatch.setattr(m._st.storage, "sync_disk", failing)
+    before = m.debug_state()
+    with pytest.raises(CopiesLostError, match="fsync of the disk tier failed"):
+        disk.sync()
+    assert m.debug_state() == before
+    with pytest.raises(CopiesLostError, match="copies nothing more"):
+        m.add_sequence(SequenceRequest("later", workload(12, 1)[0]))
+    assert m.debug_state() == before and m.tree_blocks()
 
 
 def test_two_live_managers_cannot_share_a_persistent_tier(tmp_path: Path) -> None:
@@ -366,12 +401,12 @@ def test_a_damaged_manifest_is_refused_kept_to_its_intact_prefix_or_discarded(
     with pytest.raises(ManifestError, match="damaged"):
         KVCacheManager(config(tmp_path))
     if how != "header":
-        m = KVCacheManager(config(tmp_path, disk_manifest_damaged="keep_prefix"))
+        m = KVCacheManager(config(tmp_path, damaged="keep_prefix"))
         kept = m.persistent_disk.restored.blocks  # type: ignore[union-attr]
         assert 0 < kept < n and check_disk_blocks(m) == kept
         m.close()
         damage(manifest, how)
-    m = KVCacheManager(config(tmp_path, disk_manifest_damaged="discard"))
+    m = KVCacheManager(config(tmp_path, damaged="discard"))
     assert check_disk_blocks(m) == 0 and m.persistent_disk.restored.blocks == 0  # type: ignore[union-attr]
     m.close()
 
@@ -385,8 +420,8 @@ def test_another_namespace_is_refused_or_discarded(tmp_path: Path,
     with pytest.raises(ManifestError, match="another namespace"):
         KVCacheManager(config(tmp_path, **change))
     with pytest.raises(ManifestError, match="another namespace"):
-        KVCacheManager(config(tmp_path, disk_manifest_damaged="keep_prefix", **change))
-    m = KVCacheManager(config(tmp_path, disk_manifest_damaged="discard", **change))
+        KVCacheManager(config(tmp_path, damaged="keep_prefix", **change))
+    m = KVCacheManager(config(tmp_path, damaged="discard", **change))
     assert m.persistent_disk.restored.blocks == 0 and not m.tree_blocks()  # type: ignore[union-attr]
     m.close()
     m = KVCacheManager(config(tmp_path, **change))  # the discard began a manifest of its own
@@ -407,12 +442,12 @@ def test_a_storage_without_a_persistent_disk_tier_is_refused(tmp_path: Path) -> 
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="disk_persistent needs a disk tier"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=4, disk_persistent=True)
-    with pytest.raises(InvalidArgumentError, match="disk_manifest_damaged"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=4, disk_manifest_damaged="ignore")
-    with pytest.raises(InvalidArgumentError, match="disk_sync_interval_s"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=4, disk_sync_interval_s=0)
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.disk\.persistent needs a disk"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=4, disk=DiskConfig(persistent=True))
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.disk\.manifest_damaged"):
+        DiskConfig(manifest_damaged="ignore")
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.disk\.sync_interval_s must be"):
+        DiskConfig(sync_interval_s=0)
     with pytest.raises(InvalidArgumentError, match="model_id"):
         CacheConfig(tokens_per_block=4, gpu_blocks=4, model_id=3)  # type: ignore[arg-type]
 
@@ -433,7 +468,7 @@ def test_restart_at_random_points(tmp_path_factory: pytest.TempPathFactory, seed
     path = tmp_path_factory.mktemp("persist")
     prompts = workload(seed, 15)
     # a partial copy needs a GPU slot beside the 4 of a 16-token prompt: 6 always fit
-    kw: dict[str, object] = dict(disk_manifest_damaged="keep_prefix",
+    kw: dict[str, object] = dict(damaged="keep_prefix",
                                  enable_partial_reuse=partial, gpu_blocks=6,
                                  window_sizes=windows, layer_geometry=[GEOM] * len(windows))
     m = KVCacheManager(config(path, **kw))
@@ -455,7 +490,7 @@ def test_restart_at_random_points(tmp_path_factory: pytest.TempPathFactory, seed
         try:
             m = KVCacheManager(config(path, **kw))
         except ManifestError:  # the cut reached the header: only discarding can start
-            m = KVCacheManager(config(path, **kw | {"disk_manifest_damaged": "discard"}))
+            m = KVCacheManager(config(path, **kw | {"damaged": "discard"}))
         check_disk_blocks(m)
         m.check_invariants()
         request = [SequenceRequest("p", prompts[done % len(prompts)])]
@@ -472,7 +507,7 @@ def test_restored_blocks_are_announced_as_stored_on_the_disk_tier(tmp_path: Path
     event per restored chain stretch, at cache level 2, and the stretches' blocks are exactly
     the cached blocks."""
     filled(tmp_path)
-    m = KVCacheManager(config(tmp_path, event_buffer_max_size=1000))
+    m = KVCacheManager(config(tmp_path, events=EventsConfig(buffer_max_size=1000)))
     m.flush_iteration_events()
     stored = [b for e in m.get_latest_events() if isinstance(e.data, Stored)
               for b in e.data.blocks]
@@ -486,7 +521,7 @@ def test_sync_fsyncs_and_compaction_keeps_only_the_paths_in_use(
     """With a sync interval the manifest is fsynced as calls go; a compaction (forced here:
     the log is far below 1 MiB) forgets the path records no recorded block descends from, and
     the next restart still finds every recorded block."""
-    m = KVCacheManager(config(tmp_path, disk_sync_interval_s=1e-9, disk_blocks=6))
+    m = KVCacheManager(config(tmp_path, sync_interval_s=1e-9, disk_blocks=6))
     for k, tokens in enumerate(workload(4, 40)):
         serve(m, f"s{k}", tokens)
     disk = m.persistent_disk
@@ -512,7 +547,7 @@ def test_sync_fsyncs_and_compaction_keeps_only_the_paths_in_use(
 
 def test_the_log_is_compacted_without_a_sync_interval(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With disk_sync_interval_s=None the manifest is still compacted as calls go (here from
+    """With disk.sync_interval_s=None the manifest is still compacted as calls go (here from
     its first byte on): it never grows past twice its live records plus one call's."""
     monkeypatch.setattr("kvpool.tiers.manifest._COMPACT_MIN_BYTES", 0)
     compactions = []
@@ -569,26 +604,20 @@ class PersistentDataPlane(DataPlaneMachine):
     """The tiered data-plane machine of test_manager_tiers (admit, grow, suspend, resume,
     remove; every block on every tier holds its prefix's bytes) on a persistent disk tier,
     with one more rule: the manager ends (killed, or closed on purpose) and a new one starts
-    on the same disk_path. Every block the new one re-indexes must hold its bytes."""
+    on the same disk.path. Every block the new one re-indexes must hold its bytes."""
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         groups = data.draw(st.integers(1, 2))
         self.tmp = Path(tempfile.mkdtemp(prefix="kvpool-persist-"))
         self.cfg = CacheConfig(
-            tokens_per_block=data.draw(st.integers(1, 3)),
-            gpu_blocks=data.draw(st.integers(3, 8)),
+            tokens_per_block=data.draw(st.integers(1, 3)), gpu_blocks=data.draw(st.integers(3, 8)),
             window_sizes=data.draw(st.sampled_from([[None] * groups, [None, 4][:groups]])),
-            host_blocks=data.draw(st.integers(1, 5)),
-            disk_blocks=data.draw(st.integers(1, 6)),
-            disk_path=str(self.tmp),
-            offload_min_priority=0,
-            enable_partial_reuse=data.draw(st.booleans()),
-            layer_geometry=[TIERS_GEOM] * groups,
+            host_blocks=data.draw(st.integers(1, 5)), disk_blocks=data.draw(st.integers(1, 6)),
+            enable_partial_reuse=data.draw(st.booleans()), layer_geometry=[TIERS_GEOM] * groups,
             device="cpu",
-            disk_persistent=True,
-            disk_sync_interval_s=None,
-        )
+            disk=DiskConfig(path=str(self.tmp), persistent=True, sync_interval_s=None),
+            eviction=EvictionConfig(offload_min_priority=0))
         self.m = KVCacheManager(self.cfg)
 
     @precondition(lambda self: self.m is not None and not self.live and not self.suspended

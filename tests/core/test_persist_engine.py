@@ -1,5 +1,5 @@
 """Warm restart under the engine: a tiny random transformers model's prefix computed by one
-engine, left on a persistent disk tier, is reused by a new engine on the same disk_path, and
+engine, left on a persistent disk tier, is reused by a new engine on the same disk.path, and
 its logits equal transformers' dense forward (max abs diff <= 1e-4, as in
 test_engine_logits)."""
 
@@ -30,8 +30,9 @@ def one_thread() -> Any:
 def test_a_restarted_engine_reuses_the_prefix_from_disk(model_name: str, ending: str,
                                                         tmp_path: Path) -> None:
     cache: dict[str, Any] = {"gpu_blocks": 16, "host_blocks": 8, "disk_blocks": 40,
-                             "disk_path": str(tmp_path), "disk_persistent": True,
-                             "model_id": f"tiny-{model_name}", "disk_sync_interval_s": None}
+                             "disk": {"path": str(tmp_path), "persistent": True,
+                                      "sync_interval_s": None},
+                             "model_id": f"tiny-{model_name}"}
     first = Pair(model_name, cache, max_batch_size=2)
     base = tokens(9, 22)
     first.run([base])

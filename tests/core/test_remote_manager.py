@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool import CacheConfig, KVCacheManager, SequenceRequest
+from kvpool import CacheConfig, EventsConfig, KVCacheManager, RemoteConfig, SequenceRequest
 from kvpool.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool.events import REMOTE_CACHE_LEVEL, Stored
 from kvpool.tiers.remote.memory import MemoryStore
@@ -99,18 +99,20 @@ PREFIX = list(range(1000, 1000 + 8 * TPB + 1))  # 8 full blocks + 1 token
 # ----------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"remote_url": "http://x"}, "remote_url"),
-    ({"remote_url": "redis://127.0.0.1:1/0", "remote_store": MemoryStore(1 << 20)}, "not both"),
-    ({"remote_store": object()}, "not a block store"),
-    ({"remote_store": MemoryStore(1 << 20), "remote_write": "always"}, "remote_write"),
-    ({"remote_store": MemoryStore(1 << 20), "model_id": 3}, "model_id"),
-    ({"remote_store": MemoryStore(1 << 20), "remote_timeout_s": 0}, "remote_timeout_s"),
-    ({"remote_store": MemoryStore(1 << 20), "remote_max_pending_bytes": 0}, "pending"),
+@pytest.mark.parametrize("remote, kw, match", [
+    ({"url": "http://x"}, {}, r"CacheConfig\.remote\.url scheme .http. is not redis://"),
+    ({"url": "redis://127.0.0.1:1/0", "store": MemoryStore(1 << 20)}, {}, "not both"),
+    ({"store": object()}, {}, r"CacheConfig\.remote\.store .* is not a block store"),
+    ({"store": MemoryStore(1 << 20), "write": "always"}, {}, r"CacheConfig\.remote\.write"),
+    ({"store": MemoryStore(1 << 20)}, {"model_id": 3}, "model_id"),
+    ({"store": MemoryStore(1 << 20), "timeout_s": 0}, {}, r"CacheConfig\.remote\.timeout_s"),
+    ({"store": MemoryStore(1 << 20), "max_pending_bytes": 0}, {},
+     r"CacheConfig\.remote\.max_pending_bytes"),
 ])
-def test_config_refuses_bad_remote_settings(kw: dict[str, Any], match: str) -> None:
+def test_config_refuses_bad_remote_settings(remote: dict[str, Any], kw: dict[str, Any],
+                                            match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
-        _cfg(**kw)
+        _cfg(remote=RemoteConfig(**remote), **kw)
 
 
 def test_without_a_remote_tier_prefetch_is_zero_and_flush_is_immediate() -> None:
@@ -127,14 +129,15 @@ def test_without_a_remote_tier_prefetch_is_zero_and_flush_is_immediate() -> None
 @pytest.mark.parametrize("mode", ["evict", "store"])
 def test_second_manager_prefetches_what_the_first_wrote(mode: str) -> None:
     store = MemoryStore(1 << 24)
-    a = KVCacheManager(_cfg(remote_store=store, remote_write=mode, event_buffer_max_size=10_000))
+    a = KVCacheManager(_cfg(remote=RemoteConfig(store=store, write=mode),
+                            events=EventsConfig(buffer_max_size=10_000)))
     _serve(a, "a", PREFIX)
     if mode == "evict":
         assert a.remote_stats().offloaded_blocks == 0  # type: ignore[union-attr]
         _fill(a, 4)  # pushes the prefix out of GPU and host
         assert a.count_reusable_tokens(PREFIX) == 0
     assert a.flush_remote(10)
-    b = KVCacheManager(_cfg(remote_store=store))
+    b = KVCacheManager(_cfg(remote=RemoteConfig(store=store)))
     assert _serve(b, "b", PREFIX) == (8 * TPB, 8 * TPB)
     _check_bytes(b)
     b.check_invariants()
@@ -152,10 +155,10 @@ def test_second_manager_prefetches_what_the_first_wrote(mode: str) -> None:
 
 def test_prefetch_fills_after_a_local_match_and_another_scope_shares_nothing() -> None:
     store = MemoryStore(1 << 24)
-    a = KVCacheManager(_cfg(remote_store=store, remote_write="store"))
+    a = KVCacheManager(_cfg(remote=RemoteConfig(store=store, write="store")))
     _serve(a, "a", PREFIX)
     a.flush_remote(10)
-    b = KVCacheManager(_cfg(remote_store=store))
+    b = KVCacheManager(_cfg(remote=RemoteConfig(store=store)))
     _serve(b, "b", PREFIX[:3 * TPB + 1])  # b computed the first 3 blocks itself
     assert b.prefetch([SequenceRequest("x", PREFIX, cache_salt="other")]) == [0]
     assert b.prefetch([SequenceRequest("c", PREFIX)]) == [5 * TPB]
@@ -166,14 +169,14 @@ def test_prefetch_fills_after_a_local_match_and_another_scope_shares_nothing() -
 
 def test_prefetch_is_bounded_by_the_host_tier_and_never_leaks_slots() -> None:
     store = MemoryStore(1 << 24)
-    a = KVCacheManager(_cfg(remote_store=store, remote_write="store"))
+    a = KVCacheManager(_cfg(remote=RemoteConfig(store=store, write="store")))
     _serve(a, "a", PREFIX)
     a.flush_remote(10)
-    b = KVCacheManager(_cfg(remote_store=store, host_blocks=3))
+    b = KVCacheManager(_cfg(host_blocks=3, remote=RemoteConfig(store=store)))
     assert b.prefetch([SequenceRequest("b", PREFIX)]) == [3 * TPB]
     b.check_invariants()
     # without a host tier, prefetch fills GPU slots (cached, unreferenced)
-    c = KVCacheManager(_cfg(remote_store=store, host_blocks=0))
+    c = KVCacheManager(_cfg(host_blocks=0, remote=RemoteConfig(store=store)))
     assert c.prefetch([SequenceRequest("c", PREFIX)]) == [8 * TPB]
     assert c.slot_usage(0)["evictable"] == 8
     _check_bytes(c)
@@ -188,8 +191,8 @@ def test_prefetch_is_bounded_by_the_host_tier_and_never_leaks_slots() -> None:
 def test_random_interleavings_across_two_managers_never_serve_a_wrong_byte(data: Any) -> None:
     store = MemoryStore(data.draw(st.sampled_from([6_000, 60_000]), label="store bytes"))
     mode = data.draw(st.sampled_from(["evict", "store"]), label="mode")
-    managers = [KVCacheManager(_cfg(remote_store=store, remote_write=mode, gpu_blocks=10,
-                                    host_blocks=h)) for h in (0, 4)]
+    managers = [KVCacheManager(_cfg(gpu_blocks=10, host_blocks=h,
+                                    remote=RemoteConfig(store=store, write=mode))) for h in (0, 4)]
     prefixes = [list(range(100 * p, 100 * p + 3 * TPB)) for p in range(3)]
     for step in range(data.draw(st.integers(5, 25), label="steps")):
         op = data.draw(st.sampled_from(["serve", "serve", "prefetch", "delete", "damage"]),
@@ -232,8 +235,8 @@ _WRITER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[3])
     from test_remote_manager import PREFIX, TPB, _cfg, _fill, _serve, _slot_bytes
-    from kvpool import KVCacheManager
-    m = KVCacheManager(_cfg(remote_url=sys.argv[1]))
+    from kvpool import KVCacheManager, RemoteConfig
+    m = KVCacheManager(_cfg(remote=RemoteConfig(url=sys.argv[1])))
     _serve(m, "a", PREFIX)
     path = m.tree_blocks()
     slots = {len(t) // TPB - 1: s[0] for t, s, tiers in path}
@@ -259,7 +262,7 @@ def test_two_processes_share_a_prefix_through_a_real_server_bit_for_bit(
     _write_in_another_process(redis_server.url, out)
     first = out.read_bytes()
     assert len(first) == 8 * 512 and first != bytes(len(first))
-    m = KVCacheManager(_cfg(remote_url=redis_server.url))
+    m = KVCacheManager(_cfg(remote=RemoteConfig(url=redis_server.url)))
     assert m.prefetch([SequenceRequest("b", PREFIX)]) == [8 * TPB]
     req = [SequenceRequest("b", PREFIX)]
     plan = m.plan_batch(req)
@@ -277,8 +280,8 @@ def test_faults_with_a_real_server_are_misses_or_counted_errors(
     keys = sorted(raw.keys("kvp:*"))
     assert len(keys) >= 8
     # a value truncated by hand and another overwritten with junk: the chain ends before them
-    b = KVCacheManager(_cfg(remote_url=redis_server.url))
-    probe = KVCacheManager(_cfg(remote_url=redis_server.url))
+    b = KVCacheManager(_cfg(remote=RemoteConfig(url=redis_server.url)))
+    probe = KVCacheManager(_cfg(remote=RemoteConfig(url=redis_server.url)))
     assert probe.prefetch([SequenceRequest("p", PREFIX)]) == [8 * TPB]
     order = [k for k in keys if raw.get(k) is not None]
     tier = b._st.remote.tier  # type: ignore[union-attr]
@@ -292,14 +295,14 @@ def test_faults_with_a_real_server_are_misses_or_counted_errors(
     assert b.remote_stats().rejected_values == 1  # type: ignore[union-attr]
     _check_bytes(b)
     # FLUSHALL between prefetch and admission: admission uses what prefetch made local
-    c = KVCacheManager(_cfg(remote_url=redis_server.url))
+    c = KVCacheManager(_cfg(remote=RemoteConfig(url=redis_server.url)))
     assert c.prefetch([SequenceRequest("c", PREFIX)]) == [3 * TPB]
     raw.flushall()
     assert _serve(c, "c", PREFIX) == (3 * TPB, 0)
     # the server killed: writes and reads fail, are counted, the manager goes on locally
     now = [0.0]
     store = RemoteStore(redis_server.url, backoff_s=5.0, clock=lambda: now[0])
-    d = KVCacheManager(_cfg(remote_store=store, remote_write="store"))
+    d = KVCacheManager(_cfg(remote=RemoteConfig(store=store, write="store")))
     _serve(d, "d0", PREFIX)
     assert d.flush_remote(10)
     redis_server.kill()
@@ -316,7 +319,7 @@ def test_faults_with_a_real_server_are_misses_or_counted_errors(
     now[0] = 10.0
     _serve(d, "d3", [11] * 30)
     assert d.flush_remote(10)
-    e = KVCacheManager(_cfg(remote_url=redis_server.url))
+    e = KVCacheManager(_cfg(remote=RemoteConfig(url=redis_server.url)))
     assert e.prefetch([SequenceRequest("e", [11] * 30)]) == [7 * TPB]
     _check_bytes(e)
     raw.close()
@@ -333,7 +336,7 @@ def test_a_full_noeviction_server_refuses_writes_and_prefetch_keeps_hitting(
     raw = redis.Redis.from_url(server.url)
     try:
         store = RemoteStore(server.url, clock=lambda: 0.0)
-        m = KVCacheManager(_cfg(remote_store=store, remote_write="store"))
+        m = KVCacheManager(_cfg(remote=RemoteConfig(store=store, write="store")))
         _serve(m, "p", PREFIX)
         assert m.flush_remote(10)
         raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 8192)
@@ -382,7 +385,7 @@ def test_engine_logits_after_a_prefetch_equal_a_cold_run() -> None:
         attn_implementation="sdpa")).float().eval()
     store = MemoryStore(1 << 26)
     base = {"tokens_per_block": TPB, "gpu_blocks": 64, "host_blocks": 32}
-    shared = {**base, "remote_store": store, "remote_write": "store", "model_id": "llama"}
+    shared = {**base, "remote": {"store": store, "write": "store"}, "model_id": "llama"}
     prompt = torch.randint(1, 256, (41,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=6, ignore_eos=True, return_logits=True)
     first = Engine(copy.deepcopy(model), cache=shared)
@@ -405,14 +408,15 @@ def test_server_killed_during_a_write_through_then_restarted_gives_misses(
     try:
         store = RemoteStore(server.url, backoff_s=5.0, clock=lambda: now[0])
         big = list(range(7000, 7000 + 40 * TPB + 1))  # 40 blocks written through at once
-        a = KVCacheManager(_cfg(remote_store=store, remote_write="store", gpu_blocks=48))
+        a = KVCacheManager(_cfg(gpu_blocks=48, remote=RemoteConfig(store=store, write="store")))
         _serve(a, "a", big)  # the commit queues 40 writes ...
         server.kill()  # ... and the server dies while the writer sends them (or just after)
         assert a.flush_remote(10)
         st = a.remote_stats()
         assert st is not None and st.written + st.write_failed == 40
         server.start()  # back, empty but for what reached it before the kill (nothing kept)
-        b = KVCacheManager(_cfg(remote_url=server.url, host_blocks=48, gpu_blocks=48))
+        b = KVCacheManager(_cfg(
+            host_blocks=48, gpu_blocks=48, remote=RemoteConfig(url=server.url)))
         got = b.prefetch([SequenceRequest("b", big)])[0]
         assert got == 0  # no persistence: a restarted server lost everything; a miss
         _check_bytes(b)

@@ -8,7 +8,9 @@ come from the worker's KV events."""
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 import time
 from collections.abc import Iterator
 
@@ -39,7 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
         workers = [
             KvpoolProcess("serve", "--model", str(model), "--port", "0", "--tokens-per-block",
                           str(TPB), "--gpu-blocks", "512", "--kv-events-endpoint",
-                          "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0")
+                          "tcp://127.0.0.1:0")  # replay: ipc://* by default
             for _ in range(2)
         ]
         procs += workers
@@ -50,6 +52,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
             events = w.wait_line("kvpool serve publishing KV events on ").split()
             base = w.wait_line("kvpool serve listening on ").split()[-1]
             pub, replay = events[6].rstrip(","), events[8]
+            # the replay socket (every cached prompt's token ids): only this user reaches it
+            assert replay.startswith("ipc://"), replay
+            assert stat.S_IMODE(os.stat(replay[len("ipc://"):]).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(os.path.dirname(replay[len("ipc://"):])).st_mode) == 0o700
             lines.append(f"  - {{id: w{i}, kind: kvpool, zmq_endpoint: '{pub}', "
                          f"replay_endpoint: '{replay}', http_base_url: '{base}', "
                          f"tokens_per_block: {TPB}, hash_algo: v2_sha256_64}}")

@@ -176,7 +176,7 @@ def test_partial_block_reuse_copies(model_name: str) -> None:
 def test_offloaded_prefix_onboarded(model_name: str, tiers: str, tmp_path: Path) -> None:
     cache: dict[str, Any] = {"gpu_blocks": 16, "host_blocks": 24}
     if tiers == "disk":
-        cache.update(host_blocks=8, disk_blocks=40, disk_path=str(tmp_path))
+        cache.update(host_blocks=8, disk_blocks=40, disk={"path": str(tmp_path)})
     pair = Pair(model_name, cache, max_batch_size=2)
     base = tokens(9, 22)
     pair.run([base])

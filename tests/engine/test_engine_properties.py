@@ -85,6 +85,14 @@ def test_any_workload_gives_dense_logits(kind: str, tpb: int, gpu_tokens: int,
                                   "host_blocks": host_blocks},
                     max_batch_size=max_batch_size, max_num_tokens=max(max_num_tokens,
                                                                       max_batch_size))
+    run_workload(engine, ref, requests, bases)
+
+
+def run_workload(engine: Engine, ref: Any, requests: list[tuple[int, int, list[int], int, int]],
+                 bases: list[list[int]]) -> None:
+    """Run ``requests`` (``request_st``) through ``engine`` step by step, checking the
+    manager's invariants after every step and every finished request's logits against
+    ``ref``'s dense forward."""
     arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = {}
     for i, (b, k, suffix, max_tokens, when) in enumerate(requests):
         prompt = bases[b][:k] + suffix or [1]

@@ -241,6 +241,23 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
+def test_serve_command_binds_its_replay_socket_where_only_its_user_reaches_it() -> None:
+    import argparse
+
+    from kvpool.commands.serve import register, replay_endpoint
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def endpoint(*argv: str) -> str | None:
+        return replay_endpoint(parser.parse_args(["serve", "--model", "m", *argv]))
+
+    events = ("--kv-events-endpoint", "tcp://127.0.0.1:0")
+    assert endpoint(*events) == "ipc://*" and endpoint() is None
+    assert endpoint(*events, "--kv-events-replay-endpoint", "none") is None
+    assert endpoint(*events, "--kv-events-replay-endpoint", "ipc:///x/r") == "ipc:///x/r"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -248,6 +265,8 @@ def _samples(text: str) -> dict[str, float]:
         (["--host-blocks", "4", "--host-mem", "1GiB"], "--host-blocks or --host-mem"),
         (["--disk-mem", "1GiB"], "--disk-mem needs --disk-path"),
         (["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"], "needs --kv-events-endpoint"),
+        (["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",
+          "tcp://127.0.0.1:0"], "tcp:// is refused"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     ],
 )
@@ -265,8 +284,8 @@ def test_kv_events_reach_a_subscriber_in_vllm_format(model_dir: Path) -> None:
 
     model, tokenizer = load_model(str(model_dir))
     engine = Engine(model, tokenizer, cache={
-        "tokens_per_block": TPB, "gpu_blocks": GPU_BLOCKS, "event_buffer_max_size": 1000,
-        "event_hash_algo": "v2_sha256_64"})
+        "tokens_per_block": TPB, "gpu_blocks": GPU_BLOCKS,
+        "events": {"buffer_max_size": 1000, "hash_algo": "v2_sha256_64"}})
     server = EngineServer(engine, model_name="tiny", port=0,
                           kv_events_endpoint="tcp://127.0.0.1:0",
                           kv_events_replay_endpoint="tcp://127.0.0.1:0")

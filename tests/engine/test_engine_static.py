@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from test_engine_logits import Pair, llama, tight_pool, tokens  # noqa: E402
 
 from kvpool.engine import Engine, SamplingParams  # noqa: E402
 from kvpool.engine import attention as attention_module  # noqa: E402
@@ -30,7 +31,6 @@ from kvpool.engine.step_meta import (  # noqa: E402
     position_rows,
     span_bucket,
 )
-from test_engine_logits import Pair, llama, tight_pool, tokens  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 

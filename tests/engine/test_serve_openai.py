@@ -56,8 +56,8 @@ def test_help_shows_every_option_with_help_and_its_default(
 def test_help_defaults_are_the_engines() -> None:
     from kvpool.config import CacheConfig
 
-    fields = CacheConfig.__dataclass_fields__
-    assert fields["eviction_policy"].default == serve.DEFAULT_EVICTION_POLICY
+    assert CacheConfig(tokens_per_block=1, gpu_blocks=1).eviction.policy == (
+        serve.DEFAULT_EVICTION_POLICY)
     assert serve.DEFAULT_SHUTDOWN_GRACE_S == pytest.importorskip(
         "kvpool.engine.server").DEFAULT_SHUTDOWN_GRACE_S
 

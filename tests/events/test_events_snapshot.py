@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
@@ -20,12 +20,11 @@ OPS = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6), st.booleans()),
 
 
 def _manager(window_sizes: tuple[int | None, ...] = (None,)) -> KVCacheManager:
-    return KVCacheManager(CacheConfig(
-        tokens_per_block=TPB, gpu_blocks=[16] * len(window_sizes),
-        host_blocks=[8] * len(window_sizes),
-        window_sizes=window_sizes, hash_algo=HashAlgo.V2_SHA256_64, enable_partial_reuse=False,
-        event_buffer_max_size=100_000,
-    ))
+    return KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=[16] * len(window_sizes),
+                                      host_blocks=[8] * len(window_sizes),
+                                      window_sizes=window_sizes, hash_algo=HashAlgo.V2_SHA256_64,
+                                      enable_partial_reuse=False,
+                                      events=EventsConfig(buffer_max_size=100_000)))
 
 
 def _consumer(events: list[KVCacheEvent]) -> frozenset[tuple[object, int, int]]:

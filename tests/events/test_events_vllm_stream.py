@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import OutOfBlocksError
 from kvpool.events.index import EventIndex
@@ -23,7 +23,7 @@ def run_manager(seed_ops: list[tuple[int, int, bool]], host: int) -> list[list[K
     """A manager with partial reuse (so partial last blocks are committed), small pools and
     an optional host tier (so blocks move between tiers); the events of each step."""
     m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=10, host_blocks=host,
-                                   hash_algo=ALGO, event_buffer_max_size=100_000))
+                                   hash_algo=ALGO, events=EventsConfig(buffer_max_size=100_000)))
     steps: list[list[KVCacheEvent]] = []
     live: list[int] = []
     for sid, (prefix, length, release) in enumerate(seed_ops):

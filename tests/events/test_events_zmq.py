@@ -577,3 +577,50 @@ def test_an_ipc_path_others_can_reach_is_refused_and_tcp_is_warned_about(
     assert "to whoever can connect" not in caplog.text
     with ZmqEventPublisher(LOCAL, LOCAL, topic="kv"):
         assert "to whoever can connect" in caplog.text
+
+
+def test_stalled_subscribers_never_hold_up_publish_replay_or_close() -> None:
+    """A SUB that never reads and a replay client that asks again and again but never reads
+    its replies (real sockets, receive buffers of 4 KiB): publish() stays fast (PUB drops for
+    the stalled one), the stalled client's replies are cut short and counted, another client
+    still gets its replay answer, and close() returns in time."""
+    pub = ZmqEventPublisher(LOCAL, LOCAL, topic="kv", buffer_steps=64, hwm=16)
+    stalled = []
+    for kind, endpoint in ((zmq.SUB, pub.endpoint), (zmq.DEALER, pub.replay_endpoint or "")):
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        stalled.append(sock)
+    dealer = stalled[1]  # stalled[0]: the SUB that never reads
+    try:
+        payload = b"x" * 65536
+        for _ in range(64):
+            pub.publish(payload)
+        for _ in range(200):  # each asks for 64 batches of 64 KiB: 4 MiB a reply
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        worst = 0.0
+        for _ in range(1000):
+            started = time.perf_counter()
+            pub.publish(payload)
+            worst = max(worst, time.perf_counter() - started)
+        assert worst < 0.05, worst
+        deadline = time.monotonic() + 10
+        while pub.replies_cut == 0:
+            assert time.monotonic() < deadline, "the stalled client's replies were never cut"
+            time.sleep(0.05)
+        healthy = _raw_socket(zmq.DEALER, pub.replay_endpoint or "")
+        try:
+            healthy.send_multipart([b"", pub.next_seq.to_bytes(8, "big")])
+            assert healthy.recv_multipart()[2] == END_SEQ  # at once: nothing is missed
+        finally:
+            healthy.close()
+    finally:
+        started = time.monotonic()
+        pub.close()
+        assert time.monotonic() - started < 6.0
+        for sock in stalled:
+            sock.close()

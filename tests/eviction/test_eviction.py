@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EvictionConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.errors import InvalidArgumentError
 from kvpool.eviction import (
@@ -374,11 +374,12 @@ def test_history_bound_is_a_multiple_of_the_pool() -> None:
 
 def test_tiers_share_counts() -> None:
     clock = Clock()
-    cfg = CacheConfig(tokens_per_block=1, gpu_blocks=4, host_blocks=4, eviction_policy="2q",
-                      offload_gate="reused", eviction_history_multiple=2, clock=clock)
+    cfg = CacheConfig(
+        tokens_per_block=1, gpu_blocks=4, host_blocks=4, clock=clock,
+        eviction=EvictionConfig(policy="2q", offload_gate="reused", history_multiple=2))
     (gpu,), (host,) = make_policies(
-        cfg.eviction_policy, cfg.slots, clock, offload_gate=cfg.offload_gate,
-        history_multiple=cfg.eviction_history_multiple)
+        cfg.eviction.policy, cfg.slots, clock, offload_gate=cfg.eviction.offload_gate,
+        history_multiple=cfg.eviction.history_multiple)
     assert isinstance(gpu, SegmentedPolicy) and isinstance(host, SegmentedPolicy)
     assert gpu.history is host.history
     assert gpu.history.bound == 2 * (4 + 4)
@@ -416,12 +417,13 @@ def test_bad_arguments_raise_typed_errors() -> None:
         make_policy("2q", Clock(), offload_gate="some")
     with pytest.raises(InvalidArgumentError, match="ghost_multiple"):
         TwoQueue(Clock(), ghost_multiple=-1)
-    with pytest.raises(InvalidArgumentError, match="eviction_policy"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=8, eviction_policy="mru")
-    with pytest.raises(InvalidArgumentError, match="offload_gate"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=8, offload_gate="never")
-    with pytest.raises(InvalidArgumentError, match="eviction_history_multiple"):
-        CacheConfig(tokens_per_block=4, gpu_blocks=8, eviction_history_multiple=-1)
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.eviction\.policy must be one of"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, eviction=EvictionConfig(policy="mru"))
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.eviction\.offload_gate"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8,
+                    eviction=EvictionConfig(offload_gate="never"))
+    with pytest.raises(InvalidArgumentError, match=r"CacheConfig\.eviction\.history_multiple"):
+        CacheConfig(tokens_per_block=4, gpu_blocks=8, eviction=EvictionConfig(history_multiple=-1))
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -509,7 +511,8 @@ def test_arc_follows_recency_where_static_splits_fail() -> None:
 def _scan_then_reuse(policy: str) -> int:
     """A prompt reused twice, then a scan of one-off prompts larger than the pool, then the
     prompt again: the blocks it reuses."""
-    m = KVCacheManager(CacheConfig(tokens_per_block=1, gpu_blocks=24, eviction_policy=policy))
+    m = KVCacheManager(CacheConfig(tokens_per_block=1, gpu_blocks=24,
+                                   eviction=EvictionConfig(policy=policy)))
     hot = list(range(1000, 1009))  # 8 reusable blocks (the last prompt token is not)
     sid = 0
 

@@ -128,3 +128,61 @@ def test_the_router_at_1024_descriptors_answers_health_past_1000_slow_clients(
     assert "Traceback" not in err.decode()
     assert 1 <= len([x for x in lines if "to make room" in x]) <= 12, lines[-5:]
     assert len(lines) < 40, lines[-10:]
+
+
+_ID_TEXT = st.integers(-5, 2**33).map(str) | st.sampled_from(
+    ["", " ", "1.5", '"7"', "[1]", "1e3", "-0", "true", "4611686018427387903",
+     "99999999999999999999999"])
+_SEPARATORS = st.sampled_from([",", ", ", " ,", ",,", "", "\n,"])
+
+
+@st.composite
+def _token_bodies(draw: st.DrawFn) -> bytes:
+    ids = draw(st.lists(st.tuples(_ID_TEXT, _SEPARATORS), max_size=40))
+    array_text = "".join(i + sep for i, sep in ids[:-1]) + (ids[-1][0] if ids else "")
+    salt = draw(st.sampled_from(['', ', "cache_salt": "s"', ', "cache_salt": "[1, 2]"',
+                                 ', "cache_salt": 3', ', "x": [1]']))
+    first = draw(st.booleans())
+    head = '{"cache_salt": "[9]", ' if draw(st.booleans()) and not salt else "{"
+    field = f'"token_ids": [{array_text}]'
+    text = head + (field + salt if first or not salt else salt.lstrip(", ") + ", " + field) + "}"
+    return text.encode()
+
+
+@given(_token_bodies(), st.integers(1, 12))
+def test_token_arrays_decoded_in_pieces_equal_one_decode(raw: bytes, piece: int) -> None:
+    """decode_token_array gives what one decode (and token_array) gives, or None; never a
+    different body, whatever the pieces' size."""
+    import msgspec
+
+    from kvpool.httpserve import jsondoc
+    from kvpool.router.service import _ROUTE_DECODER, token_array
+
+    old = jsondoc._PIECE_BYTES
+    jsondoc._PIECE_BYTES = piece  # type: ignore[misc]
+    try:
+        split = jsondoc.decode_token_array(raw, _ROUTE_DECODER, "token_ids")
+    finally:
+        jsondoc._PIECE_BYTES = old  # type: ignore[misc]
+    try:
+        whole = _ROUTE_DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        assert split is None
+        return
+    if split is None:
+        return
+    body, ids = split
+    assert list(ids) == whole.token_ids and type(ids) is type(token_array(whole.token_ids))
+    assert (body.cache_salt, body.request_id, body.prefill_tokens) == (
+        whole.cache_salt, whole.request_id, whole.prefill_tokens)
+
+
+def test_a_plain_token_array_is_decoded_in_pieces() -> None:
+    from kvpool.httpserve.jsondoc import decode_token_array
+    from kvpool.router.service import _ROUTE_DECODER
+
+    ids = b", ".join(b"%d" % i for i in range(100_000))
+    raw = b'{"token_ids": [' + ids + b'], "request_id": "r"}'
+    split = decode_token_array(raw, _ROUTE_DECODER, "token_ids")
+    assert split is not None and list(split[1]) == list(range(100_000))
+    assert split[0].request_id == "r"

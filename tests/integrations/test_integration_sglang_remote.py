@@ -13,9 +13,6 @@ import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvpool.integrations.sglang.hostpages import page_keys
-from redis_server import RedisServer
 from test_integration_sglang import (
     PS,
     Controller,
@@ -27,6 +24,9 @@ from test_integration_sglang import (
     tokens,
     wipe,
 )
+
+from kvpool.integrations.sglang.hostpages import page_keys
+from redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -23,6 +23,7 @@ from kvpool.integrations.vllm.policies import (  # noqa: E402  (after the vLLM c
     KvpoolARC,
     KvpoolCachePolicy,
     KvpoolLRU,
+    KvpoolPriorityS3FIFO,
     KvpoolS3FIFO,
     KvpoolTwoQ,
 )
@@ -141,7 +142,8 @@ def _machine(policy_cls: type[KvpoolCachePolicy]) -> type[RuleBasedStateMachine]
     return Contract
 
 
-@pytest.mark.parametrize("policy", [KvpoolS3FIFO, KvpoolTwoQ, KvpoolARC, KvpoolLRU])
+@pytest.mark.parametrize("policy", [KvpoolS3FIFO, KvpoolTwoQ, KvpoolARC, KvpoolLRU,
+                                    KvpoolPriorityS3FIFO])
 def test_the_cache_policy_contract_against_vllms_lru(policy: type[KvpoolCachePolicy]) -> None:
     machine = _machine(policy)
     machine.TestCase.settings = settings(max_examples=15, stateful_step_count=40,
@@ -149,7 +151,8 @@ def test_the_cache_policy_contract_against_vllms_lru(policy: type[KvpoolCachePol
     machine.TestCase().runTest()
 
 
-@pytest.mark.parametrize("name", ["KvpoolS3FIFO", "KvpoolTwoQ", "KvpoolARC", "KvpoolLRU"])
+@pytest.mark.parametrize("name", ["KvpoolS3FIFO", "KvpoolTwoQ", "KvpoolARC", "KvpoolLRU",
+                                  "KvpoolPriorityS3FIFO"])
 def test_loaded_by_vllms_cpu_manager_from_the_module_path(name: str) -> None:
     manager = cpu_manager.CPUOffloadingManager(
         4, cache_policy=name, cache_policy_module_path="kvpool.integrations.vllm")
@@ -162,3 +165,42 @@ def test_loaded_by_vllms_cpu_manager_from_the_module_path(name: str) -> None:
         resident = [k for k in KEYS if manager.lookup(k, ctx) is base.LookupResult.HIT]
         assert len(resident) == min(4, start + 2)  # never above capacity
     assert resident == KEYS[8:12]
+
+
+def _ctx(req: str, priority: object | None) -> Any:
+    params = None if priority is None else {"kvpool_priority": priority}
+    return base.ReqContext(req, kv_transfer_params=params)
+
+
+@settings(max_examples=20, deadline=None)
+@given(priorities=st.lists(st.one_of(st.none(), st.integers(0, 100)), min_size=8, max_size=8),
+       n=st.integers(1, 4))
+def test_priority_policy_evicts_the_lowest_priority_first(
+        priorities: list[int | None], n: int) -> None:
+    """Through vLLM's own CPUOffloadingManager: a request's kv_transfer_params priority
+    decides which chunks go first (the lowest; stored order within a priority)."""
+    manager = cpu_manager.CPUOffloadingManager(
+        8, cache_policy="KvpoolPriorityS3FIFO", cache_policy_module_path="kvpool.integrations.vllm")
+    for i, p in enumerate(priorities):
+        ctx = _ctx(f"r{i}", p)
+        manager.on_new_request(ctx)
+        out = manager.prepare_store([KEYS[i]], ctx)
+        assert out is not None
+        manager.complete_store(out.keys_to_store, ctx)
+        manager.on_request_finished(ctx)
+    ctx = base.ReqContext("new")
+    manager.on_new_request(ctx)
+    out = manager.prepare_store(KEYS[8:8 + n], ctx)
+    assert out is not None and len(out.keys_to_store) == n
+    level = [35 if p is None else p for p in priorities]
+    expected = sorted(range(8), key=lambda i: (level[i], i))[:n]
+    gone = {i for i in range(8) if manager.lookup(KEYS[i], ctx) is not base.LookupResult.HIT}
+    assert gone == set(expected)
+
+
+def test_priority_policy_takes_a_bad_priority_as_the_default() -> None:
+    policy = KvpoolPriorityS3FIFO(4)
+    for bad in (-1, 101, "high", 2.5, True):
+        assert policy._priority(_ctx("r", bad)) == 35
+    assert policy.invalid_priorities == 5
+    assert policy._priority(_ctx("r", 90)) == 90 and policy._priority(_ctx("r", None)) == 35

@@ -16,6 +16,7 @@ import aiohttp
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_router_service import chain, config, eventually, get_json, run, samples, workers_by_id
 
 from kvpool.events.keyed import normalize_hash
 from kvpool.events.vllm_encode import encode_vllm_batch
@@ -26,7 +27,6 @@ from kvpool.router.index import KvIndex
 from kvpool.router.ingest import Ingest
 from kvpool.router.service import RouterService
 from kvpool.router.zmq_reader import ReaderSink, ZmqReader
-from test_router_service import chain, config, eventually, get_json, run, samples, workers_by_id
 
 ALGO = HashAlgo.V2_SHA256_64.value
 TOPIC = b"kv"

@@ -15,13 +15,13 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from test_router_service import FakeTrtllm, eventually, get_json, post, run, workers_by_id
 
-from kvpool.config import CacheConfig, SequenceRequest
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.events.vllm_msgpack import encode_vllm_batch
 from kvpool.events.zmq import ZmqEventPublisher
 from kvpool.hashing.keys import HashAlgo
-from test_router_service import FakeTrtllm, eventually, get_json, post, run, workers_by_id
 
 TPB = 16
 FAMILIES = {  # a shared prefix per family, 4 blocks each
@@ -39,7 +39,7 @@ class KvpoolWorker:
         self.m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=256,
                                             hash_algo=HashAlgo.V2_SHA256_64,
                                             enable_partial_reuse=False,
-                                            event_buffer_max_size=10_000))
+                                            events=EventsConfig(buffer_max_size=10_000)))
         self.pub = ZmqEventPublisher(endpoint, replay)
         self.n = 0
 
@@ -64,7 +64,7 @@ def test_router_subprocess_routes_kvpool_and_trtllm_workers(tmp_path: Path) -> N
         trt = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=64,
                                          hash_algo=HashAlgo.V1_BLOCK_KEY,
                                          enable_partial_reuse=False,
-                                         event_buffer_max_size=1000))
+                                         events=EventsConfig(buffer_max_size=1000)))
         trt.add_sequence(SequenceRequest(0, [*FAMILIES["trt"], 1]))
         trt.remove_sequence(0)
         trt.flush_iteration_events()

@@ -13,16 +13,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from kvpool.config import CacheConfig, SequenceRequest
-from kvpool.core.manager import KVCacheManager
-from kvpool.events.keyed import normalize_hash
-from kvpool.events.snapshot import PublishedState
-from kvpool.events.vllm_msgpack import encode_vllm_batch
-from kvpool.events.zmq import ZmqEventPublisher
-from kvpool.hashing.keys import HashAlgo
-from kvpool.router import zmq_reader
-from kvpool.router.service import RouterService
 from test_router_service import (
     FakeTrtllm,
     chain,
@@ -34,6 +24,16 @@ from test_router_service import (
     samples,
     workers_by_id,
 )
+
+from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
+from kvpool.core.manager import KVCacheManager
+from kvpool.events.keyed import normalize_hash
+from kvpool.events.snapshot import PublishedState
+from kvpool.events.vllm_msgpack import encode_vllm_batch
+from kvpool.events.zmq import ZmqEventPublisher
+from kvpool.hashing.keys import HashAlgo
+from kvpool.router import zmq_reader
+from kvpool.router.service import RouterService
 
 TPB = 16
 ALGO = HashAlgo.V2_SHA256_64.value
@@ -49,7 +49,7 @@ class Worker:
         self.m = KVCacheManager(CacheConfig(tokens_per_block=TPB, gpu_blocks=gpu_blocks,
                                             hash_algo=HashAlgo.V2_SHA256_64,
                                             enable_partial_reuse=False,
-                                            event_buffer_max_size=10_000))
+                                            events=EventsConfig(buffer_max_size=10_000)))
         self.snapshots = snapshots
         self.buffer_steps = buffer_steps
         self.state = PublishedState(ALGO)

@@ -531,9 +531,11 @@ def test_proxy_routes_and_streams_completions() -> None:
                 assert seen == [body]
                 assert svc.router.active_requests("w") == 0
                 assert svc.router.stats.routes_total == 1
+                # text needs the worker's tokenizer, which this one does not serve
                 async with s.post(f"http://{LOCAL}:{port}/v1/completions",
                                   json={"prompt": "text"}) as resp:
-                    assert resp.status == 400
+                    assert resp.status == 503
+                    assert "tokenizer" in (await resp.json())["error"]["message"]
         finally:
             await svc.stop()
             await runner.cleanup()

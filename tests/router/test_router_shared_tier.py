@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_router_service import FakeTrtllm, config, eventually, get_json, post, run
 
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.events.keyed import RemovedKeys, StoredKeys
@@ -29,7 +30,6 @@ from kvpool.router.ingest import Ingest
 from kvpool.router.scoring import Router
 from kvpool.router.service import RouterService
 from kvpool.router.shared_tier import SharedTiers
-from test_router_service import FakeTrtllm, config, eventually, get_json, post, run
 
 ALGO = "v1_block_key"
 TPB = 16

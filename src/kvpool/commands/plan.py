@@ -27,6 +27,7 @@ from kvpool.planner.capacity import (
     plan_pools,
     presets,
 )
+from kvpool.planner.hybrid import HybridPlan, hybrid_presets, plan_hybrid
 from kvpool.replay.report import wrap_phrases
 
 DEFAULT_MAX_NUM_TOKENS = 8192
@@ -94,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (or use --list-models)")
     check_writable(args.json, "--json")
+    if args.model in hybrid_presets():  # attention + recurrent state (docs/hybrid.md)
+        hplan = plan_hybrid(hybrid_presets()[args.model], args.tokens_per_block, args.gpu_mem,
+                            args.host_mem, args.disk_mem, max_batch_size=args.max_batch_size)
+        _print_hybrid(console, hplan)
+        return _write_json(console, args.json, hplan.to_dict())
     model = ModelSpec.preset(args.model)
     plan = plan_pools(
         model,
@@ -107,13 +113,42 @@ def run(args: argparse.Namespace) -> int:
     )
     _print_plan(console, plan)
     _warn_if_short(plan)
-    if args.json is not None:
+    return _write_json(console, args.json, plan.to_dict())
+
+
+def _write_json(console: Console, path: Path | None, doc: dict[str, Any]) -> int:
+    if path is not None:
         try:
-            args.json.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+            path.write_text(json.dumps(doc, indent=2) + "\n")
         except OSError as exc:
-            raise KVPoolError(f"cannot write {args.json}: {exc.strerror or exc}") from None
-        console.print(f"wrote {args.json}")
+            raise KVPoolError(f"cannot write {path}: {exc.strerror or exc}") from None
+        console.print(f"wrote {path}")
     return 0
+
+
+def _print_hybrid(console: Console, plan: HybridPlan) -> None:
+    """A hybrid model's pools: attention blocks and state slots per tier."""
+    spec = plan.spec
+    console.print(
+        f"[bold]{spec.name}: {spec.attention_layers} attention layers, {spec.state_layers} "
+        f"recurrent layers; block {plan.tokens_per_block} tokens (vLLM: "
+        f"{spec.vllm_block_size()})[/]", highlight=False)
+    table = Table(title="pools (group 0 attention, group 1 recurrent state)")
+    table.add_column("group")
+    table.add_column("slot", justify="right")
+    for name in ("GPU", "host", "disk"):
+        table.add_column(name, justify="right")
+    table.add_row("0 attention", format_size(plan.block_bytes),
+                  *(f"{n:,}" for n in plan.attention_blocks))
+    table.add_row("1 state", format_size(spec.state_bytes),
+                  *(f"{n:,}" for n in plan.state_slots))
+    console.print(table)
+    console.print(f"GPU state slots: {plan.running_slots:,} running (one per sequence) + "
+                  f"{plan.state_slots[0] - plan.running_slots:,} checkpoints", highlight=False)
+    for t, name in enumerate(("GPU", "host", "disk")):
+        if plan.budget_bytes[t]:
+            console.print(f"{name}: {format_size(plan.used_bytes(t))} of "
+                          f"{format_size(plan.budget_bytes[t])} used", highlight=False)
 
 
 def _print_plan(console: Console, plan: PoolPlan) -> None:
@@ -198,7 +233,7 @@ def _warn_if_short(plan: PoolPlan) -> None:
 
 def _print_models(console: Console) -> None:
     table = Table(title="model presets")
-    table.add_column("preset")
+    table.add_column("preset", no_wrap=True, min_width=18)
     table.add_column("layers", justify="right")
     table.add_column("layer groups")
     table.add_column("KV bytes/token", justify="right")
@@ -212,4 +247,8 @@ def _print_models(console: Console) -> None:
             format_size(sum(g.bytes_per_token for g in groups)),
             f"{model.max_seq_len:,}",
         )
+    for name, h in hybrid_presets().items():
+        table.add_row(name, str(h.num_layers),
+                      f"full ×{h.attention_layers}, state ×{h.state_layers}",
+                      format_size(h.attention_bytes_per_token), f"{h.max_seq_len:,}")
     console.print(table)

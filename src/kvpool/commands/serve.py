@@ -6,7 +6,14 @@ Loads the model (``--model smollm2``, a checkpoint directory or a GGUF file; see
 :mod:`kvpool.engine.server` until interrupted (SIGINT or SIGTERM). With
 ``--kv-events-endpoint`` it publishes the manager's KV events over ZeroMQ in vLLM's msgpack
 format, block hashes in ``v2_sha256_64``, so ``kvpool router`` can route to it (worker
-``kind: kvpool``, ``hash_algo: v2_sha256_64``).
+``kind: kvpool``, ``hash_algo: v2_sha256_64``). Its replay socket (missed batches, snapshots
+of the whole cache: every cached prompt's token ids) binds ``ipc://*`` by default, a socket of
+mode 0600 in a new 0700 directory, which only this user can reach; an ``ipc://`` path in a
+directory only this user can enter, or ``none``, may be given instead. ``tcp://`` is refused
+for it: ZeroMQ's tcp has no authentication here (CURVE is not set up), and the socket would
+serve the cache's prompts to whoever can connect to the port. With ``--nats URL`` it
+publishes the events onto NATS JetStream instead (worker id ``--nats-worker``), for routers
+with ``bus: nats``.
 
 The listen address is bound (and let go again) before the model loads, so a port in use is
 refused at once: one line, exit status 2. Once listening it prints ``kvpool serve listening
@@ -50,8 +57,9 @@ from kvpool.commands._args import (
     size,
 )
 from kvpool.commands._signals import exit_code, stop_signals_async
-from kvpool.config import EVICTION_POLICIES, CacheConfig
+from kvpool.config import EVICTION_POLICIES, EvictionConfig
 from kvpool.errors import InvalidArgumentError, KVPoolError
+from kvpool.events.zmq_sockets import PRIVATE_IPC
 from kvpool.httpserve import bearer_token
 from kvpool.httpserve.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -65,7 +73,7 @@ EVENT_HASH_ALGO = "v2_sha256_64"
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 # kvpool.engine.layout's and kvpool.config.CacheConfig's defaults (tests check they agree)
 DEFAULT_TOKENS_PER_BLOCK = 16
-DEFAULT_EVICTION_POLICY: str = CacheConfig.__dataclass_fields__["eviction_policy"].default  # type: ignore[assignment]
+DEFAULT_EVICTION_POLICY = EvictionConfig().policy
 # serve runs the model on the CPU, its device tier in host memory: half the engine's 1 GiB
 # (smollm2 needs 360 MiB for one full-length sequence); 1.0 GB peak RSS for smollm2, not 1.6
 DEFAULT_GPU_MEM = "512MiB"
@@ -133,8 +141,18 @@ def register(subparsers: Any) -> None:
                         help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any; "
                         "default: none, no events)")
     events.add_argument("--kv-events-replay-endpoint", metavar="ENDPOINT",
-                        help="serve missed event batches here (needs --kv-events-endpoint; "
+                        help="serve missed event batches and snapshots here: an ipc:// path "
+                        "in a directory only you can enter, or 'none' (default ipc://*, a "
+                        "socket of mode 0600 only this user can reach, when "
+                        "--kv-events-endpoint is set; tcp:// is refused: it would serve "
+                        "every cached prompt's token ids to whoever can connect)")
+    events.add_argument("--nats", metavar="URL",
+                        help="publish KV events onto this NATS server's JetStream stream "
+                        "instead, e.g. nats://127.0.0.1:4222 (routers with bus: nats; "
                         "default: none)")
+    events.add_argument("--nats-worker", metavar="ID", default="kvpool-serve",
+                        help="the worker id the events carry on NATS, as the routers' config "
+                        "names it (default kvpool-serve)")
     p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS",
                    help="on SIGINT or SIGTERM, how long requests in flight may go on before "
@@ -188,6 +206,14 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def replay_endpoint(args: argparse.Namespace) -> str | None:
+    """Where the replay socket binds: ``ipc://*`` unless a flag says otherwise (``none``: no
+    replay socket); nothing without ``--kv-events-endpoint``."""
+    if args.kv_events_endpoint is None or args.kv_events_replay_endpoint == "none":
+        return None
+    return args.kv_events_replay_endpoint or PRIVATE_IPC
+
+
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``Engine(cache=...)`` fields the command line sets."""
     if args.gpu_blocks is not None and args.gpu_mem is not None:
@@ -198,17 +224,27 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgumentError("--disk-mem needs --disk-path")
     if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None:
         raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if (args.kv_events_replay_endpoint or "").startswith("tcp://"):
+        raise InvalidArgumentError(
+            "--kv-events-replay-endpoint: tcp:// is refused (the replay socket serves every "
+            "cached prompt's token ids, and a tcp port to whoever can connect); use an ipc:// "
+            "path (the default ipc://* is one only this user can reach) or 'none'")
+    if args.nats is not None and args.kv_events_endpoint is not None:
+        raise InvalidArgumentError("give --nats or --kv-events-endpoint, not both")
     cache: dict[str, Any] = {}
     for name in ("tokens_per_block", "gpu_blocks", "gpu_mem", "host_blocks", "host_mem",
-                 "disk_mem", "disk_path", "eviction_policy"):
+                 "disk_mem"):
         value = getattr(args, name)
         if value is not None:
             cache[name] = value
     if args.gpu_blocks is None and args.gpu_mem is None:
         cache["gpu_mem"] = DEFAULT_GPU_MEM
-    if args.kv_events_endpoint is not None:
-        cache["event_buffer_max_size"] = _EVENT_BUFFER
-        cache["event_hash_algo"] = EVENT_HASH_ALGO
+    if args.disk_path is not None:
+        cache["disk"] = {"path": args.disk_path}
+    if args.eviction_policy is not None:
+        cache["eviction"] = {"policy": args.eviction_policy}
+    if args.kv_events_endpoint is not None or args.nats is not None:
+        cache["events"] = {"buffer_max_size": _EVENT_BUFFER, "hash_algo": EVENT_HASH_ALGO}
     return cache
 
 
@@ -263,7 +299,8 @@ def _load(args: argparse.Namespace, cache: dict[str, Any], http: dict[str, Any])
     return EngineServer(
         engine, host=args.host, port=args.port,
         kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_replay_endpoint=replay_endpoint(args),
+        nats_url=args.nats, nats_worker=args.nats_worker,
         shutdown_grace_s=args.shutdown_grace, **http,
     )
 

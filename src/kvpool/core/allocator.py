@@ -15,7 +15,7 @@ block table enters the queue - a run at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId, detach, prune
@@ -27,44 +27,45 @@ from kvpool.tiers.storage import BlockCopy
 # ------------------------------------------------------------------ taking slots
 
 
-def alloc(st: CacheState, g: int) -> SlotId:
+def alloc(state: CacheState, g: int) -> SlotId:
     """A GPU slot of group g (free first, else the policy's victim, evicted)."""
-    st.new_count[g] += 1
-    pool = st.gpu[g]
+    state.new_count[g] += 1
+    pool = state.gpu[g]
     if pool.free:
-        return pool.free.pop()
-    s, prio = cast("tuple[SlotId, int]", pool.queue.pop())
-    evict(st, 0, g, s, prio)
+        return pool.take_free()
+    s, prio = pool.pop_victim()
+    evict(state, 0, g, s, prio)
     return s
 
 
-def alloc_n(st: CacheState, g: int, n: int) -> list[SlotId]:
+def alloc_n(state: CacheState, g: int, n: int) -> list[SlotId]:
     """``n`` GPU slots of group g (free ones first, then evicted victims)."""
     if n <= 0:
         return []
-    pool = st.gpu[g]
-    st.new_count[g] += n
+    pool = state.gpu[g]
+    state.new_count[g] += n
     out = pool.take(n)
     if len(out) == n:
         return out
-    if st.tiers > 1 or st.copies or st.remote is not None:  # remote: evict() sees each block
+    # (a remote tier: evict() sees each block)
+    if state.layout.tiers > 1 or state.copies or state.remote is not None:
         free = pool.free
-        pop = cast("Callable[[], tuple[SlotId, int]]", pool.queue.pop)
+        pop = pool.pop_victim
         while len(out) < n:
             if free:  # an eviction's cascade freed its descendants' slots
-                out.append(free.pop())
+                out.append(pool.take_free())
                 continue
             s, prio = pop()
-            evict(st, 0, g, s, prio)
+            evict(state, 0, g, s, prio)
             out.append(s)
         return out
-    victims = cast("list[SlotId]", pool.queue.pop_slots(n - len(out)))
-    _drop_victims(st, g, victims)
+    victims = pool.pop_victims(n - len(out))
+    _drop_victims(state, g, victims)
     out += victims
     return out
 
 
-def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
+def _drop_victims(state: CacheState, g: int, slots: list[SlotId]) -> None:
     """Drop the blocks of GPU victims ``slots`` (one tier, no copy in flight: a victim's
     priority cannot send it down a tier).
 
@@ -74,41 +75,43 @@ def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
     the end: until then ``cut`` holds its length (the blocks past it have no slot left), and
     a run losing every block leaves its parent at once.
     """
-    pool = st.gpu[g]
+    pool = state.gpu[g]
     run_at, idx_at = pool.run_at, pool.idx_at
-    single = st.num_groups == 1
-    stats = st.stats
+    single = state.layout.num_groups == 1
+    stats = state.stats
     if single:
         tails = leaf_tails(pool.run_at, pool.idx_at, g, slots)
         if tails is not None:
-            drop_tails(st, g, tails)
-            stats.evicted_blocks += len(slots)
-            stats.dropped_blocks += len(slots)
+            drop_tails(state, g, tails)
+            stats.evicted(len(slots), len(slots))
             return
-    events = st.emit.sink is not None
+    events = state.emit.sink is not None
     removed: list[BlockKey] = []
     cut: dict[Run, int] = {}
     prev: Run | None = None  # the run the last victim left, and its length now
     prev_n = 0
     slow = 0
+    left: list[SlotId] = []  # victims whose back-pointers go, cleared in one pass at the end
     for s in slots:
         run = run_at[s]
         assert run is not None
         i = idx_at[s]
         if (run is not prev or i != prev_n - 1) and (
                 i != cut.get(run, len(run.keys)) - 1 or run.children):
-            st.emit.removed(g, removed)  # keep the removed hashes in eviction order
+            state.emit.removed(g, removed)  # keep the removed hashes in eviction order
             removed = []
             cut_runs(cut)
             cut = {}
             prev = None
             slow += 1
-            evict(st, 0, g, s, DEFAULT_PRIORITY)  # counts its own evictions and drops
+            evict(state, 0, g, s, DEFAULT_PRIORITY)  # counts its own evictions and drops
             continue
-        run_at[s] = None
+        left.append(s)
         run.slot[g][i] = NO_SLOT
         if events:
             removed.append(run.keys[i])
+        if state.config.state_groups and not state.layout.kinds[g].windowed:
+            _drop_orphans(state, [(run, i)])  # a tail: nothing below it
         if single or not run.has_slot(i):
             if i:
                 cut[run] = prev_n = i
@@ -120,9 +123,9 @@ def _drop_victims(st: CacheState, g: int, slots: list[SlotId]) -> None:
         else:
             prev = None
     cut_runs(cut)
-    stats.evicted_blocks += len(slots) - slow
-    stats.dropped_blocks += len(slots) - slow
-    st.emit.removed(g, removed)
+    pool.clear_all(left)
+    stats.evicted(len(slots) - slow, len(slots) - slow)
+    state.emit.removed(g, removed)
 
 
 def leaf_tails(run_at: list[Run | None], idx_at: list[int], g: int,
@@ -150,16 +153,15 @@ def leaf_tails(run_at: list[Run | None], idx_at: list[int], g: int,
     return tails
 
 
-def drop_tails(st: CacheState, g: int, tails: list[tuple[Run, int]]) -> None:
+def drop_tails(state: CacheState, g: int, tails: list[tuple[Run, int]]) -> None:
     """Evict whole leaf-run tails found by :func:`leaf_tails`: what evicting their blocks one
     by one does, a run at a time."""
-    run_at = st.gpu[g].run_at
-    events = st.emit.sink is not None
+    pool = state.gpu[g]
+    events = state.emit.sink is not None
     removed: list[BlockKey] = []
     for run, keep in tails:
         sl = run.slot[g]
-        for s in sl[keep:]:
-            run_at[s] = None
+        pool.clear_all(sl[keep:])
         if events:
             gone = run.keys[keep:]
             gone.reverse()
@@ -171,7 +173,7 @@ def drop_tails(st: CacheState, g: int, tails: list[tuple[Run, int]]) -> None:
             continue
         sl[:] = [NO_SLOT] * len(sl)
         detach(run)
-    st.emit.removed(g, removed)
+    state.emit.removed(g, removed)
 
 
 def cut_runs(cut: dict[Run, int]) -> None:
@@ -183,86 +185,103 @@ def cut_runs(cut: dict[Run, int]) -> None:
                 prune(run)
 
 
-def lower_slot(st: CacheState, t: int, g: int) -> SlotId | None:
+def lower_slot(state: CacheState, t: int, g: int) -> SlotId | None:
     """A slot on colder tier t for an offloaded block, or None if none can be had."""
-    pool = st.pools[t][g]
+    pool = state.pools[t][g]
     if pool.free:
-        return pool.free.pop()
+        return pool.take_free()
     if not len(pool.queue):
         return None
-    s, prio = cast("tuple[SlotId, int]", pool.queue.pop())
-    evict(st, t, g, s, prio)
+    s, prio = pool.pop_victim()
+    evict(state, t, g, s, prio)
     return s
 
 
 # ------------------------------------------------------------------ eviction
 
 
-def evict(st: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
+def evict(state: CacheState, t: int, g: int, slot: SlotId, priority: int, *,
           offload: bool = True) -> None:
     """The block at (t, g, slot) leaves that slot: offloaded one tier down, or dropped."""
-    pool = st.pools[t][g]
+    pool = state.pools[t][g]
     run = pool.run_at[slot]
     i = pool.idx_at[slot]
     assert run is not None and run.slot[g][i] == slot and run.tier[g][i] == t
     pool.clear(slot)
-    st.stats.evicted_blocks += 1
-    if (offload and t + 1 < st.tiers and priority >= st.config.offload_min_priority
+    if (offload and t + 1 < state.layout.tiers
+            and priority >= state.config.eviction.offload_min_priority
             and pool.queue.should_offload(slot)):
-        s2 = lower_slot(st, t + 1, g)
+        s2 = lower_slot(state, t + 1, g)
         if s2 is not None:
             run.tier[g][i] = t + 1
             run.slot[g][i] = s2
-            lower = st.pools[t + 1][g]
+            lower = state.pools[t + 1][g]
             lower.place(s2, run, i)
-            lower.queue.push(s2, run.priority(i), key=run.keys[i])
-            st.copies.add(BlockCopy(t, slot, t + 1, s2, g))
-            st.stats.offload_blocks += 1
-            st.stats.offload_bytes += st.storage.block_bytes(g)
-            st.emit.updated(g, run.keys[i], t, t + 1)
+            lower.enqueue(s2, run.priority(i), key=run.keys[i])
+            state.copies.add(BlockCopy(t, slot, t + 1, s2, g))
+            state.stats.evicted(1, 0)
+            state.stats.offloaded(1, state.storage.block_bytes(g))
+            state.emit.updated(g, run.keys[i], t, t + 1)
             return
-    if offload and st.remote is not None:  # remote tier: the block leaves the local tiers
-        st.remote.dropped(t, g, slot, run, i)
-    if st.copies:
-        st.copies.cancel_into(t, g, slot)
+    if offload and state.remote is not None:  # remote tier: the block leaves the local tiers
+        state.remote.dropped(t, g, slot, run, i)
+    if state.copies:
+        state.copies.cancel_into(t, g, slot)
     run.slot[g][i] = NO_SLOT
     run.tier[g][i] = 0
-    st.stats.dropped_blocks += 1
+    state.stats.evicted(1, 1)
+    if state.config.state_groups and not state.layout.kinds[g].windowed:
+        # checkpoints at and below a lost attention block
+        _drop_orphans(state, [(run, i), *_blocks_below(run, i)])
     if i == len(run.keys) - 1 and not run.children:  # the common case: tails go first
-        st.emit.removed(g, [run.keys[i]])
+        state.emit.removed(g, [run.keys[i]])
         if not run.has_slot(i):
             prune(run)
         return
     removed = [run.keys[i]]
-    if not st.kinds[g].windowed:
-        removed += _drop_below(st, g, run, i, offload)
-    st.emit.removed(g, removed)
+    if not state.layout.kinds[g].windowed:
+        removed += _drop_below(state, g, run, i, offload)
+    state.emit.removed(g, removed)
     _prune_subtree(run)
 
 
-def _drop_below(st: CacheState, g: int, run: Run, i: int, offload: bool) -> list[BlockKey]:
+def _drop_below(state: CacheState, g: int, run: Run, i: int, offload: bool) -> list[BlockKey]:
     """A full-attention block without its prefix cannot be matched: drop the queued blocks
     below block i of ``run``; returns their keys. Held or claimed ones stay (a sequence that
     computed a duplicate of an ancestor holds its own copy) and are queued, unreachable, once
     released."""
+    return _drop_queued(state, g, _blocks_below(run, i), offload)
+
+
+def _drop_orphans(state: CacheState, blocks: list[tuple[Run, int]]) -> None:
+    """A full-attention block left the cache (the first of ``blocks``, the others below it):
+    the queued recurrent-state checkpoints there can never be matched again, so they go too
+    (``kvpool.core.state_groups``)."""
+    for h in state.config.state_groups:
+        state.emit.removed(h, _drop_queued(state, h, blocks, False))
+
+
+def _drop_queued(state: CacheState, g: int, blocks: list[tuple[Run, int]],
+                 offload: bool) -> list[BlockKey]:
+    """Drop group g's queued slots of ``blocks``; returns their keys."""
     removed: list[BlockKey] = []
-    for r, j in _blocks_below(run, i):
+    for r, j in blocks:
         ds = r.slot[g][j]
         if ds == NO_SLOT:
             continue
         dt = r.tier[g][j]
-        pool = st.pools[dt][g]
+        pool = state.pools[dt][g]
         if ds not in pool.queue:
             continue
-        pool.queue.remove(ds)
-        if offload and st.remote is not None:  # remote tier, as in evict()
-            st.remote.dropped(dt, g, ds, r, j)
-        st.copies.cancel_into(dt, g, ds)
+        pool.dequeue(ds)
+        if offload and state.remote is not None:  # remote tier, as in evict()
+            state.remote.dropped(dt, g, ds, r, j)
+        state.copies.cancel_into(dt, g, ds)
         pool.clear(ds)
-        pool.free.append(ds)
+        pool.give_one(ds)
         r.slot[g][j] = NO_SLOT
         r.tier[g][j] = 0
-        st.stats.dropped_blocks += 1
+        state.stats.evicted(0, 1)
         removed.append(r.keys[j])
     return removed
 
@@ -285,18 +304,17 @@ def _prune_subtree(run: Run) -> None:
     prune(run if run.alive else run.parent)
 
 
-def clear_queues(st: CacheState) -> None:
+def clear_queues(state: CacheState) -> None:
     """Drop every queued block on every tier (nothing offloaded)."""
-    for t, tier in enumerate(st.pools):
+    for t, tier in enumerate(state.pools):
         for g, pool in enumerate(tier):
-            q = pool.queue
-            while len(q):
-                s, prio = cast("tuple[SlotId, int]", q.pop())
-                evict(st, t, g, s, prio, offload=False)
-                pool.free.append(s)
+            while len(pool.queue):
+                s, prio = pool.pop_victim()
+                evict(state, t, g, s, prio, offload=False)
+                pool.give_one(s)
 
 
-def drop_unwritten(st: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCopy]:
+def drop_unwritten(state: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCopy]:
     """The copies ``failed`` did not complete, so their destination slots hold unknown bytes:
     a cached block there (queued: no sequence uses it) leaves the cache, as if dropped, and a
     later request misses it. Returns the failed copies no drop can repair: those that brought
@@ -304,12 +322,12 @@ def drop_unwritten(st: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCop
     unrepaired: list[BlockCopy] = []
     for c in failed:
         t, g, s = c.dst_tier, c.layer_group, SlotId(c.dst_slot)
-        pool = st.pools[t][g]
+        pool = state.pools[t][g]
         if s in pool.queue:
-            pool.queue.remove(s)
-            evict(st, t, g, s, DEFAULT_PRIORITY, offload=False)
-            pool.free.append(s)
-        elif pool.run_at[s] is not None or s in pool.held or (t == 0 and st.gpu[g].ref[s]):
+            pool.dequeue(s)
+            evict(state, t, g, s, DEFAULT_PRIORITY, offload=False)
+            pool.give_one(s)
+        elif pool.run_at[s] is not None or s in pool.held or (t == 0 and state.gpu[g].ref[s]):
             unrepaired.append(c)
     return unrepaired
 
@@ -317,80 +335,77 @@ def drop_unwritten(st: CacheState, failed: Sequence[BlockCopy]) -> list[BlockCop
 # ------------------------------------------------------------------ claimed blocks
 
 
-def onboard(st: CacheState, run: Run, i: int, g: int, refs: int) -> int:
+def onboard(state: CacheState, run: Run, i: int, g: int, refs: int) -> int:
     """Bring a claimed block up to the GPU with ``refs`` references; returns 1 if it moved
     now, 0 if an earlier request of the batch already brought it up."""
     t, s = run.tier[g][i], run.slot[g][i]
     if t == 0:
-        st.gpu[g].ref[s] += refs
+        state.gpu[g].hold_one(s, refs)
         return 0
-    new = alloc(st, g)
-    st.copies.add(BlockCopy(t, s, 0, new, g))
-    colder = st.pools[t][g]
+    new = alloc(state, g)
+    state.copies.add(BlockCopy(t, s, 0, new, g))
+    colder = state.pools[t][g]
     colder.clear(s)
     if s not in colder.held:
-        st.pending_free.append((t, g, s))
+        state.free_at_call_end(t, g, s)
     # else: a suspended sequence holds that copy; it stays held, no longer cached
     run.tier[g][i] = 0
     run.slot[g][i] = new
-    gpu = st.gpu[g]
+    gpu = state.gpu[g]
     gpu.place(new, run, i)
-    gpu.ref[new] = refs
-    st.stats.onboard_bytes += st.storage.block_bytes(g)
-    st.emit.updated(g, run.keys[i], t, 0)
+    gpu.set_refs(new, refs)
+    state.stats.onboarded(0, state.storage.block_bytes(g))
+    state.emit.updated(g, run.keys[i], t, 0)
     return 1
 
 
-def take_over(st: CacheState, run: Run, i: int, g: int, refs: int) -> SlotId:
+def take_over(state: CacheState, run: Run, i: int, g: int, refs: int) -> SlotId:
     """The request adopts an unreferenced leaf's slot in place; the block leaves the tree."""
     s = run.slot[g][i]
-    pool = st.gpu[g]
+    pool = state.gpu[g]
     assert run.tier[g][i] == 0 and pool.ref[s] == 0
     pool.clear(s)
     run.slot[g][i] = NO_SLOT
-    pool.ref[s] = refs
-    st.emit.removed(g, [run.keys[i]])
+    pool.set_refs(s, refs)
+    state.emit.removed(g, [run.keys[i]])
     if not run.has_slot(i):
         prune(run)
     return s
 
 
-def release_partials(st: CacheState, release: list[tuple[Run, int]]) -> None:
+def release_partials(state: CacheState, release: list[tuple[Run, int]]) -> None:
     """Queue again the partial sources a batch claimed and did not take over (unless a full
     match of the batch holds one, or it moved)."""
     for run, i in release:
-        for g in st.self_groups:
+        for g in state.layout.self_groups:
             t, s = run.tier[g][i], run.slot[g][i]
-            pool = st.pools[t][g]
+            pool = state.pools[t][g]
             if s == NO_SLOT or s in pool.queue or s in pool.held:
                 continue
             if t == 0 and pool.ref[s] > 0:
                 continue  # a full match holds it: the release is cancelled
             if pool.run_at[s] is run and pool.idx_at[s] == i:
-                pool.queue.push(s, run.priority(i), key=run.keys[i])
+                pool.enqueue(s, run.priority(i), key=run.keys[i])
 
 
 # ------------------------------------------------------------------ releasing references
 
 
-def unref(st: CacheState, g: int, s: SlotId) -> None:
+def unref(state: CacheState, g: int, s: SlotId) -> None:
     """Drop one reference on GPU slot s of group g; at zero it is queued (cached) or freed."""
-    pool = st.gpu[g]
-    ref = pool.ref
-    ref[s] -= 1
-    assert ref[s] >= 0
-    if ref[s] == 0:
+    pool = state.gpu[g]
+    if pool.drop_ref(s) == 0:
         run = pool.run_at[s]
         if run is None:
-            pool.free.append(s)
+            pool.give_one(s)
         else:
             i = pool.idx_at[s]
             dur = run.duration(i)
-            expires = st.clock() + dur if dur is not None else None
-            pool.queue.push(s, run.priority(i), expires, run.keys[i])
+            expires = state.clock() + dur if dur is not None else None
+            pool.enqueue(s, run.priority(i), expires, run.keys[i])
 
 
-def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
+def unref_many(state: CacheState, g: int, slots: list[SlotId]) -> None:
     """Drop one reference on each slot of a block table (NO_SLOT entries skipped).
 
     Cached blocks whose last reference goes join the eviction queue tail first, so that within
@@ -398,27 +413,28 @@ def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
     every block after it along (a full-attention block without its prefix cannot be matched).
     Uncached blocks become free.
     """
-    pool = st.gpu[g]
+    pool = state.gpu[g]
     gone = pool.release(slots)  # blocks never committed (a partial last block) are freed
     if not gone:
         return
     run_at = cast("list[Run]", pool.run_at)  # (every slot in ``gone`` holds a block)
     queue = pool.queue
+    push_many = pool.enqueue_many
     idx_at = pool.idx_at
-    if not st.retention_seen:  # the common case: default priority, no duration
+    if not state.retention_seen:  # the common case: default priority, no duration
         if queue.uses_keys:
             keys = [run_at[s].keys[idx_at[s]] for s in gone]
-            queue.push_many(gone, DEFAULT_PRIORITY, keys)
+            push_many(gone, DEFAULT_PRIORITY, keys)
         else:
-            queue.push_many(gone, DEFAULT_PRIORITY)
+            push_many(gone, DEFAULT_PRIORITY)
         return
     cached = [run_at[s] for s in gone]
     if all(r.prio is None for r in cached):
         if queue.uses_keys:
             keys = [r.keys[idx_at[s]] for r, s in zip(cached, gone, strict=True)]
-            queue.push_many(gone, DEFAULT_PRIORITY, keys)
+            push_many(gone, DEFAULT_PRIORITY, keys)
         else:
-            queue.push_many(gone, DEFAULT_PRIORITY)
+            push_many(gone, DEFAULT_PRIORITY)
         return
     batch: list[SlotId] = []
     batch_keys: list[BlockKey] = []
@@ -428,13 +444,13 @@ def unref_many(st: CacheState, g: int, slots: list[SlotId]) -> None:
         prio = run.priority(i)
         dur = run.duration(i)
         if batch and (dur is not None or prio != batch_prio):
-            queue.push_many(batch, batch_prio, batch_keys)
+            push_many(batch, batch_prio, batch_keys)
             batch, batch_keys = [], []
         if dur is not None:
-            queue.push(s, prio, st.clock() + dur, run.keys[i])
+            pool.enqueue(s, prio, state.clock() + dur, run.keys[i])
             continue
         batch_prio = prio
         batch.append(s)
         batch_keys.append(run.keys[i])
     if batch:
-        queue.push_many(batch, batch_prio, batch_keys)
+        push_many(batch, batch_prio, batch_keys)

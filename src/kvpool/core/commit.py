@@ -20,12 +20,12 @@ from kvpool.core.state import CacheState
 from kvpool.hashing.keys import BlockHasher, BlockKey
 
 
-def hasher_after(st: CacheState, seq: Seq, blocks: int) -> BlockHasher:
+def hasher_after(state: CacheState, seq: Seq, blocks: int) -> BlockHasher:
     """A hasher positioned after the sequence's first ``blocks`` full blocks."""
-    return st.hasher(seq).resumed(seq.keys[:blocks] if blocks < len(seq.keys) else seq.keys)
+    return state.hasher(seq).resumed(seq.keys[:blocks] if blocks < len(seq.keys) else seq.keys)
 
 
-def position(st: CacheState, seq: Seq, blocks: int, *,
+def position(state: CacheState, seq: Seq, blocks: int, *,
              rebuild: bool = True) -> tuple[Run, int] | None:
     """Where the sequence's first ``blocks`` committed blocks end in the tree: (run, n), after
     block n - 1 of run (n = 0 only at the root).
@@ -38,7 +38,7 @@ def position(st: CacheState, seq: Seq, blocks: int, *,
     c = seq.committed_blocks
     if not (run.alive and len(run.keys) >= n
             and (run is seq.root if n == 0 else run.keys[n - 1] == seq.keys[c - 1])):
-        found = _walk_path(st, seq, c, rebuild)
+        found = _walk_path(state, seq, c, rebuild)
         if found is None:
             return None
         run, n = seq.at_run, seq.at_len = found
@@ -51,95 +51,95 @@ def position(st: CacheState, seq: Seq, blocks: int, *,
     return run, n - back
 
 
-def _walk_path(st: CacheState, seq: Seq, blocks: int, rebuild: bool) -> tuple[Run, int] | None:
+def _walk_path(state: CacheState, seq: Seq, blocks: int, rebuild: bool) -> tuple[Run, int] | None:
     """Where the sequence's first ``blocks`` blocks end in the tree, found by their tokens;
     with ``rebuild`` the blocks past the match are recreated as a path run without slots,
     else None."""
-    root = seq.root = st.root((seq.lora_id, seq.cache_salt))
-    path = match_full(root, seq.tokens.tobytes(), blocks, st.step)
+    root = seq.root = state.root((seq.lora_id, seq.cache_salt))
+    path = match_full(root, seq.tokens.tobytes(), blocks, state.layout.step)
     run, n = (path[-1][0], path[-1][2]) if path else (root, 0)
-    d = sum(b - a for _, a, b in path)
-    if d == blocks:
+    on_path = sum(b - a for _, a, b in path)
+    if on_path == blocks:
         return run, n
     if not rebuild:
         return None
-    slots = [[NO_SLOT] * (blocks - d) for _ in range(st.num_groups)]
-    return new_run(st, seq, run, n, d, blocks, slots), blocks - d
+    slots = [[NO_SLOT] * (blocks - on_path) for _ in range(state.layout.num_groups)]
+    return new_run(state, seq, run, n, on_path, blocks, slots), blocks - on_path
 
 
-def new_run(st: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
+def new_run(state: CacheState, seq: Seq, run: Run, n: int, first: int, upto: int,
             slots: list[list[SlotId]], keys: list[BlockKey] | None = None,
             raw: bytes | None = None) -> Run:
     """Blocks [first, upto) of ``seq`` (keys known, or given) as a new run after block n - 1
     of ``run`` (split there if needed), holding ``slots`` per group (GPU). ``raw``: the
     sequence's tokens as bytes, when the caller has them."""
-    step = st.step
+    step = state.layout.step
     if n < len(run.keys):
-        reindex(st, run.split(n, step))
-    tk = (seq.tokens[first * st.tpb:upto * st.tpb].tobytes() if raw is None
+        reindex(state, run.split(n, step))
+    tk = (seq.tokens[first * state.layout.tpb:upto * state.layout.tpb].tobytes() if raw is None
           else raw[first * step:upto * step])
     new = Run(run, tk, tk[:step], seq.keys[first:upto] if keys is None else keys, slots,
               [[0] * (upto - first) for _ in slots])
     run.add_child(new)
     if seq.retention is not None:
         for j in range(upto - first):
-            set_priority(st, seq, new, j, (first + j) * st.tpb)
+            set_priority(state, seq, new, j, (first + j) * state.layout.tpb)
     return new
 
 
-def reindex(st: CacheState, run: Run) -> None:
+def reindex(state: CacheState, run: Run) -> None:
     """Point the slots of ``run``'s blocks at it (after a split renumbered them)."""
     for g, slots in enumerate(run.slot):
         tiers = run.tier[g]
         if not any(tiers):
-            st.gpu[g].place_all(slots, run)
+            state.gpu[g].place_all(slots, run)
             continue
         for j, s in enumerate(slots):
             if s != NO_SLOT:
-                st.pools[tiers[j]][g].place(s, run, j)
+                state.pools[tiers[j]][g].place(s, run, j)
 
 
-def set_priority(st: CacheState, seq: Seq, run: Run, i: int, first_token: int) -> None:
+def set_priority(state: CacheState, seq: Seq, run: Run, i: int, first_token: int) -> None:
     """Block i of ``run`` (starting at token ``first_token``) takes the sequence's retention."""
     ret = seq.retention
     if ret is None:
         return
-    st.retention_seen = True
+    state.retention_seen = True
     if first_token >= seq.prompt_len:
         run.set_retention(i, ret.decode_priority, ret.decode_duration_s)
     else:
         run.set_retention(i, *ret.block_priority(first_token))
 
 
-def commit(st: CacheState, seq: Seq, upto: int) -> None:
+def commit(state: CacheState, seq: Seq, upto: int) -> None:
     """Insert the sequence's full blocks [committed, upto) into the tree (beam 0)."""
     start = seq.committed_blocks
-    if not st.config.enable_block_reuse or upto <= start:
+    if not state.config.enable_block_reuse or upto <= start:
         return
-    pos = position(st, seq, start)
+    pos = position(state, seq, start)
     assert pos is not None
     chains: dict[int, list[Segment]] = {}  # per group: the stored chain still open
     raw = seq.tokens.tobytes()
-    run, n, i = _follow_existing(st, seq, raw, *pos, start, upto, chains)
+    run, n, i = _follow_existing(state, seq, raw, *pos, start, upto, chains)
     if i < upto:
-        run, n = _add_new(st, seq, raw, run, n, i, upto, chains)
+        run, n = _add_new(state, seq, raw, run, n, i, upto, chains)
     for g, chain in chains.items():
-        st.emit.stored(g, chain, seq.lora_id)
-    if st.remote is not None:  # remote tier: write-through of the committed blocks
-        st.remote.stored(seq, start, upto)
+        state.emit.stored(g, chain, seq.lora_id)
+    if state.remote is not None:  # remote tier: write-through of the committed blocks
+        state.remote.stored(seq, start, upto)
     seq.committed_blocks = upto
     seq.at_run, seq.at_len = run, n
     if n == len(run.keys) and not run.children and not run.has_slot(n - 1):
         prune(run)
 
 
-def _follow_existing(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: int,
+def _follow_existing(state: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: int,
                      upto: int, chains: dict[int, list[Segment]]) -> tuple[Run, int, int]:
     """Follow blocks [i, upto) of the sequence while the tree has them (another sequence
     committed them); a block without a slot in a group takes this sequence's. Returns where
     the path ends (run, n) and the first block not in the tree."""
-    step = st.step
-    events = st.emit.sink is not None
+    step = state.layout.step
+    events = state.emit.sink is not None
     keys = seq.keys
     group_tables = None
     while i < upto:
@@ -154,7 +154,7 @@ def _follow_existing(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: 
             run, n = child, 0
         keys.append(run.keys[n])
         if group_tables is None:
-            group_tables = [(g, seq.tables[g][0], st.gpu[g]) for g in st.self_groups]
+            group_tables = [(g, seq.tables[g][0], state.gpu[g]) for g in state.layout.self_groups]
         for g, tb, pool in group_tables:
             s = tb[i] if i < len(tb) else NO_SLOT
             if s != NO_SLOT and run.slot[g][n] == NO_SLOT and pool.run_at[s] is None:
@@ -168,64 +168,63 @@ def _follow_existing(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, i: 
                     else:
                         chain.append((run, n, n + 1))
             elif events and g in chains:
-                st.emit.stored(g, chains.pop(g), seq.lora_id)
+                state.emit.stored(g, chains.pop(g), seq.lora_id)
         n += 1
         i += 1
     return run, n, i
 
 
-def _add_new(st: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int, upto: int,
+def _add_new(state: CacheState, seq: Seq, raw: bytes, run: Run, n: int, first: int, upto: int,
              chains: dict[int, list[Segment]]) -> tuple[Run, int]:
     """Blocks [first, upto), none in the tree, as a chain after block n - 1 of ``run``:
     appended to the sequence's own run, or a new run. Returns where the path ends."""
-    step = st.step
-    k = upto - first
+    step = state.layout.step
+    count = upto - first
     keys = seq.keys
-    new_keys = st.hasher(seq).keys_after(keys[:first] if first < len(keys) else keys,
+    new_keys = state.hasher(seq).keys_after(keys[:first] if first < len(keys) else keys,
                                          raw[first * step:upto * step])
     keys.extend(new_keys)
     slots: list[list[SlotId]] = []
-    for g in range(st.num_groups):
-        if st.kinds[g].cross:
-            slots.append([NO_SLOT] * k)
+    for g in range(state.layout.num_groups):
+        if state.layout.kinds[g].cross or state.layout.kinds[g].state:  # no slots of their own
+            slots.append([NO_SLOT] * count)
             continue
         sl = seq.tables[g][0][first:upto]
-        if len(sl) < k:
-            sl += [NO_SLOT] * (k - len(sl))
-        na = st.gpu[g].run_at
+        if len(sl) < count:
+            sl += [NO_SLOT] * (count - len(sl))
+        na = state.gpu[g].run_at
         slots.append([s if s != NO_SLOT and na[s] is None else NO_SLOT for s in sl])
     if (run is seq.own_run and run.alive and n == len(run.keys) and not run.children
             and len(run.ckey) == step):
         base = n
-        run.extend(raw[first * step:upto * step], new_keys, slots, [[0] * k for _ in slots], step)
+        run.extend(raw[first * step:upto * step], new_keys, slots,
+                   [[0] * count for _ in slots], step)
         if seq.retention is not None:
-            for j in range(k):
-                set_priority(st, seq, run, base + j, (first + j) * st.tpb)
+            for j in range(count):
+                set_priority(state, seq, run, base + j, (first + j) * state.layout.tpb)
     else:
         base = 0
-        run = new_run(st, seq, run, n, first, upto, slots, new_keys, raw)
+        run = new_run(state, seq, run, n, first, upto, slots, new_keys, raw)
     seq.own_run = run
-    events = st.emit.sink is not None
-    for g in st.self_groups:
+    events = state.emit.sink is not None
+    for g in state.layout.self_groups:
         sl = slots[g]
         if not events and NO_SLOT not in sl:  # the common case, in two C-speed loops
-            st.gpu[g].place_all(sl, run, base)
+            state.gpu[g].place_all(sl, run, base)
             continue
-        _place_and_chain(st, seq, g, run, base, sl, chains, events)
-    return run, base + k
+        _place_and_chain(state, seq, g, run, base, sl, chains, events)
+    return run, base + count
 
 
-def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: list[SlotId],
+def _place_and_chain(state: CacheState, seq: Seq, g: int, run: Run, base: int, sl: list[SlotId],
                      chains: dict[int, list[Segment]], events: bool) -> None:
     """Point new blocks' slots at ``run`` (from block ``base``) and extend group g's stored
     chain with them; a block without a slot ends the chain (its event is sent)."""
-    na, ia = st.gpu[g].run_at, st.gpu[g].idx_at
+    state.gpu[g].place_all(sl, run, base)  # one pass (docs/architecture.md §3.10)
     piece = chains.pop(g, [])  # a chain still open ends at the block just before these
     start = -1  # first block of the stretch being stored
     for j, s in enumerate(sl, base):
         if s != NO_SLOT:
-            na[s] = run
-            ia[s] = j
             if start < 0:
                 start = j
             continue
@@ -233,7 +232,7 @@ def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: 
             piece.append((run, start, j))
             start = -1
         if piece and events:
-            st.emit.stored(g, piece, seq.lora_id)
+            state.emit.stored(g, piece, seq.lora_id)
         piece = []
     if start >= 0:
         piece.append((run, start, base + len(sl)))
@@ -241,13 +240,13 @@ def _place_and_chain(st: CacheState, seq: Seq, g: int, run: Run, base: int, sl: 
         chains[g] = piece
 
 
-def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
+def commit_partial(state: CacheState, seq: Seq, computed: int) -> None:
     """Store the trailing partial block as a leaf keyed by its (short) token chain."""
-    tpb = st.tpb
+    tpb = state.layout.tpb
     full = computed // tpb
     if seq.committed_blocks < full:
         return
-    pos = position(st, seq, full, rebuild=False)
+    pos = position(state, seq, full, rebuild=False)
     if pos is None:
         return
     run, n = pos
@@ -257,12 +256,12 @@ def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
         return
     stored = []
     slots: list[list[SlotId]] = []
-    for g in range(st.num_groups):
+    for g in range(state.layout.num_groups):
         s = NO_SLOT
-        if g in st.self_groups:
+        if g in state.layout.self_groups:
             tb = seq.tables[g][0]
             s = tb[full] if full < len(tb) else NO_SLOT
-            if s != NO_SLOT and st.gpu[g].run_at[s] is not None:
+            if s != NO_SLOT and state.gpu[g].run_at[s] is not None:
                 s = NO_SLOT
         if s != NO_SLOT:
             stored.append(g)
@@ -270,11 +269,11 @@ def commit_partial(st: CacheState, seq: Seq, computed: int) -> None:
     if not stored:
         return
     if n < len(run.keys):
-        reindex(st, run.split(n, st.step))
-    key = hasher_after(st, seq, full).key_of_prefix_block(tokens)
+        reindex(state, run.split(n, state.layout.step))
+    key = hasher_after(state, seq, full).key_of_prefix_block(tokens)
     leaf = Run(run, tk, tk, [key], slots, [[0] for _ in slots])
     run.add_child(leaf)
-    set_priority(st, seq, leaf, 0, full * tpb)
+    set_priority(state, seq, leaf, 0, full * tpb)
     for g in stored:
-        st.gpu[g].place(slots[g][0], leaf, 0)
-        st.emit.stored(g, [(leaf, 0, 1)], seq.lora_id)
+        state.gpu[g].place(slots[g][0], leaf, 0)
+        state.emit.stored(g, [(leaf, 0, 1)], seq.lora_id)

@@ -66,12 +66,12 @@ _PROJECT_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 def _project_u64(field: str, keys: list[BlockKey]) -> list[int | str]:
     """One big-endian u64 out of each 32-byte key (``field`` places it in the digest)."""
     n = len(keys)
-    st = _PROJECT_STRUCTS.get((field, n))
-    if st is None:
-        st = struct.Struct(">" + field * n)
+    packer = _PROJECT_STRUCTS.get((field, n))
+    if packer is None:
+        packer = struct.Struct(">" + field * n)
         if len(_PROJECT_STRUCTS) < 1024:  # chains of many lengths: keep the cache bounded
-            _PROJECT_STRUCTS[field, n] = st
-    return list(st.unpack(b"".join(keys)))  # type: ignore[arg-type]
+            _PROJECT_STRUCTS[field, n] = packer
+    return list(packer.unpack(b"".join(keys)))  # type: ignore[arg-type]
 
 
 _FIRST = itemgetter(0)
@@ -80,7 +80,7 @@ _FIRST = itemgetter(0)
 
 def event_algo(config: CacheConfig) -> HashAlgo:
     """The algorithm events carry: ``event_hash_algo``, else the cache's own."""
-    algo = config.event_hash_algo
+    algo = config.events.hash_algo
     return hash_algo(algo if algo is not None else config.hash_algo)
 
 
@@ -89,11 +89,11 @@ class Emitter:
 
     __slots__ = ("_block_struct", "hashes", "pending", "sink", "step", "window_size")
 
-    def __init__(self, config: CacheConfig, sink: EventSink | None) -> None:
+    def __init__(self, config: CacheConfig, sink: EventSink | None, step: int) -> None:
         self.sink = sink
         self.hashes = _projection(event_algo(config))
         self.window_size = config.window_size
-        self.step = 4 * config.tokens_per_block  # bytes per full block of tokens in the tree
+        self.step = step  # bytes per full block of tokens in the tree (Layout.step)
         self._block_struct = struct.Struct(f"{self.step}s")  # a block's token bytes
         self.pending: dict[int, list[int | str]] = {}  # removed hashes per group, not sent
 
@@ -118,7 +118,7 @@ class Emitter:
             self.sink.on_updated(g, self.window_size(g), self.hashes([key])[0],
                                     cache_level=EventDiff(old, new))
 
-    def _parent_key(self, run: Run, i: int) -> BlockKey | None:
+    def parent_key(self, run: Run, i: int) -> BlockKey | None:
         """The key of the block before block i of ``run`` (None at a scope's root)."""
         if i:
             return run.keys[i - 1]
@@ -131,7 +131,7 @@ class Emitter:
         if self.sink is None or not chain:
             return
         self.flush_removed()
-        parent = self._parent_key(chain[0][0], chain[0][1])
+        parent = self.parent_key(chain[0][0], chain[0][1])
         parent_hash = None if parent is None else self.hashes([parent])[0]
         step = self.step
         blocks: list[StoredBlock] = []

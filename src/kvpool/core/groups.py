@@ -4,7 +4,9 @@
 - :class:`SlidingWindow`: the blocks intersecting the last W + 1 positions (W = window in
   tokens), plus its sink blocks; the others are stale and released as the sequence grows;
 - :class:`CrossAttention`: the encoder's blocks, allocated at admission, never matched in the
-  tree nor grown.
+  tree nor grown;
+- :class:`~kvpool.core.state_groups.StateGroup`: a recurrent state, one running slot per
+  sequence, checkpoints in the tree.
 
 ``group_kinds(config)`` gives each layer group its kind. Admission asks them which matched
 blocks a group claims and whether a matched prefix is usable; the manager asks them which
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 
 from kvpool.config import CacheConfig
 from kvpool.core.radix import NO_SLOT
+from kvpool.core.state_groups import StateGroup
 
 
 class FullAttention:
@@ -25,6 +28,7 @@ class FullAttention:
     __slots__ = ("tpb",)
     cross = False
     windowed = False
+    state = False  # a recurrent-state group (kvpool.core.state_groups)
 
     def __init__(self, tpb: int) -> None:
         self.tpb = tpb
@@ -84,7 +88,7 @@ class CrossAttention(FullAttention):
         return -(-encoder_tokens // self.tpb)
 
 
-GroupKind = FullAttention | SlidingWindow | CrossAttention
+GroupKind = FullAttention | SlidingWindow | CrossAttention | StateGroup
 
 
 def group_kinds(config: CacheConfig) -> tuple[GroupKind, ...]:
@@ -95,6 +99,8 @@ def group_kinds(config: CacheConfig) -> tuple[GroupKind, ...]:
         w = config.window_sizes[g]
         if g in config.cross_attention_groups:
             out.append(CrossAttention(tpb))
+        elif g in config.state_groups:
+            out.append(StateGroup(tpb))
         elif w is None:
             out.append(FullAttention(tpb))
         else:

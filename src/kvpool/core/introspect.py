@@ -18,21 +18,21 @@ from kvpool.core.views import Scope
 from kvpool.hashing.keys import BlockKey
 
 
-def blocks(st: CacheState) -> list[tuple[Scope, Run, int]]:
+def blocks(state: CacheState) -> list[tuple[Scope, Run, int]]:
     """(scope, run, index) of every block in the tree."""
     out: list[tuple[Scope, Run, int]] = []
-    for rk, root in st.roots.items():
+    for rk, root in state.roots.items():
         for r in root.descendants():
             out += [(rk, r, j) for j in range(len(r.keys))]
     return out
 
 
-def cached_blocks(st: CacheState) -> set[tuple[int | str, int, int]]:
+def cached_blocks(state: CacheState) -> set[tuple[int | str, int, int]]:
     """(event hash, layer group, tier) of every cached block: what events describe."""
     out: set[tuple[int | str, int, int]] = set()
-    for root in st.roots.values():
+    for root in state.roots.values():
         for r in root.descendants():
-            hashes = st.emit.hashes(r.keys)
+            hashes = state.emit.hashes(r.keys)
             for g, slots in enumerate(r.slot):
                 tiers = r.tier[g]
                 for j, s in enumerate(slots):
@@ -41,66 +41,66 @@ def cached_blocks(st: CacheState) -> set[tuple[int | str, int, int]]:
     return out
 
 
-def tree_blocks(st: CacheState) -> list[tuple[array[int], list[int], list[int]]]:
+def tree_blocks(state: CacheState) -> list[tuple[array[int], list[int], list[int]]]:
     """(tokens up to and including the block, slot per group, tier per group) of every block
     in the tree."""
     out: list[tuple[array[int], list[int], list[int]]] = []
-    step = st.step
-    for _, r, j in blocks(st):
+    step = state.layout.step
+    for _, r, j in blocks(state):
         chain = [r.tkey[:(j + 1) * step]]
-        p = r.parent
-        while p is not None:
-            chain.append(p.tkey[:len(p.keys) * step])
-            p = p.parent
+        parent = r.parent
+        while parent is not None:
+            chain.append(parent.tkey[:len(parent.keys) * step])
+            parent = parent.parent
         toks = array("I")
         toks.frombytes(b"".join(reversed(chain)))
         out.append((toks, [sl[j] for sl in r.slot], [tl[j] for tl in r.tier]))
     return out
 
 
-def debug_state(st: CacheState) -> dict[str, Any]:
+def debug_state(state: CacheState) -> dict[str, Any]:
     """Free lists, queues, references, the tree, held colder-tier slots, the sequences and
     the stats; two snapshots are equal iff nothing observable changed between them."""
     tree = sorted(
         ((rk, r.keys[j], tuple(sl[j] for sl in r.slot), tuple(tl[j] for tl in r.tier),
-          r.priority(j)) for rk, r, j in blocks(st)),
+          r.priority(j)) for rk, r, j in blocks(state)),
         key=repr,
     )
     return {
-        "free": [[sorted(p.free) for p in t] for t in st.pools],
-        "queue": [[p.queue.peek_order() for p in t] for t in st.pools],
-        "ref": [list(p.ref) for p in st.gpu],
+        "free": [[sorted(pool.free) for pool in t] for t in state.pools],
+        "queue": [[pool.queue.peek_order() for pool in t] for t in state.pools],
+        "ref": [list(pool.ref) for pool in state.gpu],
         "tree": tree,
-        "held": [[sorted(p.held) for p in t] for t in st.pools],
+        "held": [[sorted(pool.held) for pool in t] for t in state.pools],
         "seqs": {
-            k: (list(s.tokens), [[list(b) for b in t] for t in s.tables],
-                s.committed_blocks, s.suspended, sorted(s.moved.items()))
-            for k, s in st.sequences.items()
+            seq_id: (list(seq.tokens), [[list(b) for b in t] for t in seq.tables],
+                seq.committed_blocks, seq.suspended, sorted(seq.moved.items()))
+            for seq_id, seq in state.sequences.items()
         },
-        "stats": st.stats.copy(),
+        "stats": state.stats.copy(),
     }
 
 
-def check_invariants(st: CacheState) -> None:
+def check_invariants(state: CacheState) -> None:
     """Assert ARCHITECTURE §7 (1-3) over the whole state (see the module docstring)."""
-    refs = [[0] * n for n in st.config.slots[0]]
-    for seq in st.sequences.values():
-        for g in range(st.num_groups):
+    refs = [[0] * n for n in state.config.slots[0]]
+    for seq in state.sequences.values():
+        for g in range(state.layout.num_groups):
             for tb in seq.tables[g]:
                 for s in tb:
                     if s != NO_SLOT:
                         refs[g][s] += 1
-    assert refs == [p.ref for p in st.gpu], "reference counts differ from the block tables"
-    for t in range(st.tiers):
-        for g in range(st.num_groups):
-            _check_pool(st, t, g)
-    _check_tree(st)
+    assert refs == [pool.ref for pool in state.gpu], "reference counts differ from the block tables"
+    for t in range(state.layout.tiers):
+        for g in range(state.layout.num_groups):
+            _check_pool(state, t, g)
+    _check_tree(state)
 
 
-def _check_pool(st: CacheState, t: int, g: int) -> None:
+def _check_pool(state: CacheState, t: int, g: int) -> None:
     """Every slot of pool (t, g) is in exactly one state; back-pointers name live blocks."""
-    pool = st.pools[t][g]
-    ref = st.gpu[g].ref
+    pool = state.pools[t][g]
+    ref = state.gpu[g].ref
     free = set(pool.free)
     assert len(free) == len(pool.free), "a slot is free twice"
     queued = set(pool.queue.peek_order())
@@ -122,12 +122,12 @@ def _check_pool(st: CacheState, t: int, g: int) -> None:
             assert run.alive and run.slot[g][i] == s and run.tier[g][i] == t
 
 
-def _check_tree(st: CacheState) -> None:
+def _check_tree(state: CacheState) -> None:
     """Runs are well formed, keys unique, tree slots agree with the back-pointers."""
-    step = st.step
+    step = state.layout.step
     seen: set[tuple[Scope, BlockKey | None, BlockKey]] = set()
-    for scope, root in st.roots.items():
-        rk = st.view.root_key(*scope)
+    for scope, root in state.roots.items():
+        rk = state.view.root_key(*scope)
         assert not root.keys and root.parent is None
         for r in root.descendants():
             n = len(r.keys)
@@ -147,10 +147,10 @@ def _check_tree(st: CacheState) -> None:
                 assert (scope, pk, key) not in seen, "two blocks with the same key"
                 seen.add((scope, pk, key))
                 pk = key
-                for g in range(st.num_groups):
+                for g in range(state.layout.num_groups):
                     s = r.slot[g][j]
                     if s != NO_SLOT:
-                        pool = st.pools[r.tier[g][j]][g]
+                        pool = state.pools[r.tier[g][j]][g]
                         assert pool.run_at[s] is r and pool.idx_at[s] == j
             if not r.children:
                 assert r.has_slot(n - 1), "a slotless leaf block was not pruned"

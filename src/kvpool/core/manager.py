@@ -21,8 +21,10 @@ fails (a full disk, an I/O error during the call) is repaired without raising: t
 was moving to a colder tier leave the cache (a later miss, never wrong bytes), and a persistent
 tier's manifest records that cannot be written are left out (its blocks are then misses after
 a restart). Only a failed copy of a block a sequence uses (onto the GPU, or for a suspended
-sequence) cannot be repaired: that call raises ``StorageError`` with its work done, and the
-manager refuses every later call that may copy, saying why (``kvpool.core.state``).
+sequence) cannot be repaired nor undone: that call raises ``CopiesLostError`` (a
+``StorageError``, the one error that says the call changed the manager) with its work done,
+and the manager refuses every later call that may copy with the same error
+(``kvpool.core.state``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvpool.config import CacheConfig, SequenceRequest
 from kvpool.core import introspect, lifecycle, persist
 from kvpool.core import plan as admission
 from kvpool.core.allocator import clear_queues, drop_unwritten
+from kvpool.core.checkpoints import CheckpointBook, check_checkpoints
 from kvpool.core.commit import commit
 from kvpool.core.emit import EventSink, event_algo
 from kvpool.core.execute import AdmitResult, admit, disk_reads
@@ -46,6 +49,7 @@ from kvpool.errors import InvalidArgumentError, OutOfBlocksError, StorageError
 from kvpool.events.model import KVCacheEvent
 from kvpool.hashing import jit
 from kvpool.tiers.storage import MetadataStorage, Storage
+from kvpool.validation import check_int, is_int
 
 if TYPE_CHECKING:
     from kvpool.core.remote_hooks import ManagerRemote, RemoteStats
@@ -55,7 +59,7 @@ __all__ = ["AdmitResult", "KVCacheManager"]
 
 def _is_index(value: object, size: int) -> bool:
     """Is ``value`` an int (not a bool) in [0, size)?"""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
+    return is_int(value) and 0 <= value < size
 
 
 def _check_hooks(name: str, obj: object, methods: tuple[str, ...]) -> None:
@@ -100,24 +104,24 @@ class KVCacheManager:
             from kvpool.tiers.torch_storage import TorchStorage
 
             storage = TorchStorage(self.tpb, config.layer_geometry, config.slots,
-                                   device=config.device, disk_path=config.disk_path,
-                                   persistent=config.disk_persistent)
-        if events is None and config.event_buffer_max_size > 0:
+                                   device=config.device, disk_path=config.disk.path,
+                                   persistent=config.disk.persistent)
+        if events is None and config.events.buffer_max_size > 0:
             from kvpool.events.manager import EventManager
 
-            events = EventManager(config.event_buffer_max_size, hash_algo=event_algo(config))
+            events = EventManager(config.events.buffer_max_size, hash_algo=event_algo(config))
         self.events = events
-        self._st = st = CacheState(config, storage or MetadataStorage(self.tpb), events)
-        st.repair_copies = drop_unwritten
-        self.step = st.step
-        self.self_groups = st.self_groups
-        self.full_attention_only = st.full_attention_only
-        self.roots = st.roots
-        self.sequences = st.sequences
+        self._st = state = CacheState(config, storage or MetadataStorage(self.tpb), events)
+        state.repair_copies = drop_unwritten
+        self.step = state.layout.step
+        self.self_groups = state.layout.self_groups
+        self.full_attention_only = state.layout.full_attention_only
+        self.roots = state.roots
+        self.sequences = state.sequences
         self._iter_base = CacheStats()
         # does a batch copy (and so need the storage checked) whatever it matches?
-        self._batch_may_copy = st.tiers > 1
-        self._has_disk = st.tiers > 2
+        self._batch_may_copy = state.layout.tiers > 1
+        self._has_disk = state.layout.tiers > 2
         if events is not None:
             # Stored blocks carry TokenIds, which the vLLM encoder writes with a kernel: load it
             # now (once per process) rather than while the first batch waits to be published.
@@ -126,13 +130,15 @@ class KVCacheManager:
                 events.on_created(g, config.window_size(g),
                                   [config.slots[t][g] for t in range(config.num_tiers)])
         # persist hook: a persistent disk tier re-indexes the blocks its manifest records
-        self.persistent_disk = st.persist = persist.attach(st, owns_storage=owns_storage,
+        self.persistent_disk = state.persist = persist.attach(state, owns_storage=owns_storage,
                                                            lock=self._lock)
+        # hybrid models: the checkpoint policy and each live sequence's checkpoints
+        self._ckpt = CheckpointBook(state) if config.state_groups else None
         self._remote: ManagerRemote | None = None
-        if config.remote_url is not None or config.remote_store is not None:
+        if config.remote.url is not None or config.remote.store is not None:
             from kvpool.core.remote_hooks import ManagerRemote  # the shared remote tier
 
-            self._remote = st.remote = ManagerRemote(st, events)
+            self._remote = state.remote = ManagerRemote(state, events)
 
     @property
     def storage(self) -> Storage:
@@ -165,8 +171,8 @@ class KVCacheManager:
         that failed beyond repair, is in the module docstring.)
         """
         with self._lock:
-            st = self._st
-            plan = admission.plan(st.view, _request_list(requests))
+            state = self._st
+            plan = admission.plan(state.view, _request_list(requests))
             if not plan.fits:
                 detail = ", ".join(
                     f"group {g}: need {plan.new_blocks[g]}, have {plan.available[g]}"
@@ -176,14 +182,28 @@ class KVCacheManager:
                     f"batch of {len(plan.requests)} requests does not fit the GPU pool ({detail})",
                     plan.deficit,
                 )
-            partials = plan.partials
-            if self._batch_may_copy or partials:
-                st.check_storage()  # the batch may copy: fail before changing anything
+            if self._batch_may_copy or plan.partials:
+                state.check_storage()  # the batch may copy: fail before changing anything
                 if self._has_disk:  # and read what it onboards from disk, for the same reason
-                    st.read_ahead(disk_reads(st, plan, partials))
-            results = admit(st, plan, partials)
-            st.finish_call()
+                    state.read_ahead(disk_reads(state, plan))
+            if self._ckpt is not None:
+                self._ckpt.admitting(plan)
+            results = admit(state, plan)
+            state.finish_call()
+            if self._ckpt is not None:
+                self._zero_cold(results)
             return results
+
+    def _zero_cold(self, results: list[AdmitResult]) -> None:
+        """Cold hybrid sequences start from a zero state: their running slots are zeroed
+        (after the call's copies; a storage without ``zero_slots`` leaves it to the engine)."""
+        zero = getattr(self.storage, "zero_slots", None)
+        if zero is None:
+            return
+        for g in self.config.state_groups:
+            slots = [b[0] for r in results if not r.reused_tokens for b in r.block_ids[g]]
+            if slots:
+                zero(g, slots)
 
     def count_reusable_tokens(
         self, tokens: Sequence[int], *, lora_id: int | None = None, cache_salt: str | None = None
@@ -193,8 +213,8 @@ class KVCacheManager:
             enc = [0] if self.config.cross_attention_groups else None
             req = SequenceRequest("__count__", tokens, lora_id=lora_id, cache_salt=cache_salt,
                                   encoder_tokens=enc)
-            _, matched, _, k, _ = admission.walk(self._st.view, req)
-            return sum(b - a for _, a, b in matched) * self.tpb + k
+            _, matched, _, partial_tokens, _ = admission.walk(self._st.view, req)
+            return sum(b - a for _, a, b in matched) * self.tpb + partial_tokens
 
     # ------------------------------------------------------------------ sequence life
 
@@ -202,9 +222,7 @@ class KVCacheManager:
         """GPU slots per layer group that growing by ``num_new_tokens`` tokens would take."""
         with self._lock:
             seq = self._st.seq(seq_id)
-            if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) \
-                    or num_new_tokens < 0:
-                raise InvalidArgumentError(f"num_new_tokens must be >= 0, got {num_new_tokens!r}")
+            check_int("num_new_tokens", num_new_tokens, 0)
             return lifecycle.growth(self._st, seq, seq.num_tokens + num_new_tokens)[0]
 
     def add_tokens(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
@@ -232,16 +250,15 @@ class KVCacheManager:
     def store_context_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """Commit the full blocks within the first ``num_computed_tokens`` tokens for reuse."""
         with self._lock:
-            st = self._st
-            seq = st.active(seq_id)
-            if (isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int)
-                    or not 0 <= num_computed_tokens <= seq.num_tokens):
+            state = self._st
+            seq = state.active(seq_id)
+            if not is_int(num_computed_tokens) or not 0 <= num_computed_tokens <= seq.num_tokens:
                 raise InvalidArgumentError(
                     f"num_computed_tokens must be in [0, {seq.num_tokens}], "
                     f"got {num_computed_tokens!r}"
                 )
-            commit(st, seq, num_computed_tokens // self.tpb)
-            st.finish_call()
+            commit(state, seq, num_computed_tokens // self.tpb)
+            state.finish_call()
 
     def remove_sequence(self, seq_id: SeqId, *, store_for_reuse: bool = True) -> None:
         """Release a finished sequence; with ``store_for_reuse`` commit what it computed first
@@ -250,6 +267,8 @@ class KVCacheManager:
         preempted request) commits nothing new; its held colder-tier blocks are released."""
         with self._lock:
             lifecycle.remove_sequence(self._st, seq_id, store_for_reuse)
+            if self._ckpt is not None:
+                self._ckpt.forget(seq_id)
 
     def suspend(self, seq_id: SeqId) -> dict[int, int]:
         """Preempt a sequence without losing its KV.
@@ -272,22 +291,64 @@ class KVCacheManager:
         with self._lock:
             lifecycle.resume(self._st, seq_id)
 
+    # ------------------------------------------------------------------ hybrid models
+
+    def checkpoint_positions(self, seq_id: SeqId, start: int, end: int) -> list[int]:
+        """Token counts in (start, end] after which the checkpoint policy wants the
+        sequence's recurrent state saved (``save_checkpoint``): the engine splits a prefill
+        chunk there. Empty without state groups (docs/hybrid.md)."""
+        with self._lock:
+            seq = self._st.seq(seq_id)
+            for name, v in (("start", start), ("end", end)):
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= seq.num_tokens:
+                    raise InvalidArgumentError(
+                        f"{name} must be in [0, {seq.num_tokens}], got {v!r}")
+            if self._ckpt is None or end <= start:
+                return []
+            return self._ckpt.positions(seq_id, start, end)
+
+    def save_checkpoint(self, seq_id: SeqId, num_tokens: int) -> bool:
+        """Copy the sequence's running state, which must be its state after its first
+        ``num_tokens`` tokens (a block boundary), into a checkpoint cached under that prefix
+        (whose blocks are committed first, as ``store_context_blocks`` would). Returns False
+        when it is not cached (reuse off, no state slot to spare, or the prefix's attention
+        blocks are not all in the cache); True when it is (or already was). Raises
+        :class:`InvalidArgumentError` without state groups or for a bad ``num_tokens``,
+        :class:`SequenceStateError` for a suspended sequence."""
+        with self._lock:
+            st = self._st
+            seq = st.active(seq_id)
+            if self._ckpt is None:
+                raise InvalidArgumentError("save_checkpoint needs state groups "
+                                           "(CacheConfig.state_groups)")
+            if (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                    or not 0 < num_tokens <= seq.num_tokens or num_tokens % self.tpb):
+                raise InvalidArgumentError(
+                    f"num_tokens must be a multiple of {self.tpb} in (0, {seq.num_tokens}], "
+                    f"got {num_tokens!r}")
+            st.check_storage()  # a copy, and evictions that may offload
+            st.begin_call()
+            saved = self._ckpt.save(seq, num_tokens)
+            st.finish_call()
+            return saved
+
     # ------------------------------------------------------------------ cache and storage
 
     def clear_cache(self) -> int:
         """Drop every cached block no sequence holds, on every tier; returns how many."""
         with self._lock:
-            st = self._st
-            dropped = st.stats.dropped_blocks
-            clear_queues(st)
+            state = self._st
+            dropped = state.stats.dropped_blocks
+            clear_queues(state)
             if self.persistent_disk is not None:  # persist hook: the manifest forgets them
                 self.persistent_disk.cleared()
-            st.finish_call()
-            return st.stats.dropped_blocks - dropped
+            state.finish_call()
+            return state.stats.dropped_blocks - dropped
 
     def tensors(self, layer_group: int, tier: int = 0) -> Any:
         """The KV pool of one layer group and tier, for attention kernels:
-        ``[slots, layers, 2, tokens_per_block, kv_heads, head_dim]`` (torch storage only)."""
+        ``[slots, layers, 2, tokens_per_block, kv_heads, head_dim]`` (torch storage only); for
+        a state group a tuple of views ``[slots, layers, *shape]``, one per state shape."""
         tensors = getattr(self.storage, "tensors", None)
         if tensors is None:
             raise StorageError("this manager has metadata-only storage: no tensors "
@@ -413,3 +474,4 @@ class KVCacheManager:
         """Assert ARCHITECTURE §7 (1-3) over the whole state; for tests. O(everything)."""
         with self._lock:
             introspect.check_invariants(self._st)
+            check_checkpoints(self._st)

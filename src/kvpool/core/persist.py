@@ -1,7 +1,7 @@
 """Warm restart of a persistent disk tier: a manifest kept in step with the disk slots, and the
 blocks it names put back into a new manager's tree.
 
-A manager with ``CacheConfig(disk_persistent=True)`` opens its disk files under stable names
+A manager with ``CacheConfig.disk.persistent`` set opens its disk files under stable names
 (:func:`kvpool.tiers.diskfile.open_persistent_pools`) and a manifest beside them
 (``kvpool-persistent.manifest``, :mod:`kvpool.tiers.manifest`) whose header is the manager's
 namespace (:class:`~kvpool.tiers.remote.namespace.RemoteNamespace`: ``model_id``, geometry per layer
@@ -29,7 +29,7 @@ record on disk whose bytes were not (a machine crash), a ``drop`` that was lost,
 file - leaves bytes that differ from the recorded hash, and the block is a miss (serving a
 wrong block would take a 64-bit hash collision). Each record carries its own checksum too
 (:mod:`kvpool.tiers.manifest`), so a damaged record is never applied; a damaged or foreign manifest
-is refused with :class:`~kvpool.errors.ManifestError` unless ``disk_manifest_damaged`` says to
+is refused with :class:`~kvpool.errors.ManifestError` unless ``disk.manifest_damaged`` says to
 keep its intact prefix or discard it.
 
 What is re-indexed: every chain from a scope's root that leads to a trusted slot. Its blocks
@@ -46,7 +46,7 @@ loses leaves first).
 
 Durability: records are written with ``write(2)`` at the end of each call, so they survive the
 process (SIGKILL included); the disk files and then the manifest are fsynced every
-``disk_sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
+``disk.sync_interval_s`` seconds of calls, by :meth:`PersistentDisk.sync` and at ``close``. A
 record that was not fsynced when the machine crashed is lost (a miss), or disowned by the rule.
 
 Failures (a full disk, a file size limit, an I/O error) never skip a call's data copies and
@@ -74,7 +74,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvpool.core.radix import NO_SLOT, Run, SlotId
-from kvpool.errors import CopyFailedError, InvalidArgumentError, ManifestError, StorageError
+from kvpool.errors import (
+    CopiesLostError,
+    CopyFailedError,
+    InvalidArgumentError,
+    ManifestError,
+    StorageError,
+)
 from kvpool.eviction.priority import DEFAULT_PRIORITY
 from kvpool.hashing.keys import BlockKey
 from kvpool.tiers.manifest import Manifest, ManifestEntry, OnDamage
@@ -146,23 +152,23 @@ def _path_entry(key: BlockKey, b: _Block) -> ManifestEntry:
     return ManifestEntry(0, 0, key, b.tokens, b.parent, 0, *scope)
 
 
-def attach(st: CacheState, *, owns_storage: bool,
+def attach(state: CacheState, *, owns_storage: bool,
            lock: AbstractContextManager[Any]) -> PersistentDisk | None:
-    """The persistent disk tier of a new manager's state (None when ``disk_persistent`` is
+    """The persistent disk tier of a new manager's state (None when ``disk.persistent`` is
     off), its recorded blocks already re-indexed; ``lock`` is the manager's (re-entrant) lock,
     which :meth:`PersistentDisk.sync` takes. On an error the storage is closed if the manager
     built it (``owns_storage``), so its files are unlocked."""
-    if not st.config.disk_persistent:
+    if not state.config.disk.persistent:
         return None
     disk: PersistentDisk | None = None
     try:
-        disk = PersistentDisk(st, lock)
+        disk = PersistentDisk(state, lock)
         disk.restore()
     except BaseException:
         if disk is not None:
             disk.manifest.close()
         if owns_storage:
-            st.storage.close()
+            state.storage.close()
         raise
     return disk
 
@@ -170,34 +176,33 @@ def attach(st: CacheState, *, owns_storage: bool,
 class PersistentDisk:
     """A manager's persistent disk tier: its manifest, kept in step (module docstring)."""
 
-    def __init__(self, st: CacheState, lock: AbstractContextManager[Any]) -> None:
-        config = st.config
-        storage = st.storage
+    def __init__(self, state: CacheState, lock: AbstractContextManager[Any]) -> None:
+        config = state.config
+        storage = state.storage
         if not isinstance(storage, PersistentStorage) or not storage.persistent:
             raise InvalidArgumentError(
-                "disk_persistent needs a storage with a persistent disk tier "
+                "CacheConfig.disk.persistent needs a storage with a persistent disk tier "
                 f"(TorchStorage(..., persistent=True)), got {storage!r:.80}"
             )
-        assert config.disk_path is not None  # CacheConfig checks it
-        self._st = st
+        assert config.disk.path is not None  # CacheConfig checks it
+        self._st = state
         self._lock = lock
         self._storage = storage
         self.namespace = RemoteNamespace.from_config(config, model=config.model_id)
-        path = os.path.join(os.fspath(config.disk_path), MANIFEST_NAME)
+        path = os.path.join(os.fspath(config.disk.path), MANIFEST_NAME)
         try:
             self.manifest = Manifest(path, self.namespace,
-                                     on_damage=_ON_DAMAGE[config.disk_manifest_damaged])
+                                     on_damage=_ON_DAMAGE[config.disk.manifest_damaged])
         except ManifestError as exc:
             raise ManifestError(
                 f"the persistent disk tier cannot start: {exc}. In CacheConfig, "
-                "disk_manifest_damaged='discard' starts with an empty disk tier instead, "
+                "disk.manifest_damaged='discard' starts with an empty disk tier instead, "
                 "'keep_prefix' keeps the blocks recorded before the damage"
             ) from exc
         self.restored = RestoreStats()
-        self._interval = config.disk_sync_interval_s
+        self._interval = config.disk.sync_interval_s
         self._last_sync = time.monotonic()
         self._scopes: dict[int, Scope] = {}  # id(root run) -> its scope
-        self._step = 4 * config.tokens_per_block
         self._closed = False
         self.manifest_failures = 0  # manifest writes that failed (records left out)
         self.last_manifest_error: str | None = None
@@ -286,7 +291,7 @@ class PersistentDisk:
 
     def _entry(self, g: int, slot: int, run: Run, i: int, checksum: int) -> ManifestEntry:
         tokens = array("I")
-        tokens.frombytes(run.block_tokens(i, self._step))
+        tokens.frombytes(run.block_tokens(i, self._st.layout.step))
         if i:
             return ManifestEntry(g, slot, run.keys[i], tuple(tokens), run.keys[i - 1], checksum)
         parent = run.parent
@@ -316,16 +321,20 @@ class PersistentDisk:
         was recorded so far survives a machine crash. Takes the manager's lock (it waits for a
         call in progress, and calls wait for it). No-op once closed. Raises
         :class:`StorageError` when an fsync fails: of the manifest, noted as any manifest
-        failure; of the disk files, the manager also refuses every later call that may copy
-        (the kernel may have dropped bytes it could not write)."""
+        failure; of the disk files, :class:`CopiesLostError`, and the manager refuses every
+        later call that may copy with it (the kernel may have dropped bytes it could not
+        write)."""
         with self._lock:
             if self._closed:
                 return
             try:
                 self._storage.sync_disk()
             except StorageError as exc:
-                self._st.copy_failure = f"an fsync of the disk tier failed: {exc}"
-                raise
+                self._st.refuse_copies(f"an fsync of the disk tier failed: {exc}")
+                raise CopiesLostError(
+                    f"an fsync of the disk tier failed ({exc}): blocks on disk may have lost "
+                    "their bytes, so this manager copies nothing more: build a new one"
+                ) from exc
             self._last_sync = time.monotonic()
             if not self._write(self.manifest.sync):
                 raise StorageError(f"cannot sync the manifest: {self.last_manifest_error}")
@@ -376,7 +385,7 @@ class PersistentDisk:
         entries = self.manifest.entries
         # popped from the end: free slots no record names first, lowest numbers first
         free = {g: sorted(m.pools[_DISK][g].free, key=lambda s: (s in recorded, s), reverse=True)
-                for g in m.self_groups
+                for g in m.layout.self_groups
                 for recorded in [{slot for group, slot in entries if group == g}]}
         copies: list[BlockCopy] = []
         spilled: list[tuple[int, SlotId, Run, int]] = []
@@ -386,7 +395,7 @@ class PersistentDisk:
                 run = stack.pop()
                 stack += run.children.values()
                 for j in range(len(run.keys)):
-                    for g in m.self_groups:
+                    for g in m.layout.self_groups:
                         t, slot = run.tier[g][j], run.slot[g][j]
                         if slot != NO_SLOT and t != _DISK and free[g]:
                             dst = free[g].pop()
@@ -444,7 +453,7 @@ class PersistentDisk:
         disk_slots = config.slots[_DISK]
         by_group: dict[int, list[ManifestEntry]] = {}
         for e in self.manifest.entries.values():
-            usable = (e.group in m.self_groups and e.slot < disk_slots[e.group]
+            usable = (e.group in m.layout.self_groups and e.slot < disk_slots[e.group]
                       and 0 < len(e.tokens) <= config.tokens_per_block)
             if usable:
                 by_group.setdefault(e.group, []).append(e)
@@ -482,7 +491,7 @@ class PersistentDisk:
     def _build(self, blocks: dict[BlockKey, _Block]) -> list[tuple[Run, Scope]]:
         """Runs of the blocks reachable from a root that hold a slot or lead to one, hung into
         the manager's tree (parents before children in the returned list)."""
-        tpb = self._st.tpb
+        tpb = self._st.layout.tpb
         children: dict[BlockKey, list[BlockKey]] = {}
         firsts: list[BlockKey] = []
         for key, b in blocks.items():
@@ -522,7 +531,7 @@ class PersistentDisk:
         if raw[0] in parent.children:
             return None
         slot = [[blocks[k].slots.get(g, NO_SLOT) for k in chain]
-                for g in range(self._st.num_groups)]
+                for g in range(self._st.layout.num_groups)]
         tier = [[_DISK if s != NO_SLOT else 0 for s in row] for row in slot]
         run = Run(parent, b"".join(raw), raw[0], list(chain), slot, tier)
         parent.add_child(run)
@@ -548,11 +557,10 @@ class PersistentDisk:
         queued.sort(key=lambda item: item[0])
         used: dict[int, set[SlotId]] = {}
         for _, g, s, key in queued:
-            pools[g].queue.push(s, DEFAULT_PRIORITY, key=key)
+            pools[g].enqueue(s, DEFAULT_PRIORITY, key=key)
             used.setdefault(g, set()).add(s)
         for g, slots in used.items():
-            free = pools[g].free
-            free[:] = [s for s in free if s not in slots]
+            pools[g].withdraw_free(slots)
 
     def stats(self) -> dict[str, Any]:
         """The restart's findings and the manifest's size, for monitoring."""

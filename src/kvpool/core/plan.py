@@ -1,4 +1,5 @@
-"""Two-phase batch admission (seeds 001 and 002): plan every request, claim, then allocate.
+"""Two-phase batch admission: plan every request, claim every match, then allocate, so that no
+request of a batch evicts what another reuses.
 
 ``plan`` is pure: it walks the tree for every request of a batch, decides what each one
 reuses (full matches, one partial match), how the batch shares partial sources
@@ -13,6 +14,7 @@ Token layout of one request of n prompt tokens (tpb = tokens per block):
 ```
 | full matches (d blocks) | partial (k tokens) |  fresh blocks ...            |last|
 0                        d*tpb            d*tpb+k = L (reused)        n-1   n
+d = num_matched, k = partial_tokens: a RequestPlan's fields
 keys cover tokens[:n-1]: the last prompt token is computed in the step that samples
 ```
 """
@@ -27,7 +29,9 @@ from typing import cast
 
 from kvpool.config import SequenceRequest
 from kvpool.core.groups import CrossAttention
+from kvpool.core.layout import TOKEN_BYTES
 from kvpool.core.radix import NO_SLOT, Run, Segment, SlotId, common_prefix, first_token, match_full
+from kvpool.core.state_groups import checkpoint_cut, plan_needs
 from kvpool.core.views import PlanView
 from kvpool.errors import DuplicateSequenceError, InvalidArgumentError
 from kvpool.hashing.keys import BlockKey
@@ -47,76 +51,105 @@ class PartialMode(Enum):
 
 
 class RequestPlan:
-    """What one request of a batch reuses and needs.
+    """What one request of a batch reuses and needs: the contract between planning (here)
+    and execution (:mod:`kvpool.core.execute`), every field public and typed.
 
-    Public: ``seq_id``, ``reused_tokens``, ``new_blocks`` (layer group -> GPU slots the
-    request takes: fresh + copies + onboards) and the queries below. The rest is what the
-    execution (:mod:`kvpool.core.execute`) needs; the tree objects (``_matched``, ``_partial``) stay
-    private.
+    For callers of ``plan_batch``: ``seq_id``, ``reused_tokens``, ``new_blocks`` (layer group
+    -> GPU slots the request takes: fresh + copies + onboards) and the queries below. The
+    execution also reads the tree blocks (``matched``, ``partial``) and the claims; it fills
+    ``partial_loc`` in its phase 1. A plan is spent once executed.
     """
 
+    request: SequenceRequest
+    seq_id: int | str
+    root_key: BlockKey
+    matched: list[Segment]
+    """The fully matched blocks, as tree segments in block order."""
+    num_matched: int
+    """Blocks in ``matched``."""
+    partial: Block | None
+    """The partially matched source block (a tree block), or None."""
+    partial_tokens: int
+    """Tokens reused from ``partial``."""
+    reused_tokens: int
+    num_blocks: int
+    """The prompt's context blocks."""
+    last_shared: bool
+    """Is the last context block shared by all beams?"""
+    new_blocks: dict[int, int]
+    claimed: dict[int, Sequence[int]]
+    """Layer group -> indices (into the matched blocks) of the blocks it claims."""
+    claim_slots: dict[int, list[SlotId]]
+    """Layer group -> the slots of its claimed blocks."""
+    claim_tiers: dict[int, Sequence[int]]
+    """Layer group -> the tiers of its claimed blocks (() when all are on the GPU)."""
+    partial_mode: PartialMode | None
+    partial_loc: dict[int, tuple[int, int]]
+    """Layer group -> (tier, slot) of the partial source when the execution claimed it."""
+    queued: dict[int, list[SlotId]]
+    """Layer group -> claimed GPU slots that were queued (unreferenced) when planned, for the
+    batch's first request, whose claims the execution starts with (later ones recount)."""
+
     __slots__ = (
-        "_blocks", "_matched", "_partial", "claim_slots", "claim_tiers", "claimed",
-        "last_shared", "new_blocks", "num_blocks", "num_matched", "partial_loc",
-        "partial_mode", "partial_tokens", "queued", "request", "reused_tokens", "root_key",
-        "seq_id",
+        "_blocks", "claim_slots", "claim_tiers", "claimed",
+        "last_shared", "matched", "new_blocks", "num_blocks", "num_matched", "partial",
+        "partial_loc", "partial_mode", "partial_tokens", "queued", "request", "reused_tokens",
+        "root_key", "seq_id",
     )
 
     def __init__(self, request: SequenceRequest, root_key: BlockKey, matched: list[Segment],
                  num_matched: int, partial: Block | None, partial_tokens: int,
-                 claim_slots: dict[int, list[SlotId]], tpb: int, groups: range) -> None:
+                 claim_slots: dict[int, list[SlotId]], tpb: int) -> None:
         n = len(request.tokens)
         self.request = request
-        self.seq_id: int | str = request.seq_id
+        self.seq_id = request.seq_id
         self.root_key = root_key
-        self._matched = matched  # full matches, block order (tree objects: internal)
-        self.num_matched = num_matched  # blocks in ``_matched``
-        self._partial = partial  # the partial source (a tree block: internal)
+        self.matched = matched
+        self.num_matched = num_matched
+        self.partial = partial
         self.partial_tokens = partial_tokens
         self.reused_tokens = num_matched * tpb + partial_tokens
         self.num_blocks = -(-n // tpb)  # context blocks
         self.last_shared = request.beam_width == 1 or n % tpb == 0  # shared by all beams
-        self.new_blocks: dict[int, int] = {}  # plan fills every group, in group order
-        # layer group -> indices of matched blocks it claims, their slots and tiers
-        self.claimed: dict[int, Sequence[int]] = {}
+        self.new_blocks = {}  # plan fills every group, in group order
+        self.claimed = {}
         self.claim_slots = claim_slots
-        self.claim_tiers: dict[int, Sequence[int]] = {}  # () when every claim is on the GPU
-        self.partial_mode: PartialMode | None = None
-        self.partial_loc: dict[int, tuple[int, int]] = {}  # (tier, slot) per group
-        # group -> claimed GPU slots that were queued (unreferenced) when planned, for the
-        # batch's first request whose claims the execution starts with (later ones recount)
-        self.queued: dict[int, list[SlotId]] = {}
+        self.claim_tiers = {}
+        self.partial_mode = None
+        self.partial_loc = {}
+        self.queued = {}
         self._blocks: list[Block] | None = None
 
     def blocks(self) -> list[Block]:
         """The matched blocks one by one (built on first use: only slow paths need them)."""
         if self._blocks is None:
-            self._blocks = flat_blocks(self._matched)
+            self._blocks = flat_blocks(self.matched)
         return self._blocks
 
     def tier_tokens(self, g: int, tiers: int = 3) -> list[int]:
         """Reused tokens per tier their blocks are on now, in layer group g."""
-        d = self.num_matched
-        tpb = (self.reused_tokens - self.partial_tokens) // d if d else 0  # tokens per block
+        num_matched = self.num_matched
+        tpb = ((self.reused_tokens - self.partial_tokens) // num_matched  # tokens per block
+               if num_matched else 0)
         out = [0] * tiers
-        for run, a, b in self._matched:
+        for run, a, b in self.matched:
             for t in run.tier[g][a:b]:
                 out[t] += tpb
-        if self._partial is not None:
-            prun, i = self._partial
+        if self.partial is not None:
+            prun, i = self.partial
             out[prun.tier[g][i]] += self.partial_tokens
         return out
 
     def partial_source(self, g: int) -> tuple[int, int] | None:
         """(tier, slot) of the partially matched block in layer group g, or None."""
-        if self._partial is None:
+        if self.partial is None:
             return None
-        run, i = self._partial
+        run, i = self.partial
         return run.tier[g][i], run.slot[g][i]
 
     def matched_keys(self) -> list[BlockKey]:
         keys: list[BlockKey] = []
-        for run, a, b in self._matched:
+        for run, a, b in self.matched:
             keys += run.keys[a:b]
         return keys
 
@@ -133,7 +166,7 @@ class BatchPlan:
     @property
     def fits(self) -> bool:
         available = self.available
-        for g, n in self.new_blocks.items():  # noqa: SIM110 (a loop: no generator per call)
+        for g, n in self.new_blocks.items():  # noqa: SIM110 (CPython costs, docs/architecture.md §3.10)
             if n > available[g]:
                 return False
         return True
@@ -172,16 +205,16 @@ def flat_tiers(segments: list[Segment], g: int) -> list[int]:
     return out
 
 
-def cut(segments: list[Segment], d: int) -> list[Segment]:
-    """The first ``d`` blocks of a path."""
+def cut(segments: list[Segment], keep: int) -> list[Segment]:
+    """The first ``keep`` blocks of a path."""
     out: list[Segment] = []
     for run, a, b in segments:
-        if d <= 0:
+        if keep <= 0:
             break
-        if b - a > d:
-            b = a + d
+        if b - a > keep:
+            b = a + keep
         out.append((run, a, b))
-        d -= b - a
+        keep -= b - a
     return out
 
 
@@ -225,25 +258,25 @@ def _partial_candidate(view: PlanView, segments: list[Segment], root: Run,
                        target: bytes) -> tuple[Block | None, int]:
     """The block after the matched path sharing the longest token prefix with ``target``
     that holds a slot in every self-attention group; (block, shared tokens) or (None, 0)."""
-    step = 4 * view.tpb
+    step = view.layout.step
     if segments:
         run, _, b = segments[-1]
         if b < len(run.keys):  # inside a run: its next block is the only candidate
-            cands: list[Block] = [(run, b)]
+            candidates: list[Block] = [(run, b)]
         else:
-            cands = [(c, 0) for c in run.children_starting_with(first_token(target))]
+            candidates = [(c, 0) for c in run.children_starting_with(first_token(target))]
     else:
-        cands = [(c, 0) for c in root.children_starting_with(first_token(target))]
+        candidates = [(c, 0) for c in root.children_starting_with(first_token(target))]
     best: Block | None = None
-    best_k = 0
-    groups = view.self_groups
-    for run, i in cands:
+    best_shared = 0
+    groups = view.layout.self_groups
+    for run, i in candidates:
         if any(run.slot[g][i] == NO_SLOT for g in groups):
             continue
-        k = common_prefix(run.tkey[i * step:(i + 1) * step], target)
-        if k > best_k:
-            best, best_k = (run, i), k
-    return best, best_k
+        shared = common_prefix(run.tkey[i * step:(i + 1) * step], target)
+        if shared > best_shared:
+            best, best_shared = (run, i), shared
+    return best, best_shared
 
 
 def walk(view: PlanView, request: SequenceRequest) -> tuple[
@@ -257,87 +290,92 @@ def walk(view: PlanView, request: SequenceRequest) -> tuple[
     """
     cfg = view.config
     root_key = view.root_key(request.lora_id, request.cache_salt)
-    groups = view.self_groups
+    groups = view.layout.self_groups
     root = view.roots.get((request.lora_id, request.cache_salt)) if cfg.enable_block_reuse \
         else None
     if root is None:
         return root_key, [], None, 0, {g: [] for g in groups}
-    tpb = view.tpb
+    tpb = view.layout.tpb
     tokens = request.tokens
     body = len(tokens) - 1
     raw = tokens.tobytes() if isinstance(tokens, array) else array("I", tokens).tobytes()
-    step = view.step
+    step = view.layout.step
     matched = match_full(root, raw, body // tpb, step)
     if len(matched) == 1:
         run, a, b = matched[0]
-        d = b - a
-        slots = {}  # loops, not comprehensions: each of those is a call in Python 3.11
+        num_matched = b - a
+        slots = {}  # loops, not comprehensions (CPython costs, docs/architecture.md §3.10)
         for g in groups:
             slots[g] = run.slot[g][a:b]
     else:
-        d = sum(b - a for _, a, b in matched)
+        num_matched = sum(b - a for _, a, b in matched)
         slots = {}
         for g in groups:
             slots[g] = flat(matched, g)
-    kinds = view.kinds
-    if cfg.enable_partial_reuse and d * tpb < body:
-        target = raw[d * step:min((d + 1) * tpb, body) * 4]
-        cand, k = _partial_candidate(view, matched, root, target)
-        if cand is not None:
-            length = d * tpb + k
-            run, i = cand
+    kinds = view.layout.kinds
+    if cfg.enable_partial_reuse and num_matched * tpb < body and not cfg.state_groups:
+        target = raw[num_matched * step:min((num_matched + 1) * tpb, body) * TOKEN_BYTES]
+        candidate, partial_tokens = _partial_candidate(view, matched, root, target)
+        if candidate is not None:
+            length = num_matched * tpb + partial_tokens
+            run, i = candidate
             if all(kinds[g].reusable([*slots[g], run.slot[g][i]], length) for g in groups):
-                return root_key, matched, cand, k, slots
-    full = d
+                return root_key, matched, candidate, partial_tokens, slots
+    full = num_matched
     for g in groups:  # full attention needs every block: nothing past its first hole
         if not kinds[g].windowed and NO_SLOT in slots[g]:
-            d = min(d, slots[g].index(NO_SLOT))
-    if not view.full_attention_only:
-        while d > 0:
-            if all(kinds[g].reusable(slots[g] if d == full else slots[g][:d], d * tpb)
+            num_matched = min(num_matched, slots[g].index(NO_SLOT))
+    if not view.layout.full_attention_only:
+        while num_matched > 0:
+            if all(kinds[g].reusable(slots[g] if num_matched == full
+                                     else slots[g][:num_matched], num_matched * tpb)
                    for g in groups):
                 break
-            d -= 1
-    if d == full:
+            num_matched -= 1
+    if cfg.state_groups:  # hybrid: the prefix must end on a checkpoint (state_groups)
+        num_matched = checkpoint_cut(cfg.state_groups, matched, num_matched)
+    if num_matched == full:
         return root_key, matched, None, 0, slots
-    return root_key, cut(matched, d), None, 0, {g: sl[:d] for g, sl in slots.items()}
+    return root_key, cut(matched, num_matched), None, 0, {
+        g: sl[:num_matched] for g, sl in slots.items()}
 
 
 def _check_requests(view: PlanView, requests: list[SequenceRequest]) -> None:
     """Refuse a batch with a bad request (nothing is planned)."""
     cfg = view.config
     seen: set[int | str] | None = set() if len(requests) > 1 else None  # a batch of one: none
-    for r in requests:
-        if not isinstance(r, SequenceRequest):
-            raise InvalidArgumentError(f"expected SequenceRequest, got {r!r}")
-        if r.seq_id in view.sequences or (seen is not None and r.seq_id in seen):
-            where = "already in use" if r.seq_id in view.sequences else "twice in this batch"
-            raise DuplicateSequenceError(f"sequence id {r.seq_id!r} is {where}")
+    for request in requests:
+        if not isinstance(request, SequenceRequest):
+            raise InvalidArgumentError(f"expected SequenceRequest, got {request!r}")
+        if request.seq_id in view.sequences or (seen is not None and request.seq_id in seen):
+            where = "already in use" if request.seq_id in view.sequences else "twice in this batch"
+            raise DuplicateSequenceError(f"sequence id {request.seq_id!r} is {where}")
         if seen is not None:
-            seen.add(r.seq_id)
-        if r.beam_width > cfg.max_beam_width:
+            seen.add(request.seq_id)
+        if request.beam_width > cfg.max_beam_width:
             raise InvalidArgumentError(
-                f"request {r.seq_id!r}: beam_width {r.beam_width} > max_beam_width "
+                f"request {request.seq_id!r}: beam_width {request.beam_width} > max_beam_width "
                 f"{cfg.max_beam_width}"
             )
-        if cfg.cross_attention_groups and r.encoder_tokens is None:
+        if cfg.cross_attention_groups and request.encoder_tokens is None:
             raise InvalidArgumentError(
-                f"request {r.seq_id!r} has no encoder_tokens but layer groups "
+                f"request {request.seq_id!r} has no encoder_tokens but layer groups "
                 f"{list(cfg.cross_attention_groups)} are cross attention"
             )
 
 
-def _plan_request(view: PlanView, r: SequenceRequest) -> RequestPlan:
+def _plan_request(view: PlanView, request: SequenceRequest) -> RequestPlan:
     """One request's reuse (its walk) and the blocks each group claims of it."""
-    root_key, matched, pblock, pk, matched_slots = walk(view, r)
-    d = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
+    root_key, matched, partial, partial_tokens, matched_slots = walk(view, request)
+    num_matched = matched[0][2] - matched[0][1] if len(matched) == 1 else sum(
         b - a for _, a, b in matched)
-    p = RequestPlan(r, root_key, matched, d, pblock, pk, matched_slots, view.tpb, view.groups)
-    kinds = view.kinds
-    claimed = p.claimed
-    for g in view.self_groups:
-        claimed[g] = kinds[g].claimed(d, p.reused_tokens)
-    return p
+    plan = RequestPlan(request, root_key, matched, num_matched, partial, partial_tokens,
+                       matched_slots, view.layout.tpb)
+    kinds = view.layout.kinds
+    claimed = plan.claimed
+    for g in view.layout.self_groups:
+        claimed[g] = kinds[g].claimed(num_matched, plan.reused_tokens)
+    return plan
 
 
 class _BatchClaims:
@@ -350,7 +388,8 @@ class _BatchClaims:
 
     def __init__(self, groups: int, single: bool) -> None:
         self.count = [0] * groups
-        # one set per group (a list display: no comprehension call for the common one group)
+        # one set per group (a list display for the common one group: CPython costs,
+        # docs/architecture.md §3.10)
         self.evictable: list[set[int]] | None = None if single else [set()] if groups == 1 \
             else [set() for _ in range(groups)]
         self.onboarded: set[tuple[int, int, int]] | None = None
@@ -376,47 +415,49 @@ class _BatchClaims:
         return True
 
 
-def _group_needs(view: PlanView, p: RequestPlan, g: int, claims: _BatchClaims) -> int:
-    """GPU slots request ``p`` takes in self-attention group g (fresh + copies + onboards);
-    records its claims in ``claims`` and its claimed slots and tiers in ``p``."""
-    d = p.num_matched
-    partial = p._partial
-    fresh = p.num_blocks - d
+def _group_needs(view: PlanView, plan: RequestPlan, g: int, claims: _BatchClaims) -> int:
+    """GPU slots request ``plan`` takes in self-attention group g (fresh + copies + onboards);
+    records its claims in ``claims`` and its claimed slots and tiers in ``plan``."""
+    num_matched = plan.num_matched
+    partial = plan.partial
+    fresh = plan.num_blocks - num_matched
     copies = 0
     if partial is not None:
         fresh -= 1
-        beams = p.request.beam_width
-        copies_needed = beams if (not p.last_shared and d == p.num_blocks - 1) else 1
-        copies = copies_needed - (1 if p.partial_mode is PartialMode.TAKEOVER else 0)
-        prun, pi = partial
-        if view.evictable(prun, pi, g):
-            claims.claim(g, [prun.slot[g][pi]])  # a batch with a partial keeps sets
-    if fresh > 0 and not p.last_shared:
-        fresh += p.request.beam_width - 1
+        beams = plan.request.beam_width
+        on_last = not plan.last_shared and num_matched == plan.num_blocks - 1
+        copies_needed = beams if on_last else 1
+        copies = copies_needed - (1 if plan.partial_mode is PartialMode.TAKEOVER else 0)
+        partial_run, partial_index = partial
+        if view.evictable(partial_run, partial_index, g):
+            # (a batch with a partial keeps sets)
+            claims.claim(g, [partial_run.slot[g][partial_index]])
+    if fresh > 0 and not plan.last_shared:
+        fresh += plan.request.beam_width - 1
     ref = view.refs(g)
-    idxs = p.claimed[g]
-    slots = p.claim_slots[g]  # every matched block's, from the walk
-    if view.one_tier:  # every claim on the GPU: no tier list
-        if len(idxs) != d:
-            slots = p.claim_slots[g] = [slots[i] for i in idxs]
-        p.claim_tiers[g] = _GPU_ONLY
-        queued = p.queued[g] = [s for s in slots if not ref[s]]
-        if claims.evictable is None:  # (claims.claim inline: the common case)
+    idxs = plan.claimed[g]
+    slots = plan.claim_slots[g]  # every matched block's, from the walk
+    if view.layout.one_tier:  # every claim on the GPU: no tier list
+        if len(idxs) != num_matched:
+            slots = plan.claim_slots[g] = [slots[i] for i in idxs]
+        plan.claim_tiers[g] = _GPU_ONLY
+        queued = plan.queued[g] = [s for s in slots if not ref[s]]
+        if claims.evictable is None:  # claims.claim inline (docs/architecture.md §3.10)
             claims.count[g] += len(queued)
         else:
             claims.evictable[g].update(queued)
         return fresh + copies
-    tiers = flat_tiers(p._matched, g)
-    if len(idxs) != d:
+    tiers = flat_tiers(plan.matched, g)
+    if len(idxs) != num_matched:
         tiers = [tiers[i] for i in idxs]
-        slots = p.claim_slots[g] = [slots[i] for i in idxs]
-    p.claim_tiers[g] = tiers
+        slots = plan.claim_slots[g] = [slots[i] for i in idxs]
+    plan.claim_tiers[g] = tiers
     if not any(tiers):
-        queued = p.queued[g] = [s for s in slots if not ref[s]]
+        queued = plan.queued[g] = [s for s in slots if not ref[s]]
         claims.claim(g, queued)
         return fresh + copies
     onboard = 0
-    blocks = p.blocks()
+    blocks = plan.blocks()
     for i, t, s in zip(idxs, tiers, slots, strict=True):
         if t:
             run, j = blocks[i]
@@ -431,39 +472,43 @@ def plan(view: PlanView, requests: list[SequenceRequest]) -> BatchPlan:
     _check_requests(view, requests)
     out: list[RequestPlan] = []
     partials: list[RequestPlan] = []
-    for r in requests:
-        p = _plan_request(view, r)
-        out.append(p)
-        if p._partial is not None:
-            partials.append(p)
+    for request in requests:
+        request_plan = _plan_request(view, request)
+        out.append(request_plan)
+        if request_plan.partial is not None:
+            partials.append(request_plan)
     tracker = PartialClaimTracker() if partials else None
     if tracker is not None:
         # partial sources are decided once every full match of the batch is known
-        for p in out:
-            blocks = p.blocks()
-            for idxs in p.claimed.values():
+        for request_plan in out:
+            blocks = request_plan.blocks()
+            for idxs in request_plan.claimed.values():
                 for i in idxs:
                     tracker.note_full_match(*blocks[i])
-    groups = view.groups
-    kinds = view.kinds
+    groups = view.layout.groups
+    kinds = view.layout.kinds
     claims = _BatchClaims(len(groups), len(out) == 1 and not partials)
-    for p in out:
-        if p._partial is not None:
+    for request_plan in out:
+        if request_plan.partial is not None:
             assert tracker is not None
-            shared = p.last_shared or p.num_matched < p.num_blocks - 1
-            p.partial_mode = tracker.decide(view, p._partial, p.seq_id, shared)
-        new_blocks = p.new_blocks
+            shared = (request_plan.last_shared
+                      or request_plan.num_matched < request_plan.num_blocks - 1)
+            request_plan.partial_mode = tracker.decide(
+                view, request_plan.partial, request_plan.seq_id, shared)
+        new_blocks = request_plan.new_blocks
         for g in groups:
             kind = kinds[g]
             if kind.cross:
                 new_blocks[g] = cast(CrossAttention, kind).blocks(
-                    len(p.request.encoder_tokens or ()))
+                    len(request_plan.request.encoder_tokens or ()))
+            elif kind.state:
+                new_blocks[g] = plan_needs(view, request_plan, g, claims)
             else:
-                new_blocks[g] = _group_needs(view, p, g, claims)
+                new_blocks[g] = _group_needs(view, request_plan, g, claims)
     if len(out) == 1:
         totals = out[0].new_blocks.copy()
     else:
-        totals = {g: sum(p.new_blocks[g] for p in out) for g in groups}
+        totals = {g: sum(request_plan.new_blocks[g] for request_plan in out) for g in groups}
     available = {}
     for g in groups:
         available[g] = view.available(g) - claims.claimed(g)

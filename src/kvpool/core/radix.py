@@ -93,12 +93,12 @@ class Run:
         return first_token(self.ckey)
 
     def priority(self, i: int) -> int:
-        p = self.prio
-        return DEFAULT_PRIORITY if p is None else p[i]
+        prios = self.prio
+        return DEFAULT_PRIORITY if prios is None else prios[i]
 
     def duration(self, i: int) -> float | None:
-        d = self.dur
-        return None if d is None else d[i]
+        durations = self.dur
+        return None if durations is None else durations[i]
 
     def block_tokens(self, i: int, step: int) -> bytes:
         """Block i's tokens as native uint32 bytes (``step`` bytes per full block)."""
@@ -106,7 +106,7 @@ class Run:
 
     def has_slot(self, i: int) -> bool:
         """Does block i hold a slot in any layer group?"""
-        for sl in self.slot:  # noqa: SIM110 (any() over a generator costs more for few groups)
+        for sl in self.slot:  # noqa: SIM110 (CPython costs: docs/architecture.md §3.10)
             if sl[i] != NO_SLOT:
                 return True
         return False

@@ -1,14 +1,14 @@
-"""The remote tier inside a manager: what ``CacheConfig(remote_url=...)`` adds to its calls.
+"""The remote tier inside a manager: what ``CacheConfig.remote`` adds to its calls.
 
 A :class:`ManagerRemote` belongs to one manager's :class:`~kvpool.core.state.CacheState`
-(``st.remote``) and runs under the manager's lock. The manager's modules call it at three
+(``state.remote``) and runs under the manager's lock. The manager's modules call it at three
 points of its calls (each a marked line: :mod:`kvpool.core.allocator`, :mod:`kvpool.core.commit`,
 :mod:`kvpool.core.state`):
 
 - :meth:`ManagerRemote.dropped`: a block leaves its last local slot (an eviction that found no
-  colder local slot, or that tier is the last one). With ``remote_write="evict"`` it is noted
+  colder local slot, or that tier is the last one). With ``remote.write="evict"`` it is noted
   for writing; in either mode it is noted for an event saying it is now held remotely.
-- :meth:`ManagerRemote.stored`: a sequence committed blocks; with ``remote_write="store"``
+- :meth:`ManagerRemote.stored`: a sequence committed blocks; with ``remote.write="store"``
   they are noted for writing (write-through).
 - :meth:`ManagerRemote.before_copies`: the call's bookkeeping is done and its copies are
   about to run. The noted blocks' bytes are still in their slots (a slot freed or reused
@@ -132,22 +132,22 @@ class _Noted:
 class ManagerRemote:
     """One manager's remote tier (module docstring)."""
 
-    def __init__(self, st: CacheState, events: EventSink | None) -> None:
+    def __init__(self, state: CacheState, events: EventSink | None) -> None:
         from kvpool.tiers.remote.store import RemoteStore
 
-        config = st.config
-        self.st = st
+        config = state.config
+        self.state = state
         self.events = events
-        self.owns_store = config.remote_store is None
+        self.owns_store = config.remote.store is None
         store: BlockStore
-        if config.remote_store is not None:
-            store = config.remote_store
+        if config.remote.store is not None:
+            store = config.remote.store
         else:
-            assert config.remote_url is not None
-            store = RemoteStore(config.remote_url, timeout_s=config.remote_timeout_s)
-        self.mode = config.remote_write
+            assert config.remote.url is not None
+            store = RemoteStore(config.remote.url, timeout_s=config.remote.timeout_s)
+        self.mode = config.remote.write
         self.writer = RemoteWriter(store, mode=self.mode,
-                                   max_pending_bytes=config.remote_max_pending_bytes)
+                                   max_pending_bytes=config.remote.max_pending_bytes)
         self.tier = RemoteTier(store, RemoteNamespace.from_config(config,
                                                                   model=config.model_id),
                                writer=self.writer)
@@ -164,32 +164,30 @@ class ManagerRemote:
             root = root.parent
         scope = self._scopes.get(id(root))
         if scope is None:
-            self._scopes = {id(r): s for s, r in self.st.roots.items()}
+            self._scopes = {id(r): s for s, r in self.state.roots.items()}
             scope = self._scopes[id(root)]
         return scope
 
     def dropped(self, t: int, g: int, slot: int, run: Run, i: int) -> None:
         """Block i of ``run`` leaves slot ``slot`` of tier t, its last local copy in group g.
-        Blocks below ``offload_min_priority`` stay out of the remote tier too."""
-        st = self.st
+        Blocks below ``eviction.offload_min_priority`` stay out of the remote tier too."""
+        state = self.state
         write = self.mode == "evict"
-        if run.priority(i) < st.config.offload_min_priority or (
+        if run.priority(i) < state.config.eviction.offload_min_priority or (
                 not write and self.events is None):
             return
-        pending = st.copies._dst.get((t, g, slot))
-        if pending is not None:  # a copy of this call was bringing it: read its source
-            copy = st.copies._copies[pending]
-            assert copy is not None
+        copy = state.copies.filling(t, g, slot)
+        if copy is not None:  # a copy of this call was bringing it: read its source
             t, slot = copy.src_tier, copy.src_slot
         lora, salt = self.scope_of(run)
         key = run.keys[i]
         event = None
         if self.events is not None:
-            emit = st.emit
-            parent = emit._parent_key(run, i)
+            emit = state.emit
+            parent = emit.parent_key(run, i)
             hashes = emit.hashes([key] if parent is None else [parent, key])
             event = (None if parent is None else hashes[0], hashes[-1],
-                     run.block_tokens(i, st.step), run.priority(i), lora)
+                     run.block_tokens(i, state.layout.step), run.priority(i), lora)
         self._noted.append(_Noted(self.tier.scope(lora, salt), key, t, g, slot, write, event))
 
     def stored(self, seq: Seq, start: int, upto: int) -> None:
@@ -197,7 +195,7 @@ class ManagerRemote:
         if self.mode != "store" or upto <= start:
             return
         scope = self.tier.scope(seq.lora_id, seq.cache_salt)
-        for g in self.st.self_groups:
+        for g in self.state.layout.self_groups:
             table = seq.tables[g][0]
             for b in range(start, min(upto, len(table))):
                 s = table[b]
@@ -209,12 +207,12 @@ class ManagerRemote:
         if not self._noted:
             return
         noted, self._noted = self._noted, []
-        st = self.st
+        state = self.state
         stats = self.stats
         sink = self.events
         # every snapshot first, then the queue: the writer thread wakes once they are taken
         # (it would contend for the interpreter with the copies still to make)
-        payloads = [read_block(st.storage, n.tier, n.group, n.slot) if n.write else b""
+        payloads = [read_block(state.storage, n.tier, n.group, n.slot) if n.write else b""
                     for n in noted]
         for n, payload in zip(noted, payloads, strict=True):
             if n.write:
@@ -224,14 +222,14 @@ class ManagerRemote:
             if n.event is not None and sink is not None:
                 parent, h, tokens, prio, lora = n.event
                 block = StoredBlock(h, TokenIds("I", tokens), REMOTE_CACHE_LEVEL, prio, lora)
-                sink.on_stored(n.group, st.config.window_size(n.group), parent, [block])
-        st.stats.remote_offload_blocks = stats.offloaded_blocks
+                sink.on_stored(n.group, state.config.window_size(n.group), parent, [block])
+        state.stats.remote_offloaded(stats.offloaded_blocks)
 
     def failed(self, error: RemoteTierError) -> None:
         """A remote call failed: counted; the manager carries on with its local tiers."""
         self.stats.errors += 1
         self.stats.last_error = str(error)
-        self.st.stats.remote_errors += 1
+        self.state.stats.remote(errors=1)
 
     def snapshot(self) -> RemoteStats:
         """The counters, the writer's included."""

@@ -70,15 +70,15 @@ def _requests(requests: Iterable[SequenceRequest]) -> list[SequenceRequest]:
     return out
 
 
-def local_blocks(st: CacheState, r: SequenceRequest, nblocks: int) -> tuple[list[Segment], int]:
+def local_blocks(state: CacheState, r: SequenceRequest, nblocks: int) -> tuple[list[Segment], int]:
     """(path, n): the tree path of the request's first ``nblocks`` blocks and how many of its
     leading blocks hold a slot in every self-attention group (manager locked)."""
-    root = st.roots.get((r.lora_id, r.cache_salt))
+    root = state.roots.get((r.lora_id, r.cache_salt))
     if root is None or not nblocks:
         return [], 0
-    path = match_full(root, _raw(r), nblocks, st.step)
+    path = match_full(root, _raw(r), nblocks, state.layout.step)
     n = 0
-    groups = st.self_groups
+    groups = state.layout.self_groups
     for run, a, b in path:
         for j in range(a, b):
             if any(run.slot[g][j] == NO_SLOT for g in groups):
@@ -87,30 +87,30 @@ def local_blocks(st: CacheState, r: SequenceRequest, nblocks: int) -> tuple[list
     return path, n
 
 
-def _plan(st: CacheState, r: SequenceRequest) -> _Plan | None:
-    nblocks = (len(r.tokens) - 1) // st.tpb
-    _, local = local_blocks(st, r, nblocks)
+def _plan(state: CacheState, r: SequenceRequest) -> _Plan | None:
+    nblocks = (len(r.tokens) - 1) // state.layout.tpb
+    _, local = local_blocks(state, r, nblocks)
     if local >= nblocks:
         return None
-    hasher = BlockHasher(st.config.hash_algo, st.tpb, lora_id=r.lora_id,
-                         cache_salt=r.cache_salt, root=st.view.root_key(r.lora_id, r.cache_salt))
-    keys = hasher.extend(r.tokens[:nblocks * st.tpb])
+    hasher = BlockHasher(state.config.hash_algo, state.layout.tpb, lora_id=r.lora_id,
+                         cache_salt=r.cache_salt, root=state.view.root_key(r.lora_id, r.cache_salt))
+    keys = hasher.extend(r.tokens[:nblocks * state.layout.tpb])
     return _Plan(_raw(r), keys, local)
 
 
-def prefetch(st: CacheState, remote: ManagerRemote | None, lock: AbstractContextManager[Any],
+def prefetch(state: CacheState, remote: ManagerRemote | None, lock: AbstractContextManager[Any],
              requests: Iterable[SequenceRequest]) -> list[int]:
     """Tokens made local per request (module docstring); ``remote`` is the manager's remote
-    tier (``st.remote``), ``lock`` the manager's. All 0 without a remote tier."""
+    tier (``state.remote``), ``lock`` the manager's. All 0 without a remote tier."""
     reqs = _requests(requests)
     if remote is None:
         return [0] * len(reqs)
     out: list[int] = []
-    groups = list(st.self_groups)
+    groups = list(state.layout.self_groups)
     remote.stats.prefetch_calls += 1
     for r in reqs:
         with lock:
-            plan = _plan(st, r) if st.config.enable_block_reuse else None
+            plan = _plan(state, r) if state.config.enable_block_reuse else None
         if plan is None:
             out.append(0)
             continue
@@ -121,115 +121,115 @@ def prefetch(st: CacheState, remote: ManagerRemote | None, lock: AbstractContext
             remote.failed(e)
             out.append(0)
             continue
-        blocks = _valid(st, blocks, groups)
+        blocks = _valid(state, blocks, groups)
         if not blocks:
             out.append(0)
             continue
         with lock:
-            made = _install(st, remote, r, plan, blocks)
-        out.append(made * st.tpb)
-        remote.stats.prefetched_tokens += made * st.tpb
+            made = _install(state, remote, r, plan, blocks)
+        out.append(made * state.layout.tpb)
+        remote.stats.prefetched_tokens += made * state.layout.tpb
     return out
 
 
-def _valid(st: CacheState, blocks: list[list[memoryview]],
+def _valid(state: CacheState, blocks: list[list[memoryview]],
            groups: list[int]) -> list[list[memoryview]]:
     """The leading blocks whose payloads have this manager's block size in every group (a
     value of another geometry cannot come from this namespace; refused all the same)."""
-    if getattr(st.storage, "tensors", None) is None:
+    if getattr(state.storage, "tensors", None) is None:
         return blocks
-    sizes = [st.storage.block_bytes(g) for g in groups]
+    sizes = [state.storage.block_bytes(g) for g in groups]
     for b, payloads in enumerate(blocks):
-        if any(len(p) != n for p, n in zip(payloads, sizes, strict=True)):
+        if any(len(payload) != n for payload, n in zip(payloads, sizes, strict=True)):
             return blocks[:b]
     return blocks
 
 
-def _claim(st: CacheState, t: int, groups: list[int], n: int) -> dict[int, list[SlotId]]:
+def _claim(state: CacheState, t: int, groups: list[int], n: int) -> dict[int, list[SlotId]]:
     """Up to ``n`` slots of tier t per group (free first, else evicted victims); the
     evictions' copies run before this returns."""
     claimed: dict[int, list[SlotId]] = {}
     for g in groups:
         got = claimed[g] = []
         for _ in range(n):
-            s = lower_slot(st, t, g)
+            s = lower_slot(state, t, g)
             if s is None:
                 break
             got.append(s)
-    st.finish_call()
+    state.finish_call()
     return claimed
 
 
-def _install(st: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _Plan,
+def _install(state: CacheState, remote: ManagerRemote, r: SequenceRequest, plan: _Plan,
              blocks: list[list[memoryview]]) -> int:
     """Install the fetched blocks; return how many leading blocks became local."""
-    st.check_storage()
-    t = 1 if st.tiers > 1 else 0
-    groups = list(st.self_groups)
+    state.check_storage()
+    t = 1 if state.layout.tiers > 1 else 0
+    groups = list(state.layout.self_groups)
     n = len(blocks)
-    claimed = _claim(st, t, groups, n)
+    claimed = _claim(state, t, groups, n)
     n = min(n, *(len(c) for c in claimed.values()))
     end = plan.local + n
-    path, local = local_blocks(st, r, end)
+    path, local = local_blocks(state, r, end)
     placed: dict[int, list[tuple[Run, int]]] = {g: [] for g in groups}
     if n and local >= plan.local:
         pos = 0  # index in the request of the path's next block
         for run, a, b in path:  # fill path blocks that lack slots
             for j in range(a, b):
-                k = pos - plan.local
+                index = pos - plan.local
                 pos += 1
-                if k < 0:
+                if index < 0:
                     continue
                 for gi, g in enumerate(groups):
                     if run.slot[g][j] == NO_SLOT:
-                        _put(st, t, g, claimed[g].pop(), run, j, blocks[k][gi])
+                        _put(state, t, g, claimed[g].pop(), run, j, blocks[index][gi])
                         placed[g].append((run, j))
         if pos < end:
-            parent = st.root((r.lora_id, r.cache_salt))
+            parent = state.root((r.lora_id, r.cache_salt))
             if path:
                 parent, _, at = path[-1]
                 if at < len(parent.keys):
-                    reindex(st, parent.split(at, st.step))
-            _new_run(st, t, groups, claimed, parent, plan, pos, end, blocks, placed)
+                    reindex(state, parent.split(at, state.layout.step))
+            _new_run(state, t, groups, claimed, parent, plan, pos, end, blocks, placed)
     for g in groups:
-        st.pools[t][g].free.extend(claimed[g])
+        state.pools[t][g].give(claimed[g])
     for g in groups:
         chain = _segments(placed[g])
         for seg in chain:
-            st.emit.stored(g, [seg], r.lora_id)
+            state.emit.stored(g, [seg], r.lora_id)
         stats = remote.stats
         stats.prefetched_blocks += len(placed[g])
-        stats.prefetched_bytes += len(placed[g]) * st.storage.block_bytes(g)
-        st.stats.remote_prefetch_blocks += len(placed[g])
-    st.emit.flush_removed()
-    _, after = local_blocks(st, r, end)
+        stats.prefetched_bytes += len(placed[g]) * state.storage.block_bytes(g)
+        state.stats.remote(prefetched=len(placed[g]))
+    state.emit.flush_removed()
+    _, after = local_blocks(state, r, end)
     return max(0, after - plan.local)
 
 
-def _put(st: CacheState, t: int, g: int, s: SlotId, run: Run, j: int,
+def _put(state: CacheState, t: int, g: int, s: SlotId, run: Run, j: int,
          payload: memoryview) -> None:
-    write_block(st.storage, t, g, s, payload)
+    write_block(state.storage, t, g, s, payload)
     run.slot[g][j] = s
     run.tier[g][j] = t
-    pool = st.pools[t][g]
+    pool = state.pools[t][g]
     pool.place(s, run, j)
-    pool.queue.push(s, run.priority(j), key=run.keys[j])
+    pool.enqueue(s, run.priority(j), key=run.keys[j])
 
 
-def _new_run(st: CacheState, t: int, groups: list[int], claimed: dict[int, list[SlotId]],
-             parent: Run, plan: _Plan, d: int, end: int,
+def _new_run(state: CacheState, t: int, groups: list[int], claimed: dict[int, list[SlotId]],
+             parent: Run, plan: _Plan, first: int, end: int,
              blocks: list[list[memoryview]], placed: dict[int, list[tuple[Run, int]]]) -> None:
-    """Blocks [d, end) of the request as a new run under the last block of ``parent``."""
-    step = st.step
-    k = end - d
-    tk = plan.raw[d * step:end * step]
-    slots = [[NO_SLOT] * k for _ in range(st.config.num_groups)]
-    tiers = [[0] * k for _ in range(st.config.num_groups)]
-    run = Run(parent, tk, tk[:step], plan.keys[d:end], slots, tiers)
+    """Blocks [first, end) of the request as a new run under the last block of ``parent``."""
+    step = state.layout.step
+    count = end - first
+    tk = plan.raw[first * step:end * step]
+    slots = [[NO_SLOT] * count for _ in range(state.config.num_groups)]
+    tiers = [[0] * count for _ in range(state.config.num_groups)]
+    run = Run(parent, tk, tk[:step], plan.keys[first:end], slots, tiers)
     parent.add_child(run)
     for gi, g in enumerate(groups):
-        for j in range(k):
-            _put(st, t, g, claimed[g].pop(), run, j, blocks[d + j - plan.local][gi])
+        for j in range(count):
+            _put(state, t, g, claimed[g].pop(), run, j, blocks[first + j - plan.local][gi])
             placed[g].append((run, j))
 
 

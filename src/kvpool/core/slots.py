@@ -13,7 +13,10 @@ A pool of ``size`` slots keeps
 A GPU slot is in exactly one of: free, queued (cached, ref 0), referenced (ref > 0). The bulk
 operations here (:meth:`take`, :meth:`give`, :meth:`hold`, :meth:`release`, :meth:`place_all`)
 are the ones the manager's hot paths use; each is one list operation or one comprehension,
-whatever the number of slots.
+whatever the number of slots (CPython costs: docs/architecture.md §3.10).
+
+These methods are the pool's doors: no other module writes ``free``, ``queue``, ``ref``,
+``run_at``, ``idx_at`` or ``held`` (``tests/test_doors.py`` scans for writes); they read them.
 """
 
 from __future__ import annotations
@@ -22,13 +25,28 @@ from collections.abc import Iterable, Sequence
 from typing import Generic, Protocol, TypeVar, cast
 
 from kvpool.core.radix import NO_SLOT, SlotId
+from kvpool.hashing.keys import BlockKey
 
 B = TypeVar("B")
 """What a cached slot points back to (the manager's tree run)."""
 
 
 class Queue(Protocol):
-    """The part of an eviction policy a pool answers its own questions with."""
+    """The part of an eviction policy a pool uses (:class:`kvpool.eviction.EvictionPolicy`)."""
+
+    def push(self, slot: int, priority: int, expires_at: float | None = None,
+             key: BlockKey | None = None) -> None: ...
+
+    def push_many(self, slots: Sequence[int], priority: int,
+                  keys: Sequence[BlockKey] | None = None) -> None: ...
+
+    def remove(self, slot: int) -> None: ...
+
+    def remove_many(self, slots: Sequence[int]) -> None: ...
+
+    def pop(self) -> tuple[int, int]: ...
+
+    def pop_slots(self, n: int) -> list[int]: ...
 
     def __len__(self) -> int: ...
 
@@ -68,13 +86,59 @@ class SlotPool(Generic[B, Q]):
         out.reverse()
         return out
 
+    def take_free(self) -> SlotId:
+        """The free slot on top of the stack (there must be one)."""
+        return self.free.pop()
+
     def give(self, slots: Iterable[SlotId]) -> None:
         """Slots that hold nothing any more go back to the free list."""
         self.free.extend(slots)
 
+    def give_one(self, slot: SlotId) -> None:
+        """Slot ``slot`` holds nothing any more: back to the free list."""
+        self.free.append(slot)
+
+    def withdraw_free(self, slots: set[SlotId]) -> None:
+        """Slots ``slots`` are no longer free (a restart found blocks in them)."""
+        self.free[:] = [s for s in self.free if s not in slots]
+
     def available(self) -> int:
         """Free plus evictable slots."""
         return len(self.free) + len(self.queue)
+
+    # ---------------------------------------------------------------- the eviction queue
+
+    def pop_victim(self) -> tuple[SlotId, int]:
+        """The policy's next victim and its priority, out of the queue."""
+        return cast("tuple[SlotId, int]", self.queue.pop())
+
+    def pop_victims(self, n: int) -> list[SlotId]:
+        """The policy's next ``n`` victims, out of the queue."""
+        return cast("list[SlotId]", self.queue.pop_slots(n))
+
+    def enqueue(self, slot: SlotId, priority: int, expires_at: float | None = None,
+                key: BlockKey | None = None) -> None:
+        """A cached slot nobody references joins the queue."""
+        self.queue.push(slot, priority, expires_at, key)
+
+    def enqueue_many(self, slots: Sequence[SlotId], priority: int,
+                     keys: Sequence[BlockKey] | None = None) -> None:
+        """Cached slots nobody references join the queue, in order."""
+        self.queue.push_many(slots, priority, keys)
+
+    def dequeue(self, slot: SlotId) -> None:
+        """Queued slot ``slot`` leaves the queue (claimed, or its block dropped)."""
+        self.queue.remove(slot)
+
+    def dequeue_many(self, slots: Sequence[SlotId]) -> None:
+        """Queued slots ``slots`` leave the queue (claimed)."""
+        self.queue.remove_many(slots)
+
+    def dequeue_if_queued(self, slot: SlotId) -> None:
+        """Slot ``slot`` leaves the queue if it is in it (a colder block claimed)."""
+        queue = self.queue
+        if slot in queue:
+            queue.remove(slot)
 
     # ---------------------------------------------------------------- references
 
@@ -83,6 +147,38 @@ class SlotPool(Generic[B, Q]):
         ref = self.ref
         for s in slots:
             ref[s] += refs
+
+    def hold_one(self, slot: SlotId, refs: int) -> None:
+        """Add ``refs`` references to ``slot``."""
+        self.ref[slot] += refs
+
+    def claim(self, slot: SlotId, refs: int) -> None:
+        """Add ``refs`` references to cached slot ``slot``, taking it out of the queue if
+        nobody referenced it."""
+        ref = self.ref
+        if not ref[slot]:
+            self.queue.remove(slot)
+        ref[slot] += refs
+
+    def set_refs(self, slot: SlotId, refs: int) -> None:
+        """Slot ``slot`` (unreferenced) now has ``refs`` references."""
+        self.ref[slot] = refs
+
+    def drop_ref(self, slot: SlotId) -> int:
+        """Take one reference off ``slot``; returns how many are left."""
+        ref = self.ref
+        left = ref[slot] - 1
+        assert left >= 0
+        ref[slot] = left
+        return left
+
+    def keep(self, slot: SlotId) -> None:
+        """Colder slot ``slot`` holds a block of a suspended sequence (never evicted)."""
+        self.held.add(slot)
+
+    def unkeep(self, slot: SlotId) -> None:
+        """Colder slot ``slot`` no longer holds a block of a suspended sequence."""
+        self.held.discard(slot)
 
     def release(self, slots: Sequence[SlotId]) -> list[SlotId]:
         """Take one reference off each of ``slots`` (distinct; NO_SLOT entries skipped). The
@@ -123,6 +219,12 @@ class SlotPool(Generic[B, Q]):
     def clear(self, slot: SlotId) -> None:
         """Slot ``slot`` no longer holds a cached block."""
         self.run_at[slot] = None
+
+    def clear_all(self, slots: Iterable[SlotId]) -> None:
+        """Slots ``slots`` no longer hold cached blocks."""
+        run_at = self.run_at
+        for s in slots:
+            run_at[s] = None
 
     def owner(self, slot: SlotId) -> tuple[B, int] | None:
         """(block, index) that ``slot`` holds, or None."""

@@ -25,9 +25,11 @@ there without raising (:meth:`CacheState.finish_call`): a copy that could not wr
 tier (a full disk) drops the block it was moving, so no slot is ever said to hold bytes it
 does not; a persistent tier's manifest that cannot be written loses only records, which the
 bytes' hashes make safe (:mod:`kvpool.core.persist`). Only a copy that was bringing a block a
-sequence uses (onto the GPU, or held for a suspended sequence) cannot be repaired: that call
-raises :class:`StorageError` with its bookkeeping done, and the manager refuses every later
-call that may copy, saying why (build a new manager).
+sequence uses (onto the GPU, or held for a suspended sequence) cannot be repaired, nor the
+call undone (its sequences' blocks lost their bytes): that call raises
+:class:`~kvpool.errors.CopiesLostError` with its bookkeeping done (the one error that says the
+call changed the manager), and the manager refuses every later call that may copy with the same
+error (build a new manager). Every other error a call raises left it unchanged.
 """
 
 from __future__ import annotations
@@ -39,16 +41,21 @@ from typing import Protocol
 
 from kvpool.config import CacheConfig
 from kvpool.core.emit import Emitter, EventSink
-from kvpool.core.groups import GroupKind, group_kinds
+from kvpool.core.layout import Layout
 from kvpool.core.radix import Run, SlotId
 from kvpool.core.sequence import Sequence as Seq
 from kvpool.core.slots import SlotPool
 from kvpool.core.stats import CacheStats
 from kvpool.core.views import PlanView, Scope
-from kvpool.errors import CopyFailedError, SequenceStateError, StorageError, UnknownSequenceError
+from kvpool.errors import (
+    CopiesLostError,
+    CopyFailedError,
+    SequenceStateError,
+    UnknownSequenceError,
+)
 from kvpool.eviction import EvictionPolicy, make_policies
 from kvpool.hashing.keys import BlockHasher
-from kvpool.tiers.copies import CopyPlan
+from kvpool.tiers.copies import CallCopies
 from kvpool.tiers.storage import BlockCopy, Storage
 
 SeqId = int | str
@@ -90,11 +97,8 @@ class CacheState:
 
     __slots__ = (
         "_hashers", "clock", "config", "copies", "copy_failure", "emit", "failed_copies",
-        "full_attention_only",
-        "gpu", "kinds", "new_count", "num_groups", "pending_free", "persist", "pools", "remote",
-        "repair_copies",
-        "retention_seen", "roots", "self_groups", "sequences", "stats", "step", "storage",
-        "tiers", "tpb", "view",
+        "gpu", "layout", "new_count", "pending_free", "persist", "pools", "remote",
+        "repair_copies", "retention_seen", "roots", "sequences", "stats", "storage", "view",
     )
 
     def __init__(self, config: CacheConfig, storage: Storage, events: EventSink | None) -> None:
@@ -103,26 +107,15 @@ class CacheState:
         self.repair_copies: Callable[[CacheState, list[BlockCopy]], list[BlockCopy]] = (
             _unrepaired)
         self.config = config
-        self.tpb = config.tokens_per_block
-        self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
+        self.layout = layout = Layout.of(config)  # the derived layout every module reads
         self.clock: Callable[[], float] = config.clock or time.monotonic
-        self.num_groups = config.num_groups
-        self.tiers = config.num_tiers
-        self.self_groups: tuple[int, ...] = tuple(
-            g for g in range(self.num_groups) if g not in config.cross_attention_groups
-        )
-        self.kinds: tuple[GroupKind, ...] = group_kinds(config)  # what each group needs
-        # no sliding window: a sequence's self-attention tables all have the same length,
-        # and decode growth within its last block changes nothing but its tokens
-        self.full_attention_only = all(
-            config.window_sizes[g] is None for g in self.self_groups
-        )
         queues: list[list[EvictionPolicy]] = make_policies(
-            config.eviction_policy, config.slots, self.clock, offload_gate=config.offload_gate,
-            history_multiple=config.eviction_history_multiple)
+            config.eviction.policy, config.slots, self.clock,
+            offload_gate=config.eviction.offload_gate,
+            history_multiple=config.eviction.history_multiple)
         self.pools: list[list[Pool]] = [
             [SlotPool(n, q) for n, q in zip(config.slots[t], queues[t], strict=True)]
-            for t in range(self.tiers)
+            for t in range(layout.tiers)
         ]
         self.gpu = self.pools[0]
         # one tree per reuse scope (LoRA id, cache salt): scopes never share a root, whatever
@@ -132,13 +125,13 @@ class CacheState:
         self._hashers: dict[Scope, BlockHasher] = {}  # one unfed hasher per reuse scope
         self.sequences: dict[SeqId, Seq] = {}
         gpu = self.gpu
-        self.view = PlanView(config, self.roots, self.sequences, [p.ref for p in gpu],
-                             [p.free for p in gpu], [p.queue for p in gpu])
+        self.view = PlanView(config, layout, self.roots, self.sequences, [pool.ref for pool in gpu],
+                             [pool.free for pool in gpu], [pool.queue for pool in gpu])
         self.storage = storage
-        self.emit = Emitter(config, events)
-        self.copies = CopyPlan()  # the copies of the call in progress
+        self.emit = Emitter(config, events, layout.step)
+        self.copies = CallCopies()  # the copies of the call in progress
         self.pending_free: list[tuple[int, int, SlotId]] = []  # (tier, group, slot) at call end
-        self.new_count = [0] * self.num_groups  # GPU slots taken per group during the call
+        self.new_count = [0] * layout.num_groups  # GPU slots taken per group during the call
         self.retention_seen = False  # has any block had a retention priority set?
         self.copy_failure: str | None = None  # what made a copy fail beyond repair
         self.failed_copies = 0  # copies that failed and whose blocks were dropped instead
@@ -152,7 +145,7 @@ class CacheState:
         """The root of a reuse scope's tree (created on first use)."""
         root = self.roots.get(scope)
         if root is None:
-            root = self.roots[scope] = Run.root(self.num_groups)
+            root = self.roots[scope] = Run.root(self.layout.num_groups)
         return root
 
     def hasher(self, seq: Seq) -> BlockHasher:
@@ -161,8 +154,8 @@ class CacheState:
         proto = self._hashers.get(scope)
         if proto is None:
             proto = self._hashers[scope] = BlockHasher(
-                self.config.hash_algo, self.tpb, lora_id=seq.lora_id, cache_salt=seq.cache_salt,
-                root=seq.root_key)
+                self.config.hash_algo, self.layout.tpb, lora_id=seq.lora_id,
+                cache_salt=seq.cache_salt, root=seq.root_key)
         return proto
 
     def seq(self, seq_id: SeqId) -> Seq:
@@ -179,17 +172,30 @@ class CacheState:
             raise SequenceStateError(f"sequence {seq_id!r} is suspended; resume it first")
         return seq
 
+    def add_sequence(self, seq: Seq) -> None:
+        """An admitted sequence joins the manager."""
+        self.sequences[seq.seq_id] = seq
+
+    def drop_sequence(self, seq_id: SeqId) -> None:
+        """Sequence ``seq_id`` leaves the manager."""
+        del self.sequences[seq_id]
+
+    def free_at_call_end(self, t: int, g: int, slot: SlotId) -> None:
+        """Colder slot ``slot`` of (tier t, group g) was onboarded: it becomes free when the
+        call ends, once its copy has read it."""
+        self.pending_free.append((t, g, slot))
+
     # ---------------------------------------------------------------- calls and copies
 
     def begin_call(self) -> None:
         """A mutating call starts: no GPU slot taken yet."""
-        self.new_count = [0] * self.num_groups
+        self.new_count = [0] * self.layout.num_groups
 
     def check_storage(self) -> None:
         """Before changing anything in a call that may copy: raise StorageError if the copies
         could not run (the storage closed, a disk file removed or truncated)."""
         if self.copy_failure is not None:
-            raise StorageError(
+            raise CopiesLostError(
                 f"an earlier copy failed ({self.copy_failure}); the blocks it was moving lost "
                 "their bytes, so this manager copies nothing more: build a new one"
             )
@@ -206,6 +212,11 @@ class CacheState:
         if stage is not None and reads:
             stage(reads)
 
+    def refuse_copies(self, reason: str) -> None:
+        """Bytes were lost beyond repair (``reason``): every later call that may copy raises
+        (:meth:`check_storage`)."""
+        self.copy_failure = reason
+
     def finish_call(self) -> None:
         """End of a mutating call: free onboarded colder slots, flush the removed events, and
         move the data of every copy the call made, batched per tier pair (a failed copy:
@@ -213,9 +224,9 @@ class CacheState:
         if self.pending_free:
             pools = self.pools
             for t, g, s in self.pending_free:
-                pools[t][g].free.append(s)
+                pools[t][g].give_one(s)
             self.pending_free.clear()
-        if self.emit.pending:  # an attribute test: most calls remove no block
+        if self.emit.pending:  # most calls remove no block (docs/architecture.md §3.10)
             self.emit.flush_removed()
         if self.remote is not None:  # remote tier: snapshot what leaves, before the copies
             self.remote.before_copies()
@@ -234,8 +245,8 @@ class CacheState:
         disk, an I/O error, a file truncated during the call). The blocks the failed copies
         were moving to a colder tier leave the cache (:func:`kvpool.core.allocator.drop_unwritten`)
         and the call completes. A failed copy that was bringing a block a sequence uses cannot
-        be repaired: the call raises :class:`StorageError` with its bookkeeping done, and every
-        later call that may copy raises too (no block whose bytes were lost is ever served;
+        be repaired: the call raises :class:`CopiesLostError` with its bookkeeping done, and every
+        later call that may copy raises it too (no block whose bytes were lost is ever served;
         the engine builds a new manager)."""
         try:
             self.storage.copy_blocks(copies)
@@ -246,9 +257,10 @@ class CacheState:
                 self.emit.flush_removed()
             if unrepaired:
                 self.copy_failure = repr(exc)
-                if isinstance(exc, StorageError):
-                    raise
-                raise StorageError(f"copying blocks failed: {exc!r}") from exc
+                raise CopiesLostError(
+                    f"copying {len(unrepaired)} blocks that sequences use failed ({exc!r}) after "
+                    "the call's bookkeeping, which stays (those sequences' blocks lost their "
+                    "bytes); this manager copies nothing more: build a new one") from exc
             before, self.failed_copies = self.failed_copies, self.failed_copies + len(failed)
             if before.bit_length() < self.failed_copies.bit_length():  # 1, 2, 4, ... times
                 log.warning("kvpool: %d block copies failed, their blocks left the cache "

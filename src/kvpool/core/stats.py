@@ -64,6 +64,8 @@ class CacheStats:
     def token_hit_rate(self) -> float:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    # The counting doors: the other modules count through these methods (tests/test_doors.py).
+
     def add_request(self, r: RequestStats) -> None:
         self.alloc_total += r.alloc_total
         self.alloc_new += r.alloc_new
@@ -71,6 +73,43 @@ class CacheStats:
         self.full_reused += r.full_reused
         self.partial_reused += r.partial_reused
         self.missed += r.missed
+
+    def admitted(self, r: RequestStats, reused_tokens: int, prompt_tokens: int) -> None:
+        """One request admitted: its block counts, reused and prompt tokens, onboards."""
+        self.add_request(r)
+        self.reused_tokens += reused_tokens
+        self.prompt_tokens += prompt_tokens
+        self.admitted_requests += 1
+        self.onboard_blocks += r.onboarded
+
+    def tier_hit(self, t: int, blocks: int) -> None:
+        """``blocks`` reused blocks were found on tier t."""
+        self.tier_hits[t] += blocks
+
+    def evicted(self, blocks: int, dropped: int) -> None:
+        """``blocks`` blocks left their slots, ``dropped`` of them left the cache."""
+        self.evicted_blocks += blocks
+        self.dropped_blocks += dropped
+
+    def offloaded(self, blocks: int, nbytes: int) -> None:
+        """``blocks`` blocks (``nbytes`` bytes) moved to a colder tier."""
+        self.offload_blocks += blocks
+        self.offload_bytes += nbytes
+
+    def onboarded(self, blocks: int, nbytes: int) -> None:
+        """``blocks`` blocks (``nbytes`` bytes) came up to the GPU (``blocks`` 0: counted
+        with their request, :meth:`admitted`)."""
+        self.onboard_blocks += blocks
+        self.onboard_bytes += nbytes
+
+    def remote(self, prefetched: int = 0, errors: int = 0) -> None:
+        """The shared remote tier: blocks brought back from it, failures."""
+        self.remote_prefetch_blocks += prefetched
+        self.remote_errors += errors
+
+    def remote_offloaded(self, total: int) -> None:
+        """The shared remote tier took ``total`` blocks so far."""
+        self.remote_offload_blocks = total
 
     def copy(self) -> CacheStats:
         out = CacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})

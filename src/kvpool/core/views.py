@@ -14,7 +14,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Protocol
 
 from kvpool.config import CacheConfig
-from kvpool.core.groups import group_kinds
+from kvpool.core.layout import Layout
 from kvpool.core.radix import NO_SLOT, Run
 from kvpool.hashing.keys import BlockHasher, BlockKey, cache_salt_id
 
@@ -31,25 +31,14 @@ class Sized(Protocol):
 class PlanView:
     """What admission may read of one manager (see the module docstring)."""
 
-    __slots__ = ("_free", "_queued", "_refs", "_root_keys", "config", "full_attention_only",
-                 "groups", "kinds", "one_tier", "roots", "self_groups", "sequences", "step", "tpb")
+    __slots__ = ("_free", "_queued", "_refs", "_root_keys", "config", "layout", "roots",
+                 "sequences")
 
-    def __init__(self, config: CacheConfig, roots: Mapping[Scope, Run],
+    def __init__(self, config: CacheConfig, layout: Layout, roots: Mapping[Scope, Run],
                  sequences: Container[int | str], refs: Sequence[Sequence[int]],
                  free: Sequence[Sized], queued: Sequence[Sized]) -> None:
         self.config = config
-        self.tpb = config.tokens_per_block
-        self.step = 4 * self.tpb  # bytes per full block of tokens in the tree
-        self.self_groups: tuple[int, ...] = tuple(
-            g for g in range(config.num_groups) if g not in config.cross_attention_groups
-        )
-        self.kinds = group_kinds(config)  # one per layer group (kvpool.core.groups)
-        self.groups = range(config.num_groups)
-        self.one_tier = config.num_tiers == 1
-        # no sliding window: a sequence's self-attention tables all have the same length
-        self.full_attention_only = all(
-            config.window_sizes[g] is None for g in self.self_groups
-        )
+        self.layout = layout  # the manager's (kvpool.core.layout)
         self.roots = roots
         self.sequences = sequences
         self._refs = refs
@@ -82,4 +71,4 @@ class PlanView:
 
     def unreferenced_on_gpu(self, run: Run, i: int) -> bool:
         """Does block i of ``run`` hold an unreferenced GPU slot in every self-attention group?"""
-        return all(self.evictable(run, i, g) for g in self.self_groups)
+        return all(self.evictable(run, i, g) for g in self.layout.self_groups)

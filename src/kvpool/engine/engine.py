@@ -2,7 +2,11 @@
 
 Each step runs the transformers model once over the step's packed tokens with kvpool's
 attention (:mod:`kvpool.engine.attention`), ``past_key_values=None``: the only KV cache is
-the manager's pool tensors. Single-threaded: one caller drives ``add_request`` / ``step``.
+the manager's pool tensors. Hybrid models (Qwen3-Next, Falcon-H1, Jamba, ...) keep each
+sequence's recurrent state in its running slot of a state layer group, run by
+:mod:`kvpool.engine.recurrent`; after the step the engine saves the checkpoints the
+manager's policy asks for (``checkpoint_positions`` / ``save_checkpoint``, docs/hybrid.md).
+Single-threaded: one caller drives ``add_request`` / ``step``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,17 @@ from kvpool.core.manager import KVCacheManager
 from kvpool.engine.attention import ATTN_IMPLEMENTATION, PoolView, StepBatch, register
 from kvpool.engine.graphs import DecodeRunner
 from kvpool.engine.layout import ModelLayout, cache_config, model_layout, text_config
+from kvpool.engine.recurrent import (
+    RecurrentRunner,
+    ignores_initial_state,
+    save_checkpoints,
+    step_states,
+)
 from kvpool.engine.sampling import SamplingParams, sample
 from kvpool.engine.scheduler import Request, Schedule, Scheduler, Status
 from kvpool.engine.step_meta import GroupGeom, RowCache, SeqWork, StepMeta, build_step
 from kvpool.errors import CapacityError, InvalidArgumentError
+from kvpool.validation import check_int, is_int
 
 
 @dataclass(slots=True)
@@ -38,12 +49,6 @@ class RequestOutput:
     logits: list[torch.Tensor] | None = None
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
@@ -58,20 +63,21 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 class Engine:
     """A continuous-batching engine over one transformers causal LM (see the module docstring).
 
-    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide
-    (``tokens_per_block``, ``gpu_blocks`` or ``gpu_mem``, ``host_blocks`` or ``host_mem``,
-    ``disk_blocks``, ``disk_path``, ``eviction_policy``, ``event_buffer_max_size``, ...).
+    ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide, as
+    :meth:`CacheConfig.from_mapping` reads them (``tokens_per_block``, ``gpu_blocks`` or
+    ``gpu_mem``, ``host_blocks`` or ``host_mem``, ``disk_blocks``, ``disk={"path": ...}``,
+    ``eviction={"policy": ...}``, ``events={"buffer_max_size": ...}``, ...).
     The model's attention implementation is switched to kvpool's; called outside the engine
     it computes transformers' sdpa attention. ``static_decode`` (None: on CUDA) pads
     decode-only steps to bucketed shapes and replays them from CUDA graphs
-    (:mod:`kvpool.engine.graphs`; eager on the CPU).
+    (:mod:`kvpool.engine.graphs`; eager on the CPU; never for a hybrid model).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, cache: dict[str, Any] | None = None,
                  max_batch_size: int = 8, max_num_tokens: int = 2048,
                  static_decode: bool | None = None) -> None:
-        _positive("max_batch_size", max_batch_size)
-        _positive("max_num_tokens", max_num_tokens)
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("max_num_tokens", max_num_tokens, 1)
         if max_num_tokens < max_batch_size:
             raise InvalidArgumentError(
                 f"max_num_tokens ({max_num_tokens}) must be >= max_batch_size ({max_batch_size})"
@@ -80,7 +86,7 @@ class Engine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device: torch.device = param.device
-        self.layout: ModelLayout = model_layout(model.config, param.dtype)
+        self.layout: ModelLayout = model_layout(model.config, param.dtype, model)
         config = cache_config(self.layout, cache, device=str(self.device),
                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens)
         self.max_model_len = min(self.layout.max_model_len, config.max_seq_len)
@@ -91,13 +97,16 @@ class Engine:
         model.eval()
         self._pools = [
             PoolView(self._rows(g), geo.num_layers, config.tokens_per_block, self.layout.windows[g])
-            for g, geo in enumerate(self.layout.geometry)
+            for g, geo in enumerate(self.layout.geometry[:self.layout.num_attention_groups])
         ]
+        self._recurrent = self._recurrent_runner() if self.layout.state_groups else None
         self._geoms = [GroupGeom(p.tpb, p.num_layers, p.window) for p in self._pools]
         self._row_cache = RowCache(self._geoms)
         self._staging = torch.empty(0, dtype=torch.long)
         if static_decode is None:
-            static_decode = self.device.type == "cuda"
+            static_decode = self.device.type == "cuda" and self._recurrent is None
+        if static_decode and self._recurrent is not None:
+            raise InvalidArgumentError("static_decode does not run hybrid (recurrent) models")
         self._static = DecodeRunner(self._pools, self._geoms, max_batch_size, self.device,
                                     self._logits, self._stage) if static_decode else None
         self._mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -106,6 +115,19 @@ class Engine:
         self._aborted: list[Request] = []
         self._eos = _eos_ids(model, tokenizer)
         self._generate_calls = 0
+        self._saves: list[tuple[int, int]] = []
+
+    def _recurrent_runner(self) -> RecurrentRunner:
+        """The hybrid model's recurrent mixers on the state groups' pools."""
+        lay = self.layout
+        mixers = lay.mixers or {}
+        shapes = lay.state_shapes or {}
+        pools = {g: self.manager.tensors(g, 0) for g in lay.state_groups}
+        hidden = int(text_config(self.model.config).hidden_size)
+        stepwise = frozenset(layer for layer, mixer in mixers.items()
+                             if ignores_initial_state(mixer, shapes[layer], hidden))
+        return RecurrentRunner(mixers, lay.state_group, lay.state_index,
+                               lambda g, j: (pools[g][0][:, j], pools[g][1][:, j]), stepwise)
 
     def _rows(self, g: int) -> torch.Tensor:
         pool: torch.Tensor = self.manager.tensors(g, 0)
@@ -134,7 +156,7 @@ class Engine:
             raise InvalidArgumentError("the prompt is empty")
         vocab = self.vocab_size
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if not is_int(t) or not 0 <= t < vocab:
                 raise InvalidArgumentError(f"prompt token {t!r} is not an id in [0, {vocab})")
         return ids
 
@@ -142,7 +164,7 @@ class Engine:
         """Refuse a request no pool can ever hold (all slots free)."""
         cfg = self.manager.config
         tpb = cfg.tokens_per_block
-        for g, window in enumerate(self.layout.windows):
+        for g, window in enumerate(self.layout.windows[:self.layout.num_attention_groups]):
             need = -(-total // tpb)
             if window is not None:
                 need = min(need, max(-(-prompt // tpb), -(-(window + 1) // tpb) + 1) + 1)
@@ -213,12 +235,21 @@ class Engine:
                 outputs.append(self._output(req, []))
             return outputs
         with torch.inference_mode():
-            logits, samplers = self._forward(sched)
+            try:
+                logits, samplers = self._forward(sched)
+            finally:  # the recurrent layers are transformers' own again outside the step
+                states = self._recurrent.step if self._recurrent is not None else None
+                if self._recurrent is not None:
+                    self._recurrent.step = None
             tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
         for req, _, end in sched.prefills:
             self.scheduler.computed(req, end)
         for req in sched.decodes:
             self.scheduler.computed(req, req.seq_len)
+        if self._recurrent is not None and states is not None:
+            with torch.inference_mode():
+                save_checkpoints(self.manager, self._recurrent, self.layout.state_groups,
+                                 states.stash, self._saves)
         for i, (req, tok) in enumerate(zip(samplers, tokens, strict=True)):
             if req.logits is not None:
                 req.logits.append(logits[i].clone())
@@ -232,6 +263,11 @@ class Engine:
         if self._static is not None and not prefills:
             return self._static.run(self._static.meta(decodes, ids), len(decodes)), samplers
         meta = build_step(self._geoms, decodes, prefills, ids, keep)
+        if self._recurrent is not None:
+            self._recurrent.step, self._saves = step_states(
+                self.manager, self.layout.state_groups, len(self.layout.windows),
+                [(r.seq_id, r.seq_len - 1) for r in sched.decodes],
+                [(r.seq_id, a, b) for r, a, b in sched.prefills], self.device)
         return self._logits(self._stage(meta.data).to(self.device, non_blocking=True),
                             meta), samplers
 
@@ -263,7 +299,7 @@ class Engine:
         ids: list[int] = []
         keep: list[int] = []
         samplers: list[Request] = []
-        groups = range(len(self._pools))
+        groups = range(len(self._pools))  # the attention groups
         block_ids = self.manager.block_ids
         cache = self._row_cache
         cache.step()

@@ -17,6 +17,8 @@ from typing import Any
 from kvpool.engine.engine import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import InvalidArgumentError
+from kvpool.httpserve.messages import chat_messages
+from kvpool.validation import is_int
 
 __all__ = ["CHAT_ROLES", "Answer", "ParsedRequest", "UnknownModelError", "parse_request"]
 
@@ -78,7 +80,7 @@ def parse_request(body: object, *, chat: bool, tokenizer: Any, max_model_len: in
         if cache_tokens is not None and cache_tokens > len(prompt):
             limit = min(room, cache_tokens - len(prompt))
         max_tokens = limit if chat else min(limit, _DEFAULT_COMPLETION_TOKENS)
-    elif _is_int(max_tokens) and max_tokens >= 1 and len(prompt) + max_tokens > max_model_len:
+    elif is_int(max_tokens) and max_tokens >= 1 and len(prompt) + max_tokens > max_model_len:
         raise InvalidArgumentError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{len(prompt)} and max_tokens asks for {max_tokens} more"
@@ -151,30 +153,7 @@ def _prompt(body: Mapping[str, Any], *, chat: bool, tokenizer: Any) -> list[int]
 
 
 def _chat_prompt(messages: object, tokenizer: Any) -> list[int]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgumentError("'messages' must be a non-empty list of {role, content}")
-    clean: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise InvalidArgumentError(f"messages[{i}] must be an object with a string 'role'")
-        if m["role"] not in CHAT_ROLES:
-            raise InvalidArgumentError(
-                f"messages[{i}].role {m['role']!r} is not a chat role; expected one of "
-                f"{', '.join(CHAT_ROLES)}"
-            )
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            parts = []
-            for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str
-                ):
-                    raise InvalidArgumentError(f"messages[{i}].content: only text parts")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise InvalidArgumentError(f"messages[{i}].content must be a string")
-        clean.append({"role": m["role"], "content": content})
+    clean = chat_messages(messages, CHAT_ROLES)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError(
             "this model has no chat template: use /v1/completions or send 'prompt_token_ids'"
@@ -192,7 +171,7 @@ def _token_ids(value: object, name: str) -> list[int]:
         raise InvalidArgumentError(f"'{name}' must be a list of token ids")
     if not value:
         raise InvalidArgumentError(f"'{name}' is empty")
-    if not all(_is_int(t) and 0 <= t < 2**31 for t in value):
+    if not all(is_int(t) and 0 <= t < 2**31 for t in value):
         raise InvalidArgumentError(f"'{name}' must hold token ids (ints in [0, 2**31))")
     return list(value)
 
@@ -205,10 +184,6 @@ def _top_k(value: object) -> Any:
 
 def _or(value: object, default: float) -> Any:
     return default if value is None else value
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)

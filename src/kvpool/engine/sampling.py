@@ -14,14 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.errors import InvalidArgumentError
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+from kvpool.validation import check_bool, is_int, is_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +38,19 @@ class SamplingParams:
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
+        if not is_number(self.temperature) or not 0 <= self.temperature <= 100:
             raise InvalidArgumentError(
                 f"temperature must be a number in [0, 100], got {self.temperature!r}"
             )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidArgumentError(
                 f"top_k must be an int >= 0 (0 = no top-k), got {self.top_k!r}"
             )
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidArgumentError(
                 f"seed must be None or an int in [0, 2**63), got {self.seed!r}"
             )
@@ -67,15 +60,14 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
-            _is_int(t) and 0 <= t < 2**31 for t in ids
+            is_int(t) and 0 <= t < 2**31 for t in ids
         ):
             raise InvalidArgumentError(
                 f"stop_token_ids must be token ids (ints in [0, 2**31)), got {ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         for name in ("ignore_eos", "return_logits"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,10 @@ Endpoints
     ``kvpool router``'s proxy mode routes on) and answer with ``usage`` including
     ``prompt_tokens_details.cached_tokens`` (prompt tokens reused from the KV cache).
 ``GET /v1/models``, ``GET /health``
+``GET /v1/tokenizer``
+    The tokenizer's files as ``save_pretrained`` writes them (``tokenizer.json``, its config,
+    the chat template), ``{"object": "tokenizer", "model", "files": {name: base64}}``: what
+    ``kvpool router`` tokenizes text requests with. 404 for a model without a tokenizer.
 ``GET /metrics``
     Prometheus text: requests by outcome, prompt / cached prompt / generated tokens, the prefix
     hit rate, a time-to-first-token histogram, generated tokens per second (last 10 s) and free
@@ -48,17 +52,19 @@ manager's events as vLLM msgpack batches over ZeroMQ (:class:`EventPublisherThre
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
-import functools
 import json
 import logging
 import queue
+import tempfile
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -74,9 +80,8 @@ from kvpool.errors import (
     KVPoolError,
     OutOfBlocksError,
 )
-from kvpool.events.snapshot import PublishedState
-from kvpool.events.vllm_msgpack import encode_vllm_batch
-from kvpool.events.zmq import ZmqEventPublisher
+from kvpool.events.nats_publisher import NatsEventPublisher
+from kvpool.events.publishing import BatchPublisher, EventSink
 from kvpool.httpserve import (
     OPENAI_ERRORS,
     Dispatcher,
@@ -88,7 +93,8 @@ from kvpool.httpserve import (
     read_body,
 )
 
-__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "EngineLoop", "EngineServer", "EventPublisherThread"]
+__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "EngineLoop", "EngineServer", "EventPublisherThread",
+           "tokenizer_document"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,41 +189,21 @@ class EngineLoop(threading.Thread):
 
 
 class EventPublisherThread(threading.Thread):
-    """Publishes the manager's KV events as vLLM msgpack batches on a ZMQ publisher."""
+    """Runs a :class:`~kvpool.events.publishing.BatchPublisher`'s loop over the engine
+    manager's KV events (vLLM msgpack batches on ZeroMQ with snapshots of every block, or onto NATS
+    JetStream)."""
 
-    def __init__(self, engine: Engine, publisher: ZmqEventPublisher, tokens_per_block: int) -> None:
+    def __init__(self, engine: Engine, batches: BatchPublisher) -> None:
         super().__init__(name="kvpool-kv-events", daemon=True)
         self.engine = engine
-        self.publisher = publisher
-        self.tokens_per_block = tokens_per_block
+        self.batches = batches
         self._stopping = threading.Event()
-        self.batches = 0
-        # what a consumer of every batch so far holds: the router's snapshot of this worker
-        self.state = PublishedState()
 
     def stop(self) -> None:
         self._stopping.set()
 
     def run(self) -> None:
-        manager = self.engine.manager
-        windowed = [g for g, w in enumerate(manager.config.window_sizes) if w is not None]
-        while not self._stopping.is_set():
-            events = manager.get_latest_events(0.1)
-            if events:
-                self.publisher.publish(
-                    encode_vllm_batch(events, block_size=self.tokens_per_block,
-                                      sliding_window_groups=windowed),
-                    update=functools.partial(self.state.apply, events),
-                )
-                self.batches += 1
-
-    def snapshot(self) -> bytes:
-        """Every block published so far as one batch (the replay socket's snapshot answer);
-        partial blocks included, as :mod:`kvpool.events.snapshot` requires."""
-        windowed = [g for g, w in enumerate(self.engine.manager.config.window_sizes)
-                    if w is not None]
-        return encode_vllm_batch(self.state.events(), block_size=self.tokens_per_block,
-                                 sliding_window_groups=windowed, partial_blocks=True)
+        self.batches.run(self.engine.manager.get_latest_events, self._stopping)
 
 
 class _Metrics:
@@ -312,6 +298,8 @@ class EngineServer:
         limits: HttpLimits | None = None,
         auth_token: bytes | None = None,
         model_aliases: tuple[str, ...] = (),
+        nats_url: str | None = None,
+        nats_worker: str = "kvpool-serve",
     ) -> None:
         if not shutdown_grace_s >= 0:
             raise InvalidArgumentError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
@@ -330,18 +318,21 @@ class EngineServer:
         self.metrics.registry.register(self.responses)
         # one thread decodes and tokenizes bodies: off the event loop, one body at a time
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="kvpool-serve-parse")
-        self.publisher: ZmqEventPublisher | None = None
+        self.publisher: EventSink | None = None
         self._events_thread: EventPublisherThread | None = None
-        if kv_events_endpoint is not None:
-            tpb = engine.manager.config.tokens_per_block
-            snapshot_source: list[EventPublisherThread] = []
-            self.publisher = ZmqEventPublisher(
+        if kv_events_endpoint is not None or nats_url is not None:
+            config = engine.manager.config
+            batches = BatchPublisher(
                 kv_events_endpoint, kv_events_replay_endpoint,
-                snapshot=lambda: snapshot_source[0].snapshot(),
-            )
-            self._events_thread = EventPublisherThread(engine, self.publisher, tpb)
-            snapshot_source.append(self._events_thread)
+                block_size=config.tokens_per_block, snapshots=nats_url is None,
+                sliding_window_groups=[g for g, w in enumerate(config.window_sizes)
+                                       if w is not None],
+                # kvpool.events.nats_publisher: the stream keeps the history, no snapshots
+                sink=None if nats_url is None else NatsEventPublisher(nats_url, nats_worker))
+            self.publisher = batches.publisher
+            self._events_thread = EventPublisherThread(engine, batches)
         self._runner: web.ServerRunner | None = None
+        self._tokenizer_doc: bytes | None = None
         config = engine.manager.config
         full = [config.slots[0][g] for g, w in enumerate(config.window_sizes) if w is None]
         self._cache_tokens = min(full) * config.tokens_per_block if full else None
@@ -352,6 +343,7 @@ class EngineServer:
             "/v1/completions": {"POST": self._tracked(self._completions)},
             "/v1/chat/completions": {"POST": self._tracked(self._chat)},
             "/v1/models": {"GET": self._tracked(self._models)},
+            "/v1/tokenizer": {"GET": self._tracked(self._tokenizer)},
             "/health": {"GET": self._tracked(self._health)},
             "/metrics": {"GET": self._tracked(self._metrics)},
         }, shape=OPENAI_ERRORS, limits=self.limits, token=self.auth_token,
@@ -444,6 +436,15 @@ class EngineServer:
             "id": self.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvpool", "max_model_len": self.engine.max_model_len,
         }]})
+
+    async def _tokenizer(self, request: web.BaseRequest) -> web.Response:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return OPENAI_ERRORS.response(404, f"the model {self.model_name!r} has no tokenizer")
+        if self._tokenizer_doc is None:  # written once, in the parser thread that uses it
+            self._tokenizer_doc = await asyncio.get_running_loop().run_in_executor(
+                self._parser, tokenizer_document, tokenizer, self.model_name)
+        return web.Response(body=self._tokenizer_doc, content_type="application/json")
 
     async def _health(self, request: web.BaseRequest) -> web.Response:
         ok = self.loop_thread.is_alive()
@@ -572,6 +573,15 @@ class EngineServer:
             return self._reject(str(exc))
         self.metrics.requests.labels("failed").inc()
         return OPENAI_ERRORS.response(500, f"engine failed: {exc}")
+
+
+def tokenizer_document(tokenizer: Any, model: str) -> bytes:
+    """``GET /v1/tokenizer``'s body: the files ``tokenizer.save_pretrained`` writes."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: base64.b64encode(p.read_bytes()).decode()
+                 for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+    return json.dumps({"object": "tokenizer", "model": model, "files": files}).encode()
 
 
 async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -55,6 +55,7 @@ from kvpool.events.model import (
 )
 from kvpool.hashing.keys import HashAlgo
 from kvpool.hashing.keys import hash_algo as parse_hash_algo
+from kvpool.validation import check_int
 
 __all__ = ["AttentionDpGather", "EventManager"]
 
@@ -121,16 +122,8 @@ class EventManager:
         attention_dp_gather: AttentionDpGather | None = None,
         attention_dp_size: int = 1,
     ) -> None:
-        if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
-            raise InvalidArgumentError(f"max_entries must be an int >= 1, got {max_entries!r}")
-        if (
-            not isinstance(attention_dp_size, int)
-            or isinstance(attention_dp_size, bool)
-            or attention_dp_size < 1
-        ):
-            raise InvalidArgumentError(
-                f"attention_dp_size must be an int >= 1, got {attention_dp_size!r}"
-            )
+        check_int("max_entries", max_entries, 1)
+        check_int("attention_dp_size", attention_dp_size, 1)
         if attention_dp_rank is None:
             if attention_dp_size != 1 or attention_dp_gather is not None:
                 raise InvalidArgumentError(

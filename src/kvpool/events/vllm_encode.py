@@ -49,6 +49,7 @@ def encode_vllm_batch(
     block_size: int | None = None,
     sliding_window_groups: Collection[int] = (),
     partial_blocks: bool = False,
+    state_groups: Collection[int] = (),
 ) -> bytes:
     """One vLLM event batch (the ZMQ payload) holding ``events``.
 
@@ -59,6 +60,9 @@ def encode_vllm_batch(
         block_size: tokens per block; when None each stored event writes its longest block's
             token count (its full-block size unless every block is partial).
         sliding_window_groups: layer groups whose stored events carry their window size.
+        state_groups: recurrent-state layer groups (hybrid models, docs/hybrid.md): their
+            stored events (checkpoints) carry ``kv_cache_spec_kind="mamba"``, vLLM's kind
+            for a state group.
         partial_blocks: also write blocks of fewer than ``block_size`` tokens (a chain's
             partial last block). vLLM never publishes them (its token ids are always a whole
             number of blocks), so by default they are left out of stored events, as vLLM
@@ -82,7 +86,8 @@ def encode_vllm_batch(
         if kind is Stored:
             if not partial_blocks:
                 data = whole_blocks(data, block_size)  # type: ignore[arg-type]
-            _encode_stored(data, event, block_size, sliding_window_groups, wire)  # type: ignore[arg-type]
+            _encode_stored(data, event, block_size, sliding_window_groups, wire,  # type: ignore[arg-type]
+                           state_groups)
         elif kind is Removed:
             _encode_removed(data, event.layer_group_id or None, wire)  # type: ignore[arg-type]
         elif kind is Updated:
@@ -159,6 +164,7 @@ def _encode_stored(
     block_size: int | None,
     sliding: Collection[int],
     wire: list[OutEvent],
+    state: Collection[int] = (),
 ) -> None:
     blocks = data.blocks
     if not blocks:
@@ -191,6 +197,8 @@ def _encode_stored(
     window: int | None = None
     if sliding and event.layer_group_id in sliding:
         kind, window = "sliding_window", event.window_size
+    elif state and event.layer_group_id in state:
+        kind = "mamba"
     parent = None if data.parent_hash is None else _wire_hash(data.parent_hash)
     for hashes, tokens, level, lora in runs:
         wire_hashes = _wire_hashes(hashes)

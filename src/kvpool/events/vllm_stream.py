@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from kvpool.errors import InvalidArgumentError
 from kvpool.events.model import AllCleared, BlockHash, KVCacheEvent, Removed, Stored, Updated
 from kvpool.events.vllm_encode import encode_vllm_batch, whole_blocks
+from kvpool.validation import check_int
 
 __all__ = ["VllmStreamEncoder"]
 
@@ -42,12 +42,12 @@ class VllmStreamEncoder:
         partial_blocks: bool = False,
         sliding_window_groups: Collection[int] = (),
         data_parallel_rank: int | None = None,
+        state_groups: Collection[int] = (),
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_int("block_size", block_size, 1)
         self.partial_blocks = partial_blocks
         self._sliding = frozenset(sliding_window_groups)
+        self._state = frozenset(state_groups)  # hybrid models: kind "mamba" (docs/hybrid.md)
         self._rank = data_parallel_rank
         self._left_out: set[tuple[int, BlockHash]] = set()  # (layer group, hash)
 
@@ -56,7 +56,7 @@ class VllmStreamEncoder:
             events = [e for e in map(self._whole, events) if e is not None]
         return encode_vllm_batch(
             events, ts, self._rank, block_size=self.block_size,
-            sliding_window_groups=self._sliding, partial_blocks=True,
+            sliding_window_groups=self._sliding, partial_blocks=True, state_groups=self._state,
         )
 
     def _whole(self, event: KVCacheEvent) -> KVCacheEvent | None:

@@ -50,7 +50,11 @@ class ZmqEventPublisher:
             warning says so. See :mod:`kvpool.events.zmq_sockets` for ``ipc://`` paths.
         topic: the first frame of every message (subscribers filter on its prefix).
         buffer_steps: how many recent batches the replay socket can serve.
-        hwm: PUB send high-water mark (messages past it are dropped by ZeroMQ, never blocked).
+        hwm: PUB send high-water mark (messages past it are dropped by ZeroMQ, never blocked:
+            a subscriber that stops reading never holds up :meth:`publish` or the engine).
+            A replay client gets at most one burst of ``buffer_steps`` batches queued; one
+            that does not read it has its later replies cut short (:attr:`replies_cut`), so
+            it never holds up the replay thread or other clients either.
         snapshot: what answers snapshot requests: a callable returning one batch payload that
             holds the state of every batch published so far. It is called under the lock
             :meth:`publish` takes, so the state it returns is exactly that of the batches
@@ -90,7 +94,11 @@ class ZmqEventPublisher:
             self._replay: zmq.Socket[Any] | None = None
             if replay_endpoint is not None:
                 self._replay = new_socket(self._ctx, zmq.ROUTER, made)
-                self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay burst is never cut short
+                # one whole replay burst per client fits (5 frames a batch); a client that
+                # does not read its replies gets no more (sends never block: NOBLOCK and
+                # ROUTER_MANDATORY, so a full pipe is an error here, not a silent drop)
+                self._replay.setsockopt(zmq.SNDHWM, (buffer_steps + 2) * 5)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self.replay_endpoint = bind(self._replay, replay_endpoint, "replay")
                 if not is_private(self.replay_endpoint):
                     logger.warning(
@@ -119,6 +127,8 @@ class ZmqEventPublisher:
         self.epoch = os.urandom(8)
         """Random per publisher: a consumer that sees it change knows the publisher restarted."""
         self._skip: set[int] = set()
+        self.replies_cut = 0
+        """Replay replies cut short: their client did not read (its pipe was full) or left."""
         self._next_seq = 0
         self._parts_sent = 0  # frames handed to the forwarder
         self._lock = threading.Lock()  # publish(), close() and the replay snapshot
@@ -271,6 +281,13 @@ class ZmqEventPublisher:
                     logger.warning("ignoring a replay request of %d bytes", len(request))
                     continue
                 status = self._next_seq.to_bytes(8, "big") + self.epoch
-            for seq, payload in batches:
-                router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"), payload))
-            router.send_multipart((identity, b"", b"", END_SEQ, status))
+            try:
+                for seq, payload in batches:
+                    router.send_multipart((identity, b"", topic, seq.to_bytes(8, "big"),
+                                           payload), flags=zmq.NOBLOCK)
+                router.send_multipart((identity, b"", b"", END_SEQ, status), flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # Again: its pipe is full; EHOSTUNREACH: it left
+                self.replies_cut += 1
+                if self.replies_cut & (self.replies_cut - 1) == 0:  # 1, 2, 4, ... times
+                    logger.warning("a replay client that does not read its replies (or left) "
+                                   "got part of one (%d so far): %s", self.replies_cut, exc)

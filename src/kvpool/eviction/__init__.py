@@ -17,7 +17,7 @@ Rules every policy keeps:
   on an empty queue raises :class:`IndexError`.
 
 Policies (``POLICIES``, named in ``EVICTION_POLICIES``, chosen by
-``CacheConfig(eviction_policy=...)``):
+``CacheConfig(eviction=EvictionConfig(policy=...))``):
 
 ``lru``
     :class:`PrioritizedLRU`: least recently released first, no history (every engine's

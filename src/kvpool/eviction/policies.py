@@ -92,12 +92,12 @@ class ARC(SegmentedPolicy):
 
 
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "2q", "s3fifo", "arc")
-"""``CacheConfig.eviction_policy`` values (:data:`POLICIES` maps each to its class)."""
+"""``CacheConfig.eviction.policy`` values (:data:`POLICIES` maps each to its class)."""
 
 POLICIES: dict[str, type[PrioritizedLRU] | type[SegmentedPolicy]] = dict(
     zip(EVICTION_POLICIES, (PrioritizedLRU, TwoQueue, S3FIFO, ARC), strict=True)
 )
-"""Eviction policies by ``CacheConfig.eviction_policy`` name (:data:`EVICTION_POLICIES`)."""
+"""Eviction policies by ``CacheConfig.eviction.policy`` name (:data:`EVICTION_POLICIES`)."""
 
 
 def _factory(name: str) -> type[PrioritizedLRU] | type[SegmentedPolicy]:

@@ -12,4 +12,5 @@ DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
 OFFLOAD_GATES: tuple[str, ...] = ("all", "reused")
-"""``CacheConfig.offload_gate`` values: every victim may go down a tier, or only reused ones."""
+"""``CacheConfig.eviction.offload_gate`` values: every victim may go down a tier, or only reused
+ones."""

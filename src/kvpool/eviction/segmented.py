@@ -24,6 +24,7 @@ from kvpool.eviction.fifo import (
 from kvpool.eviction.history import DEFAULT_GHOST_MULTIPLE, KeyHistory
 from kvpool.eviction.queue import Level, LevelQueue, check_gate
 from kvpool.hashing.keys import BlockKey
+from kvpool.validation import check_int, check_number
 
 
 class SegmentedPolicy(LevelQueue):
@@ -73,16 +74,10 @@ class SegmentedPolicy(LevelQueue):
                  offload_gate: str = "all", ghost_multiple: float = DEFAULT_GHOST_MULTIPLE,
                  tier: int = 0, history: KeyHistory | None = None) -> None:
         check_gate(offload_gate)
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                     or capacity < 0):
-            raise InvalidArgumentError(f"capacity must be an int >= 0, got {capacity!r}")
-        if (isinstance(ghost_multiple, bool) or not isinstance(ghost_multiple, int | float)
-                or not 0 <= ghost_multiple <= 1024):
-            raise InvalidArgumentError(
-                f"ghost_multiple must be a number in [0, 1024], got {ghost_multiple!r}"
-            )
-        if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
-            raise InvalidArgumentError(f"tier must be an int >= 0, got {tier!r}")
+        if capacity is not None:
+            check_int("capacity", capacity, 0)
+        check_number("ghost_multiple", ghost_multiple, 0, 1024)
+        check_int("tier", tier, 0)
         super().__init__(clock, capacity or 0)
         self._gate_all = offload_gate == "all"
         self._multiple = float(ghost_multiple)

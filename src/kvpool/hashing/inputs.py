@@ -17,6 +17,7 @@ from typing import Final
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError, InvalidTokenError
+from kvpool.validation import check_int, check_u64, is_int
 
 __all__ = [
     "DIGEST_SIZE",
@@ -25,7 +26,7 @@ __all__ = [
     "check_digest",
     "check_salt",
     "check_tpb",
-    "check_u64",
+    "check_u64_or_none",
     "tokens_to_u32",
     "validate_tokens",
 ]
@@ -49,7 +50,7 @@ def _bad_token_error(tokens: object) -> InvalidTokenError:
             f"{tokens!r:.80}"
         )
     for i, t in enumerate(tokens):
-        if not isinstance(t, int | np.integer) or isinstance(t, bool):
+        if not (is_int(t) or isinstance(t, np.integer)):
             return InvalidTokenError(
                 f"token at position {i} is {t!r} ({type(t).__name__}); token ids must be ints"
             )
@@ -136,21 +137,14 @@ def validate_tokens(tokens: Sequence[int] | np.ndarray | array[int]) -> list[int
 
 
 def check_tpb(tokens_per_block: object) -> int:
-    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
-        raise InvalidArgumentError(
-            f"tokens_per_block must be an int, got {tokens_per_block!r} "
-            f"({type(tokens_per_block).__name__})"
-        )
-    if tokens_per_block < 1:
-        raise InvalidArgumentError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
-    return tokens_per_block
+    return check_int("tokens_per_block", tokens_per_block, 1)
 
 
-def check_u64(name: str, value: object) -> None:
+def check_u64_or_none(name: str, value: object) -> None:
+    """None, or an unsigned 64-bit int."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= M64:
-        raise InvalidArgumentError(f"{name} must be an unsigned 64-bit int, got {value!r}")
+    check_u64(name, value)
 
 
 def check_digest(name: str, value: object) -> bytes:

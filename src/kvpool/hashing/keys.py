@@ -49,7 +49,7 @@ from kvpool.hashing.inputs import (
     check_digest,
     check_salt,
     check_tpb,
-    check_u64,
+    check_u64_or_none,
     tokens_to_u32,
     validate_tokens,
 )
@@ -63,6 +63,7 @@ from kvpool.hashing.vllm import (
     vllm_sha256_cbor_block_hash,
     vllm_tails,
 )
+from kvpool.validation import check_u64
 
 __all__ = [
     "M64",
@@ -126,9 +127,7 @@ def event_hash(algo: HashAlgo | str, key: BlockKey) -> int | str:
     if not isinstance(algo, HashAlgo):
         algo = hash_algo(algo)
     if algo is HashAlgo.V1_BLOCK_KEY:
-        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= M64:
-            raise InvalidArgumentError(f"a v1_block_key key must be a u64 int, got {key!r}")
-        return key
+        return check_u64("a v1_block_key key", key)
     digest = check_digest(f"a {algo.value} key", key)
     if algo is HashAlgo.V2_SHA256:
         return digest.hex()
@@ -168,7 +167,7 @@ class BlockHasher:
         sha256; a manager keeps them)."""
         self.algo = hash_algo(algo)
         self.tpb = check_tpb(tokens_per_block)
-        check_u64("lora_id", lora_id)
+        check_u64_or_none("lora_id", lora_id)
         check_salt(cache_salt)
         self._lora = lora_id
         self._salt = cache_salt_id(cache_salt) if cache_salt is not None else None
@@ -338,7 +337,7 @@ def request_block_hashes(
     """
     a = hash_algo(algo)
     tpb = check_tpb(tokens_per_block)
-    check_u64("lora_id", lora_id)
+    check_u64_or_none("lora_id", lora_id)
     check_salt(cache_salt)
     body = tokens_to_u32(tokens)  # a fresh array: dropping the last token copies nothing
     if body:

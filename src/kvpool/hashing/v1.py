@@ -17,7 +17,7 @@ from typing import Final
 import numpy as np
 
 from kvpool.hashing import jit
-from kvpool.hashing.inputs import M64, check_tpb, check_u64, tokens_to_u32
+from kvpool.hashing.inputs import M64, check_tpb, check_u64_or_none, tokens_to_u32
 
 __all__ = ["v1_block_key", "v1_block_keys", "v1_keys"]
 
@@ -134,9 +134,9 @@ def v1_block_key(
     The salt id is mixed in only when ``parent_hash == 0`` (the first block of a sequence); the
     LoRA id into every block.
     """
-    check_u64("parent_hash", parent_hash)
-    check_u64("lora_id", lora_id)
-    check_u64("salt_id", salt_id)
+    check_u64_or_none("parent_hash", parent_hash)
+    check_u64_or_none("lora_id", lora_id)
+    check_u64_or_none("salt_id", salt_id)
     toks = tokens_to_u32(tokens)
     keys = jit.v1_chain(toks, len(toks), parent_hash, salt_id, lora_id) if toks else None
     return keys[0] if keys else _v1_block(_v1_premix4(toks), parent_hash, salt_id, lora_id)
@@ -152,7 +152,7 @@ def v1_block_keys(
 ) -> list[int]:
     """Chained v1 keys of every block of ``tokens`` (a trailing partial block included)."""
     check_tpb(tokens_per_block)
-    check_u64("parent_hash", parent_hash)
-    check_u64("lora_id", lora_id)
-    check_u64("salt_id", salt_id)
+    check_u64_or_none("parent_hash", parent_hash)
+    check_u64_or_none("lora_id", lora_id)
+    check_u64_or_none("salt_id", salt_id)
     return v1_keys(tokens_to_u32(tokens), tokens_per_block, parent_hash, salt_id, lora_id)

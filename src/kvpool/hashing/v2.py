@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Final
 
-from kvpool.hashing.inputs import check_digest, check_u64, tokens_to_u32
+from kvpool.hashing.inputs import check_digest, check_u64_or_none, tokens_to_u32
 
 __all__ = ["le_bytes", "v2_block_key", "v2_chain", "v2_heads", "v2_root_key"]
 
@@ -32,8 +32,8 @@ def _scope_bytes(lora_id: int | None, salt_id: int | None) -> bytes:
 
 def v2_root_key(*, lora_id: int | None = None, salt_id: int | None = None) -> bytes:
     """The root digest of a reuse scope (LoRA id and/or salt id): the parent of block 0."""
-    check_u64("lora_id", lora_id)
-    check_u64("salt_id", salt_id)
+    check_u64_or_none("lora_id", lora_id)
+    check_u64_or_none("salt_id", salt_id)
     return hashlib.sha256(_scope_bytes(lora_id, salt_id)).digest()
 
 

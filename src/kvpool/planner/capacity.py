@@ -65,11 +65,11 @@ from kvpool.planner.model_spec import (
     LayerGroupSpec,
     LayerSpec,
     ModelSpec,
-    is_int,
     presets,
 )
 from kvpool.planner.pool_plan import TIER_NAMES, GroupPlan, PoolPlan
 from kvpool.planner.sizes import format_size, parse_size
+from kvpool.validation import is_int
 
 __all__ = [
     "DTYPE_BYTES",

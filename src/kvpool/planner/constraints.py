@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.planner.model_spec import LayerGroupSpec, as_tuple, is_int
+from kvpool.planner.model_spec import LayerGroupSpec, as_tuple
+from kvpool.validation import is_int
 
 __all__ = [
     "BatchConstraint",

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.validation import is_int
 
 __all__ = ["DTYPE_BYTES", "LayerGroupSpec", "LayerSpec", "ModelSpec", "presets"]
 
@@ -41,11 +42,6 @@ def group_label(window: int | None, sink_tokens: int) -> str:
     if window is None:
         return "full"
     return f"window {window}" + (f" + {sink_tokens} sink" if sink_tokens else "")
-
-
-def is_int(value: object) -> TypeGuard[int]:
-    """An int, not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def as_tuple(name: str, value: object) -> tuple[Any, ...]:

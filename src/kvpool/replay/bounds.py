@@ -33,6 +33,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.replay.workloads import Workload
+from kvpool.validation import check_int
 
 __all__ = [
     "BlockStream",
@@ -68,7 +69,7 @@ class BlockStream:
         ``prompt_tokens`` defaults to each request's blocks x ``tokens_per_block`` (then the
         token hit rate equals the block hit rate).
         """
-        _check_count("tokens_per_block", tokens_per_block, 1)
+        check_int("tokens_per_block", tokens_per_block, 1)
         lengths = [len(k) for k in request_keys]
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -149,11 +150,6 @@ class HitRateBound:
         }
 
 
-def _check_count(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
-
-
 def request_block_keys(workload: Workload, tokens_per_block: int) -> BlockStream:
     """The block stream of ``workload`` at ``tokens_per_block``.
 
@@ -164,7 +160,7 @@ def request_block_keys(workload: Workload, tokens_per_block: int) -> BlockStream
     These keys are kvpool-internal (not an event hash algorithm): they are fast, and equality
     is all a bound needs.
     """
-    _check_count("tokens_per_block", tokens_per_block, 1)
+    check_int("tokens_per_block", tokens_per_block, 1)
     step = 4 * tokens_per_block
     digest = xxhash.xxh3_64_intdigest
     flat: list[int] = []
@@ -247,7 +243,7 @@ def belady_hit_rate(
     unless ``bypass`` is set and the new block itself is used later than every cached block,
     in which case it is not admitted. O(accesses x log accesses).
     """
-    _check_count("capacity", capacity, 0)
+    check_int("capacity", capacity, 0)
     s = _as_stream(stream)
     n = s.accesses
     policy = "belady_bypass" if bypass else "belady"

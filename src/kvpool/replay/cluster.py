@@ -82,6 +82,7 @@ from kvpool.replay.workloads import Request, Workload
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import Ingest
 from kvpool.router.scoring import Router
+from kvpool.validation import check_int
 
 __all__ = [
     "KV_POLICIES",
@@ -275,7 +276,8 @@ class _Replay:
         cache = dataclasses.replace(config.cache, clock=self._clock)
         self.shared = shared_store(config.cache, config.remote_bytes, config.remote_block_bytes)
         if self.shared is not None:
-            cache = dataclasses.replace(cache, remote_store=self.shared)
+            cache = dataclasses.replace(
+                cache, remote=dataclasses.replace(cache.remote, store=self.shared))
         self.worker_ids = [f"w{i}" for i in range(config.workers)]
         self.events = [
             EventManager(1 << 20, hash_algo=cache.hash_algo) for _ in self.worker_ids
@@ -526,8 +528,7 @@ def replay(
         raise InvalidArgumentError(f"routing policies repeat: {', '.join(policies)}")
     if not len(workload):
         raise InvalidArgumentError(f"workload {workload.name!r} has no requests")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
+    check_int("jobs", jobs, 1)
     t0 = time.perf_counter()
     bounds = workload_bounds(workload, config.cache.tokens_per_block, seed=config.seed)
     bounds_wall = time.perf_counter() - t0

@@ -131,7 +131,7 @@ class SimWorker:
         self.time_model = time_model
         self.events = events
         self.manager = KVCacheManager(cache, events=events)
-        self._remote = cache.remote_store is not None or cache.remote_url is not None
+        self._remote = cache.remote.store is not None or cache.remote.url is not None
         self.tpb = cache.tokens_per_block
         self._ref_group = reference_group(cache)
         self._windows = tuple(

@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from kvpool.errors import InvalidArgumentError, TraceFormatError
 from kvpool.hashing.keys import M64, MAX_TOKEN_ID
-from kvpool.replay.requests import DEFAULT_VOCAB_SIZE, Request, Workload, check_int
+from kvpool.replay.requests import DEFAULT_VOCAB_SIZE, Request, Workload
+from kvpool.validation import check_int
 
 __all__ = [
     "BUILTIN_TRACES",

@@ -5,7 +5,6 @@ and the argument checks the workload sources share.
 
 from __future__ import annotations
 
-import math
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,27 +15,12 @@ import numpy as np
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.hashing.keys import MAX_TOKEN_ID, tokens_to_u32
+from kvpool.validation import check_int, check_number
 
-__all__ = ["DEFAULT_VOCAB_SIZE", "Request", "Workload", "check_float", "check_int"]
+__all__ = ["DEFAULT_VOCAB_SIZE", "Request", "Workload"]
 
 DEFAULT_VOCAB_SIZE: Final = 32_000
 """Synthesised token ids lie in [0, DEFAULT_VOCAB_SIZE) (a Llama-2-sized vocabulary)."""
-
-
-def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
-
-
-def check_float(name: str, value: object, lo: float, hi: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidArgumentError(f"{name} must be a finite number, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise InvalidArgumentError(f"{name} must be {bound}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,24 +55,12 @@ class Request:
             )
         rid = self.request_id
         arrival = self.arrival_s
-        if (
-            isinstance(arrival, bool)
-            or not isinstance(arrival, int | float)
-            or not math.isfinite(arrival)
-            or arrival < 0
-        ):
-            raise InvalidArgumentError(
-                f"request {rid}: arrival_s must be a finite number >= 0, got {arrival!r}"
-            )
-        object.__setattr__(self, "arrival_s", float(arrival))
+        object.__setattr__(self, "arrival_s", check_number(f"request {rid}: arrival_s", arrival))
         object.__setattr__(self, "tokens", _as_token_array(self.tokens, rid, "tokens"))
         if not self.tokens:
             raise InvalidArgumentError(f"request {rid}: tokens must not be empty")
         out = self.output_length
-        if isinstance(out, bool) or not isinstance(out, int) or out < 1:
-            raise InvalidArgumentError(
-                f"request {rid}: output_length must be an int >= 1, got {out!r}"
-            )
+        check_int(f"request {rid}: output_length", out, 1)
         if self.output_token_ids is not None:
             ids = _as_token_array(self.output_token_ids, rid, "output_token_ids")
             if len(ids) != out:

@@ -5,7 +5,6 @@ request, the tokens it generates, and the block arithmetic of its pool (peak nee
 
 from __future__ import annotations
 
-import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -15,6 +14,7 @@ import xxhash
 from kvpool.config import CacheConfig
 from kvpool.errors import InvalidArgumentError
 from kvpool.replay.workloads import DEFAULT_VOCAB_SIZE, Request
+from kvpool.validation import check_bool, check_int, check_number
 
 __all__ = [
     "RequestRecord",
@@ -27,20 +27,6 @@ __all__ = [
     "peak_blocks",
     "reference_group",
 ]
-
-
-def _check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidArgumentError(f"{name} must be a finite number, got {value!r}")
-    if value < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
-    return float(value)
-
-
-def _check_count(name: str, value: object, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +61,7 @@ class TimeModel:
 
     def __post_init__(self) -> None:
         for name in ("weight_read_s", "token_compute_s", "attention_pair_s", "kv_read_s"):
-            object.__setattr__(self, name, _check_number(name, getattr(self, name)))
+            object.__setattr__(self, name, check_number(name, getattr(self, name)))
 
     def step_s(self, tokens: int, prefill_pairs: int, decode_context: int) -> float:
         """Duration of one step (see the class docstring)."""
@@ -110,17 +96,14 @@ class SchedulerConfig:
     chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        _check_count("max_batch_size", self.max_batch_size)
-        _check_count("max_num_tokens", self.max_num_tokens)
+        check_int("max_batch_size", self.max_batch_size, 1)
+        check_int("max_num_tokens", self.max_num_tokens, 1)
         if self.max_num_tokens < self.max_batch_size:
             raise InvalidArgumentError(
                 f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size "
                 f"({self.max_batch_size}): every running sequence decodes one token a step"
             )
-        if not isinstance(self.chunked_prefill, bool):
-            raise InvalidArgumentError(
-                f"chunked_prefill must be a bool, got {self.chunked_prefill!r}"
-            )
+        check_bool("chunked_prefill", self.chunked_prefill)
 
 
 @dataclass(slots=True)

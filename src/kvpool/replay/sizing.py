@@ -18,6 +18,7 @@ from kvpool.hashing.keys import HashAlgo
 from kvpool.planner.capacity import ModelSpec, PoolPlan, plan_pools
 from kvpool.replay.engine_sim import SchedulerConfig, TimeModel, reference_group
 from kvpool.tiers.remote.memory import MemoryStore
+from kvpool.validation import check_int, is_int
 
 __all__ = [
     "HASH_ALGO",
@@ -124,16 +125,12 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
             raise InvalidArgumentError(f"cache must be a CacheConfig, got {self.cache!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not (
-            1 <= self.workers <= 64
-        ):
-            raise InvalidArgumentError(f"workers must be an int in [1, 64], got {self.workers!r}")
+        check_int("workers", self.workers, 1, 64)
         if self.transport not in TRANSPORTS:
             raise InvalidArgumentError(
                 f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InvalidArgumentError(f"seed must be an int >= 0, got {self.seed!r}")
+        check_int("seed", self.seed, 0)
         check_remote(self.cache, self.remote_bytes, self.remote_block_bytes)
 
     @property
@@ -165,11 +162,10 @@ class ClusterConfig:
 
 def check_remote(cache: CacheConfig, remote_bytes: int, block_bytes: tuple[int, ...]) -> None:
     """A shared tier's size and per-group block bytes (InvalidArgumentError if bad)."""
-    if isinstance(remote_bytes, bool) or not isinstance(remote_bytes, int) or remote_bytes < 0:
-        raise InvalidArgumentError(f"remote_bytes must be an int >= 0, got {remote_bytes!r}")
+    check_int("remote_bytes", remote_bytes, 0)
     if not isinstance(block_bytes, tuple) or (block_bytes and (
             len(block_bytes) != cache.num_groups
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+            or not all(is_int(b) and b > 0
                        for b in block_bytes))):
         raise InvalidArgumentError(
             f"remote_block_bytes must be () or one int > 0 per layer group "

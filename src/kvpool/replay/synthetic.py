@@ -17,9 +17,8 @@ from kvpool.replay.requests import (
     DEFAULT_VOCAB_SIZE,
     Request,
     Workload,
-    check_float,
-    check_int,
 )
+from kvpool.validation import check_int, check_number
 
 __all__ = ["SyntheticParams", "generate_synthetic", "synthetic_workload"]
 
@@ -91,9 +90,9 @@ class SyntheticParams:
         ):
             check_int(name, getattr(self, name), 1)
         for name in ("think_time_s", "agent_think_time_s", "min_think_time_s"):
-            check_float(name, getattr(self, name), 0.0)
-        check_float("agent_fraction", self.agent_fraction, 0.0, 1.0)
-        check_float("arrival_rate_per_s", self.arrival_rate_per_s, 0.0)
+            check_number(name, getattr(self, name), 0.0)
+        check_number("agent_fraction", self.agent_fraction, 0.0, 1.0)
+        check_number("arrival_rate_per_s", self.arrival_rate_per_s, 0.0)
         if self.arrival_rate_per_s <= 0:
             raise InvalidArgumentError(
                 f"arrival_rate_per_s must be > 0, got {self.arrival_rate_per_s}"

@@ -9,8 +9,10 @@ from typing import Final
 
 from kvpool.errors import TransportError
 from kvpool.events.model import KVCacheEvent
-from kvpool.events.vllm_msgpack import decode_vllm_batch, encode_vllm_batch
-from kvpool.events.zmq import ZmqEventPublisher, ZmqEventSubscriber
+from kvpool.events.publishing import BatchPublisher
+from kvpool.events.vllm_msgpack import decode_vllm_batch
+from kvpool.events.zmq import ZmqEventSubscriber
+from kvpool.events.zmq_publisher import ZmqEventPublisher
 from kvpool.replay.sizing import HASH_ALGO
 from kvpool.router.ingest import Ingest
 
@@ -35,7 +37,7 @@ class InProcess:
 class ZmqLink:
     __slots__ = ("next_event_id", "pub", "published", "sub")
 
-    def __init__(self, pub: ZmqEventPublisher, sub: ZmqEventSubscriber) -> None:
+    def __init__(self, pub: BatchPublisher, sub: ZmqEventSubscriber) -> None:
         self.pub = pub
         self.sub = sub
         self.published = 0
@@ -57,11 +59,14 @@ class Zmq:
         self.links: dict[str, ZmqLink] = {}
         try:
             for wid in worker_ids:
-                pub = ZmqEventPublisher(
-                    "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=wid, buffer_steps=1024
+                pub = BatchPublisher(
+                    "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=wid, buffer_steps=1024,
+                    block_size=tokens_per_block, partial_blocks=True,
                 )
+                zpub = pub.publisher
+                assert isinstance(zpub, ZmqEventPublisher)  # built from endpoints
                 try:
-                    sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, topic=wid)
+                    sub = ZmqEventSubscriber(zpub.endpoint, zpub.replay_endpoint, topic=wid)
                 except BaseException:
                     pub.close()
                     raise
@@ -72,9 +77,7 @@ class Zmq:
 
     def deliver(self, worker_id: str, events: list[KVCacheEvent], now: float) -> int:
         link = self.links[worker_id]
-        link.pub.publish(
-            encode_vllm_batch(events, ts=now, block_size=self.tpb, partial_blocks=True)
-        )
+        link.pub.publish(events, ts=now)
         link.published += 1
         applied = 0
         deadline = time.monotonic() + _ZMQ_TIMEOUT_S

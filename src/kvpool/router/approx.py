@@ -23,12 +23,12 @@ the same way.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.validation import check_number, is_int
 
 __all__ = ["DEFAULT_APPROX_TTL_S", "ApproxCaches"]
 
@@ -59,11 +59,7 @@ class ApproxCaches:
     """
 
     def __init__(self, stride: int, ttl_s: float = DEFAULT_APPROX_TTL_S) -> None:
-        if not (isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)) or not (
-            ttl_s > 0 and math.isfinite(ttl_s)
-        ):
-            raise InvalidArgumentError(f"approx ttl_s must be a finite number > 0, got {ttl_s!r}")
-        self.ttl_s = float(ttl_s)
+        self.ttl_s = check_number("approx ttl_s", ttl_s, 0, above=True)
         self.stride = stride
         self.masks: dict[int, int] = {}
         self.slot_bits = 0
@@ -82,7 +78,7 @@ class ApproxCaches:
         GPU first; missing tiers hold nothing). Replaces an earlier model of the slot."""
         caps = tuple(capacity_blocks)
         if not 1 <= len(caps) <= TIERS or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in caps
+            not is_int(c) or c < 0 for c in caps
         ) or caps[0] < 1:
             raise InvalidArgumentError(
                 "capacity_blocks must be 1 to 3 block counts >= 0 (GPU, host, disk), the "

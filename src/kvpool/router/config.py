@@ -27,6 +27,18 @@ in ``examples/``)::
       http_timeout_s: 2.0
       health_interval_s: 2.0                      # liveness probes of ZMQ workers
     proxy: false                                  # forward /v1/completions, /v1/chat/completions
+    tokenizer: null                               # for text requests: HF name or directory
+    bus: direct                                   # direct (each worker's own transport) | nats
+    nats:                                         # with bus: nats (kvpool.router.nats_bus)
+      url: nats://127.0.0.1:4222
+      stream: KVPOOL_EVENTS                       # the JetStream stream of KV events
+      subject_prefix: kvpool.events               # events on {subject_prefix}.{worker}
+      replica_id: null                            # this replica's durable consumer; default random
+      snapshot_bucket: kvpool-router              # object store bucket of index snapshots
+      snapshot_interval_s: 30                     # 0: this replica writes none
+      inflight_subject: kvpool.inflight           # core NATS subject of in-flight state
+      check_interval_s: 0.5                       # tail gap checks against the stream
+      catch_up_timeout_s: 30                      # start() waits this long to catch up
     workers:                                      # required, at least one
       - id: w0                                    # required, unique
         kind: vllm                                # required: vllm | trtllm | kvpool
@@ -41,6 +53,8 @@ in ``examples/``)::
                                                   # router predicts the cache (approx mode)
         shared_tier: null                         # name of the shared remote tier (Redis /
                                                   # Valkey store) the worker reads and writes
+        tokenizer: null                           # its own; default: the top-level one, else
+                                                  # a kvpool worker's GET /v1/tokenizer
 
 ``hash_algo`` defaults: ``vllm_sha256_cbor`` for vLLM workers (unless ``match_by_tokens``);
 for TensorRT-LLM workers what ``/server_info`` advertises, else each event's field; kvpool
@@ -66,6 +80,7 @@ import msgspec
 import yaml
 
 from kvpool.errors import ConfigError, UnknownHashAlgorithmError
+from kvpool.events.nats_publisher import DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX
 from kvpool.hashing.keys import hash_algo as parse_hash_algo
 from kvpool.httpserve.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -82,6 +97,7 @@ __all__ = [
     "MAX_PROMPT_TOKENS",
     "IngestOptions",
     "ListenOptions",
+    "NatsOptions",
     "RouterOptions",
     "ServiceConfig",
     "WorkerConfig",
@@ -124,6 +140,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker of that tier announces on the remote cache level count for this one too, see
     :meth:`kvpool.router.scoring.Router.share_tier`. Needs the engine's block hashes (not
     ``match_by_tokens``)."""
+    tokenizer: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """The worker's tokenizer for text requests (proxy mode, ``/route``, ``/query``): a
+    Hugging Face name or a local directory; default: the top-level ``tokenizer``, else a
+    ``kvpool`` worker's own (``GET /v1/tokenizer``), see :mod:`kvpool.router.tokenizer_source`."""
 
 
 class RouterOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -166,12 +186,36 @@ class ListenOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                           self.body_timeout_s)
 
 
+_Subject = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")]
+_Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class NatsOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Events over NATS JetStream (``bus: nats``; :mod:`kvpool.router.nats_bus`)."""
+
+    url: Annotated[str, msgspec.Meta(pattern=r"^(nats|tls)://")] = "nats://127.0.0.1:4222"
+    stream: _Name = DEFAULT_STREAM
+    subject_prefix: _Subject = DEFAULT_SUBJECT_PREFIX
+    replica_id: _Name | None = None
+    snapshot_bucket: _Name = "kvpool-router"
+    snapshot_interval_s: _NonNegative = 30.0
+    inflight_subject: _Subject = "kvpool.inflight"
+    check_interval_s: _Interval = 0.5
+    catch_up_timeout_s: _Interval = 30.0
+
+
 class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workers: Annotated[tuple[WorkerConfig, ...], msgspec.Meta(min_length=1)]
     router: RouterOptions = msgspec.field(default_factory=RouterOptions)
     ingest: IngestOptions = msgspec.field(default_factory=IngestOptions)
     listen: ListenOptions = msgspec.field(default_factory=ListenOptions)
     proxy: bool = False
+    tokenizer: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """The tokenizer of every worker without its own ``tokenizer`` key."""
+    bus: Literal["direct", "nats"] = "direct"
+    """``nats``: every worker's events come from the NATS stream (published by ``kvpool serve
+    --nats`` or ``kvpool bridge``), not from the worker's own endpoints."""
+    nats: NatsOptions = msgspec.field(default_factory=NatsOptions)
 
     @property
     def host(self) -> str:
@@ -212,7 +256,7 @@ def parse_config(obj: object) -> ServiceConfig:
         config = msgspec.convert(obj, ServiceConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(_located(str(exc), obj)) from None
-    for section in ("router", "ingest", "listen"):
+    for section in ("router", "ingest", "listen", "nats"):
         options = getattr(config, section)
         for name in options.__struct_fields__:
             value = getattr(options, name)
@@ -224,12 +268,13 @@ def parse_config(obj: object) -> ServiceConfig:
         if w.id in seen:
             raise ConfigError(f"workers[{i}].id: {w.id!r} is used twice")
         seen.add(w.id)
-        workers.append(_checked_worker(w, f"workers[{i}]"))
+        workers.append(_checked_worker(w, f"workers[{i}]", bus=config.bus == "nats"))
     return msgspec.structs.replace(config, workers=tuple(workers))
 
 
-def _checked_worker(w: WorkerConfig, where: str) -> WorkerConfig:
-    """What depends on the worker's kind, with the defaults it implies."""
+def _checked_worker(w: WorkerConfig, where: str, *, bus: bool = False) -> WorkerConfig:
+    """What depends on the worker's kind, with the defaults it implies (``bus``: the events
+    come over NATS, the worker needs no endpoint of its own)."""
     base = w.http_base_url
     if base is not None:
         if not base.startswith(("http://", "https://")):
@@ -258,12 +303,12 @@ def _checked_worker(w: WorkerConfig, where: str) -> WorkerConfig:
             f"got {list(approx)}"
         )
     if w.kind is WorkerKind.VLLM:
-        if w.zmq_endpoint is None and w.approx_blocks is None:
+        if w.zmq_endpoint is None and w.approx_blocks is None and not bus:
             raise ConfigError(f"{where}.zmq_endpoint: required for a vllm worker")
         if algo is None and not w.match_by_tokens:
             algo = "vllm_sha256_cbor"
     elif w.kind is WorkerKind.TRTLLM:
-        if base is None:
+        if base is None and not bus:
             raise ConfigError(f"{where}.http_base_url: required for a trtllm worker")
         if w.zmq_endpoint is not None:
             raise ConfigError(f"{where}.zmq_endpoint: trtllm workers are polled over HTTP")

@@ -127,7 +127,7 @@ class KvIndex(BlockCounts):
     ``masks``.
     """
 
-    __slots__ = ("_groups_cache", "_listeners", "_slots", "_workers")
+    __slots__ = ("_deferred", "_groups_cache", "_listeners", "_slots", "_workers")
 
     def __init__(self) -> None:
         super().__init__()
@@ -136,6 +136,7 @@ class KvIndex(BlockCounts):
         self._stride = 64
         self._groups_cache: dict[GroupKey, int] | None = None
         self._listeners: list[ResetListener] = []
+        self._deferred: list[tuple[str, int, bool]] | None = None
 
     # ---------------------------------------------------------------------------------------
     # workers
@@ -203,8 +204,7 @@ class KvIndex(BlockCounts):
         del self._workers[worker_id]
         self._slots[w.slot] = None
         self._groups_cache = None
-        for listener in self._listeners:
-            listener(worker_id, w.slot, True)
+        self._notify(worker_id, w.slot, True)
 
     def reset_worker(self, worker_id: str) -> None:
         """Drop every block of a worker (its publisher restarted); keep its configuration."""
@@ -229,6 +229,26 @@ class KvIndex(BlockCounts):
     def add_reset_listener(self, listener: ResetListener) -> None:
         """Call ``listener(worker_id, slot, removed)`` whenever a worker's blocks are dropped."""
         self._listeners.append(listener)
+
+    def defer_resets(self) -> None:
+        """Until :meth:`flush_resets`, the reset listeners are called later, in order: the
+        index itself changes at once, the listeners' own state (the router's predictions and
+        loads) not while a route runs in another thread."""
+        if self._deferred is None:
+            self._deferred = []
+
+    def flush_resets(self) -> None:
+        """Call the listeners deferred since :meth:`defer_resets`, and stop deferring."""
+        deferred, self._deferred = self._deferred, None
+        for worker_id, slot, removed in deferred or ():
+            self._notify(worker_id, slot, removed)
+
+    def _notify(self, worker_id: str, slot: int, removed: bool) -> None:
+        if self._deferred is not None:
+            self._deferred.append((worker_id, slot, removed))
+            return
+        for listener in self._listeners:
+            listener(worker_id, slot, removed)
 
     # ---------------------------------------------------------------------------------------
     # what the router reads
@@ -401,8 +421,7 @@ class KvIndex(BlockCounts):
                     self._apply_updated(w, group, eid, rank, data)
                 elif type(data) is AllCleared:
                     self._drop_blocks(w)
-                    for listener in self._listeners:
-                        listener(w.worker_id, w.slot, False)
+                    self._notify(w.worker_id, w.slot, False)
                 elif type(data) is Created:
                     self._apply_created(w, group, eid, rank, data)
                 else:
@@ -577,5 +596,4 @@ class KvIndex(BlockCounts):
         w.capacity.clear()
         w.counters.resets += 1
         self.counters.resets += 1
-        for listener in self._listeners:
-            listener(w.worker_id, w.slot, False)
+        self._notify(w.worker_id, w.slot, False)

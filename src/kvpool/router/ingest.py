@@ -188,8 +188,8 @@ class Ingest:
         self.counters = IngestCounters()
         self._workers: dict[str, WorkerConfig] = {}
         self._status: dict[str, TransportStatus] = {}
-        self._next_id: dict[str, int] = {}
-        self._block_size: dict[str, int] = {}  # learned ones, while the index holds them
+        self.next_id: dict[str, int] = {}
+        self.block_size: dict[str, int] = {}  # learned ones, while the index holds them
         self._tasks: list[asyncio.Task[None]] = []
         self._readers: list[ZmqReader] = []
         self._session: aiohttp.ClientSession | None = None
@@ -287,13 +287,13 @@ class Ingest:
         status = self.status(worker_id)
         cfg = self._workers.get(worker_id)
         algo = (cfg.hash_algo if cfg is not None else None) or HashAlgo.VLLM_SHA256_CBOR.value
-        first = self._next_id.get(worker_id, 0)
+        first = self.next_id.get(worker_id, 0)
         try:
             events = decode_vllm(payload, algo, first, self.index.uses_tokens(worker_id))
         except EventFormatError as exc:
             self._malformed(worker_id, status, str(exc))
             return 0
-        self._next_id[worker_id] = first + len(events)
+        self.next_id[worker_id] = first + len(events)
         applied = self._apply(worker_id, events)
         self._account(worker_id, status, len(events))
         return applied
@@ -341,8 +341,8 @@ class Ingest:
         tpb = index.tokens_per_block_of(worker_id)
         learned = index.learns_block_size(worker_id)
         if learned and tpb is None:
-            self._block_size.pop(worker_id, None)  # reset (or new): learned again
-        want = self._block_size.get(worker_id) if learned else tpb
+            self.block_size.pop(worker_id, None)  # reset (or new): learned again
+        want = self.block_size.get(worker_id) if learned else tpb
         settles = None
         for n, full in stored_block_sizes(events):
             size = want if want is not None else settles
@@ -353,7 +353,7 @@ class Ingest:
                 return (f"a stored chain's first block holds {n} tokens, the worker's blocks "
                         f"hold {size}: batch refused")
         if settles is not None and learned:
-            self._block_size[worker_id] = settles
+            self.block_size[worker_id] = settles
         return None
 
     def _account(self, worker_id: str, status: TransportStatus, n_events: int) -> None:

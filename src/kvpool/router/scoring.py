@@ -115,6 +115,7 @@ from kvpool.router.shared_tier import (
     SharedTiers,
 )
 from kvpool.router.walk import walk
+from kvpool.validation import check_int, check_number
 
 __all__ = [
     "DEFAULT_APPROX_CAPACITY",
@@ -195,12 +196,7 @@ class Router:
             raise InvalidArgumentError(
                 f"shared_tier_weight must be in [0, 1], got {shared_tier_weight!r}"
             )
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or (
-            max_batch_size < 1
-        ):
-            raise InvalidArgumentError(
-                f"max_batch_size must be an int >= 1, got {max_batch_size!r}"
-            )
+        check_int("max_batch_size", max_batch_size, 1)
         self.index = index
         self.tier_weights = weights
         self.load_weight = float(load_weight)
@@ -214,12 +210,12 @@ class Router:
         ApproxCaches(index.stride).add(0, self.approx_capacity_blocks)  # validates
         self.shared = SharedTiers(shared_tier_blocks)
         self.stats = RouterStats()
-        self._clock = clock
+        self.clock = clock
         self._rng = random.Random(seed)
         self._rr = 0
         self._auto_id = 0
-        self._loads = Loads()
-        self._pred = Predictions(self.prediction_ttl_s)
+        self.loads = Loads()
+        self.pred = Predictions(self.prediction_ttl_s)
         self._memo = ChainMemo()  # known v2 chain steps (request_keys)
         index.add_reset_listener(self._on_reset)
 
@@ -241,7 +237,7 @@ class Router:
 
     def predicted_cache_blocks(self) -> int:
         """(block, worker) pairs the approximate caches hold now."""
-        self.approx.expire(self._clock())
+        self.approx.expire(self.clock())
         return len(self.approx)
 
     # ---------------------------------------------------------------------------------------
@@ -264,7 +260,7 @@ class Router:
         started = time.perf_counter()
         toks = tokens_to_u32(token_ids)
         self._check_request(toks, cache_salt, request_id, prefill_tokens)
-        now = self._clock()
+        now = self.clock()
         self._expire(now)
         healthy = self.index.healthy_mask()
         if not healthy:
@@ -302,10 +298,10 @@ class Router:
 
     def request_finished(self, request_id: str) -> bool:
         """The request left its worker: its load goes away. False if it was not active."""
-        entry = self._loads.requests.pop(request_id, None)
+        entry = self.loads.requests.pop(request_id, None)
         if entry is None:
             return False
-        self._unload(entry, self._clock())
+        self._unload(entry, self.clock())
         self.stats.finished_total += 1
         return True
 
@@ -314,25 +310,25 @@ class Router:
         the worker's queued prefill, and the blocks predicted for it start their
         ``prediction_ttl_s`` (the worker's stored events are on their way). False if it was
         not active or was already reported."""
-        entry = self._loads.requests.get(request_id)
+        entry = self.loads.requests.get(request_id)
         if entry is None or entry.prefilled:
             return False
-        self._prefilled(entry, self._clock())
+        self._prefilled(entry, self.clock())
         return True
 
     def active_requests(self, worker_id: str) -> int:
         """Requests routed to ``worker_id`` and not finished."""
         self.index.slot_of(worker_id)  # UnknownWorkerError for strangers
-        return self._loads.of(worker_id).active
+        return self.loads.of(worker_id).active
 
     def pending_prefill_tokens(self, worker_id: str) -> int:
         self.index.slot_of(worker_id)
-        return self._loads.of(worker_id).prefill_tokens
+        return self.loads.of(worker_id).prefill_tokens
 
     def predicted_blocks(self) -> int:
         """Distinct (hash, worker) predictions alive now."""
-        self._expire(self._clock())
-        return len(self._pred)
+        self._expire(self.clock())
+        return len(self.pred)
 
     # --------------------------------------------------------------------------- route steps
 
@@ -346,15 +342,10 @@ class Router:
             raise InvalidArgumentError(f"cache_salt must be a str, got {cache_salt!r}")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidArgumentError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id is not None and request_id in self._loads.requests:
+        if request_id is not None and request_id in self.loads.requests:
             raise InvalidArgumentError(f"request_id {request_id!r} is already active")
-        if prefill_tokens is not None and (
-            isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int)
-            or prefill_tokens < 0
-        ):
-            raise InvalidArgumentError(
-                f"prefill_tokens must be an int >= 0, got {prefill_tokens!r}"
-            )
+        if prefill_tokens is not None:
+            check_int("prefill_tokens", prefill_tokens, 0)
 
     def _sync_approx(self) -> None:
         """The approximate caches follow the index's stride and, in ``approx`` mode, its
@@ -383,7 +374,7 @@ class Router:
             scheme, tpb = gkey
             keys = request_keys(scheme, tpb, toks, cache_salt, self._memo)
             group_keys[gkey] = keys
-            walked = walk(keys, alive, index.stride, index.masks, self._pred.masks,
+            walked = walk(keys, alive, index.stride, index.masks, self.pred.masks,
                           self.approx, shared)
             n_keys = len(keys)
             while alive:
@@ -401,7 +392,7 @@ class Router:
         cands: list[CandidateScore] = []
         for wid, slot in self.index.healthy_workers():
             hits, tpb, n_blocks = matches.get(slot, (_NO_HITS, 0, 0))
-            load = self._loads.of(wid)
+            load = self.loads.of(wid)
             total_hits = sum(hits)
             if trt:
                 matched = total_hits * tpb
@@ -436,14 +427,14 @@ class Router:
         if request_id is None:
             self._auto_id += 1
             request_id = f"auto-{self._auto_id}"
-            while request_id in self._loads.requests:
+            while request_id in self.loads.requests:
                 self._auto_id += 1
                 request_id = f"auto-{self._auto_id}"
         prefill = prefill_tokens if prefill_tokens is not None else max(
             prompt - winner.matched_tokens, 0
         )
         entry = Active(winner.worker_id, prefill, prompt, now)
-        self._loads.add(request_id, entry, self.request_timeout_s > 0)
+        self.loads.add(request_id, entry, self.request_timeout_s > 0)
         index = self.index
         gkey = index.group_of(winner.worker_id)
         if gkey is not None and gkey in group_keys:
@@ -452,7 +443,7 @@ class Router:
                 self.approx.touch(slot, group_keys[gkey], now)
             elif self.prediction_ttl_s > 0:
                 entry.predicted = (slot, group_keys[gkey])
-                self._pred.add(slot, group_keys[gkey])
+                self.pred.add(slot, group_keys[gkey])
         return request_id, prefill
 
     def _choose(self, cands: list[CandidateScore]) -> int:
@@ -473,7 +464,7 @@ class Router:
         # last such tie's pick (rotation)
         n = len(cands)
         rot = self._rr
-        loads = self._loads
+        loads = self.loads
 
         def rank(i: int) -> tuple[int, int, int]:
             c = cands[i]
@@ -505,16 +496,16 @@ class Router:
 
     def _prefilled(self, entry: Active, now: float) -> None:
         """Prefill done: the queued prefill goes, the prediction's TTL starts."""
-        self._loads.prefilled(entry)
+        self.loads.prefilled(entry)
         if entry.predicted is not None:
             slot, keys = entry.predicted
             entry.predicted = None
-            self._pred.start(slot, keys, now)
+            self.pred.start(slot, keys, now)
 
     def _expire(self, now: float) -> None:
-        self._pred.expire(now)
+        self.pred.expire(now)
         if self.request_timeout_s > 0:
-            for entry in self._loads.timed_out(now - self.request_timeout_s):
+            for entry in self.loads.timed_out(now - self.request_timeout_s):
                 self._unload(entry, now)
                 self.stats.expired_total += 1
         if self.approx.slot_bits:
@@ -523,29 +514,26 @@ class Router:
     def _unload(self, entry: Active, now: float) -> None:
         if not entry.prefilled:
             self._prefilled(entry, now)
-        self._loads.finish(entry)
+        self.loads.finish(entry)
 
     def _on_reset(self, worker_id: str, slot: int, removed: bool) -> None:
         # The worker's cache is gone: so are the blocks we predicted there. A removed worker's
         # slot may be reused, and its requests will never be reported finished; its shared
         # tier's blocks stay (the store outlives the worker), its membership goes.
-        self._pred.drop_slot(slot)
-        for entry in self._loads.requests.values():
+        self.pred.drop_slot(slot)
+        for entry in self.loads.requests.values():
             if entry.predicted is not None and entry.predicted[0] == slot:
-                self._pred.remove(slot, entry.predicted[1])
+                self.pred.remove(slot, entry.predicted[1])
                 entry.predicted = None
         if removed:
             self.approx.remove(slot)
-            self._loads.drop_worker(worker_id)
+            self.loads.drop_worker(worker_id)
             self.shared.leave(worker_id)
         else:
             self.approx.clear(slot)
 
 
 def _check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or (
-        math.isinf(value)
-    ):
-        raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+    check_number(name, value, 0)
 
 

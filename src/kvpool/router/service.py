@@ -6,7 +6,12 @@ Endpoints
     ``{"token_ids": [...], "cache_salt"?: str, "request_id"?: str, "prefill_tokens"?: int}``
     → the :class:`~kvpool.router.scoring.RouteDecision` as JSON (chosen worker, matched blocks
     per tier, every candidate's score). 400 for a bad body or bad token ids, 503 when no worker
-    is healthy.
+    is healthy. Instead of ``token_ids``: ``prompt`` (text) or ``messages`` (chat), tokenized
+    with the served model's tokenizer (:mod:`kvpool.router.text_requests`; 503 while there is
+    none).
+``POST /query``
+    Each worker's cached prefix of a request per tier, in Mooncake RFC #1403's shape
+    (:mod:`kvpool.router.query`); changes nothing.
 ``POST /finished``
     ``{"request_id": str}`` → ``{"request_id": ..., "finished": bool}`` (false: not active).
 ``GET /workers``
@@ -19,13 +24,18 @@ Endpoints
     Prometheus text (:mod:`kvpool.router.metrics`): routes, hit blocks per tier, events applied
     / malformed, anomalies, gaps, replays, missed batches, snapshots, restarts, poll and decode
     errors, a decision-latency histogram and per-worker gauges.
+``GET /bus`` (with ``bus: nats``)
+    The replica's place in the event stream (:mod:`kvpool.router.nats_bus`): replica id,
+    stream sequence held, caught up or not, gaps seen and repaired, messages missed,
+    snapshots, in-flight messages, and the index's digest (equal on replicas that hold the
+    same blocks).
 ``GET /health``
     200 while at least one worker may be routed to, else 503.
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (with ``proxy: true``)
-    Requests carrying ``prompt_token_ids`` (or, for completions, a ``prompt`` of token ids) are
-    routed and forwarded unchanged to the chosen worker's ``http_base_url``; the answer,
-    streamed or not, is passed through, and the request is finished when it ends. The
-    ``x-kvpool-worker`` response header names the worker.
+    Requests carrying token ids or text are routed and forwarded to the chosen worker's
+    ``http_base_url`` (:mod:`kvpool.router.openai_proxy`); the answer, streamed or not, is
+    passed through, and the request is finished when it ends. The ``x-kvpool-worker`` response
+    header names the worker. Errors are OpenAI's error JSON.
 
 The service listens where its config says (loopback by default; port 0 picks a free port).
 The request boundary is :mod:`kvpool.httpserve`, shared with ``kvpool serve``: request bodies
@@ -38,7 +48,10 @@ the value of that environment variable (401 otherwise). A 405 names the allowed 
 its 100 before sending the body, or a 413 at once when its ``Content-Length`` is over the limit.
 Past ``listen.max_connections`` open connections a new one gets a JSON 503; a connection idle
 (or still sending its request head) for ``listen.keepalive_timeout_s`` is closed. Bodies over
-:data:`~kvpool.httpserve.OFFLOAD_BYTES` are decoded in an executor thread.
+:data:`~kvpool.httpserve.OFFLOAD_BYTES` are decoded in a thread (a ``/route`` body's token ids
+in 64 KiB pieces, so the GIL is free for the loop between them), and such a request is routed
+in a thread too, while the loop's other uses of the router wait (``/health`` does not): a
+10 MiB request (about 1.2 M token ids) never holds up the event loop.
 
 ``kvpool router`` runs the service on uvloop when installed (:mod:`kvpool.commands.router`).
 """
@@ -46,17 +59,19 @@ Past ``listen.max_connections`` open connections a new one gets a JSON 503; a co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, web
 
 from kvpool.errors import InvalidArgumentError, NoWorkerAvailableError
+from kvpool.hashing.keys import tokens_to_u32
 from kvpool.httpserve import (
     OFFLOAD_BYTES,
     ROUTER_ERRORS,
@@ -69,12 +84,17 @@ from kvpool.httpserve import (
     listen,
     read_body,
 )
-from kvpool.httpserve.jsondoc import off_loop
+from kvpool.httpserve.jsondoc import decode_token_array, off_loop
 from kvpool.router.config import ServiceConfig, WorkerConfig
 from kvpool.router.index import KvIndex
 from kvpool.router.ingest import HEALTHY, Ingest
 from kvpool.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvpool.router.nats_bus import NatsBus, bus_worker
+from kvpool.router.openai_proxy import CHAT_PATH, COMPLETIONS_PATH, OpenAIProxy
+from kvpool.router.query import QueryBody, query
 from kvpool.router.scoring import Router
+from kvpool.router.text_requests import TextRequests
+from kvpool.router.tokenizer_source import TokenizerUnavailableError
 
 __all__ = [
     "RouterService", "parse_finished_body", "parse_route_body", "serve", "token_array",
@@ -83,10 +103,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _JSON = "application/json"
+_R = TypeVar("_R")
 
 
 class _RouteBody(msgspec.Struct):
-    token_ids: list[int]
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
     cache_salt: str | None = None
     request_id: str | None = None
     prefill_tokens: int | None = None
@@ -98,6 +121,7 @@ class _FinishedBody(msgspec.Struct):
 
 _ROUTE_DECODER = msgspec.json.Decoder(_RouteBody)
 _FINISHED_DECODER = msgspec.json.Decoder(_FinishedBody)
+_QUERY_DECODER = msgspec.json.Decoder(QueryBody)
 _SIZE_OPTION = "listen.max_body_bytes"
 
 
@@ -115,7 +139,25 @@ def parse_finished_body(raw: bytes) -> _FinishedBody:
     return body
 
 
-_parse_proxied = functools.partial(decode_json, what="proxied")
+def parse_query_body(raw: bytes) -> QueryBody:
+    """A ``/query`` body; raises as :func:`parse_route_body` (messages depth-limited)."""
+    body: QueryBody = decode_json(raw, "/query", _QUERY_DECODER)
+    return body
+
+_BigRoute = tuple[_RouteBody, "array[int] | list[int] | None"]
+
+
+def parse_big_route_body(raw: bytes) -> _BigRoute:
+    """A large ``/route`` body as :func:`parse_route_body` and :func:`token_array` give it,
+    its token ids decoded in pieces (:func:`~kvpool.httpserve.jsondoc.decode_token_array`:
+    the GIL free for the event loop between them)."""
+    split = decode_token_array(raw, _ROUTE_DECODER, "token_ids")
+    if split is not None:
+        return split
+    body = parse_route_body(raw)
+    if body.token_ids is not None and body.prompt is None and body.messages is None:
+        return body, token_array(body.token_ids)
+    return body, None  # text: the tokenizer's
 
 
 def token_array(token_ids: list[int]) -> array[int] | list[int]:
@@ -169,17 +211,27 @@ class RouterService:
                 self.router.share_tier(w.id, w.shared_tier)
         self.ingest = Ingest(self.index, config.ingest, shared=self.router.shared)
         for w in config.workers:
-            self.ingest.add(w)
+            self.ingest.add(w if config.bus == "direct" else bus_worker(w))
+        self._proxy_ids = itertools.count()  # request ids of /route calls without one (bus)
+        self.bus: NatsBus | None = None
+        if config.bus == "nats":
+            self.bus = NatsBus(config.nats, self.index, self.ingest, self.router)
         self._workers: dict[str, WorkerConfig] = {w.id: w for w in config.workers}
         self._runner: web.ServerRunner | None = None
         self._proxy_session: ClientSession | None = None
-        self._proxy_ids = itertools.count()
         self.limits = config.listen.limits()
+        self.text = TextRequests(config, lambda: self._proxy_session)
+        self.proxy = OpenAIProxy(self.router, self._workers, self.limits, self.text,
+                                 lambda: self._proxy_session, _SIZE_OPTION, self._gated,
+                                 self.bus)
         self.responses = ResponseCounts("kvpool_router")
         self.metrics = RouterMetrics(self.router, self.index, self.ingest)
         self.metrics.registry.register(self.responses)
         self._token = bearer_token(config.listen.auth_token_env, option="listen.auth_token_env")
         self.port: int | None = None
+        # held while a large request is routed in a thread: the loop's other uses of the
+        # router wait for it, and the index's resets reach the router after it
+        self._routing = asyncio.Lock()
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -188,14 +240,17 @@ class RouterService:
         endpoints in one dict."""
         endpoints: Endpoints = {
             "/route": {"POST": self._route},
+            "/query": {"POST": self._query},
             "/finished": {"POST": self._finished},
             "/workers": {"GET": self._workers_view},
             "/metrics": {"GET": self._metrics},
             "/health": {"GET": self._health},
         }
+        if self.bus is not None:
+            endpoints["/bus"] = {"GET": self._bus_view}
         if self.config.proxy:
-            endpoints["/v1/completions"] = {"POST": self._proxy}
-            endpoints["/v1/chat/completions"] = {"POST": self._proxy}
+            endpoints[COMPLETIONS_PATH] = {"POST": self.proxy.handle}
+            endpoints[CHAT_PATH] = {"POST": self.proxy.handle}
         dispatcher = Dispatcher(endpoints, shape=ROUTER_ERRORS, limits=self.limits,
                                 token=self._token, size_option=_SIZE_OPTION,
                                 counts=self.responses)
@@ -213,11 +268,17 @@ class RouterService:
     async def start(self) -> int:
         """Start ingesting and listening; returns the port bound."""
         await self.ingest.start()
-        if self.config.proxy:
-            # No total timeout: a streamed completion may run for minutes.
-            self._proxy_session = ClientSession(
-                timeout=ClientTimeout(total=None, sock_connect=self.config.ingest.http_timeout_s)
-            )
+        if self.bus is not None:
+            try:
+                await self.bus.start()
+            except BaseException:
+                await self._close_clients()
+                raise
+        # Proxied requests and tokenizer fetches. No total timeout: a streamed completion may
+        # run for minutes.
+        self._proxy_session = ClientSession(
+            timeout=ClientTimeout(total=None, sock_connect=self.config.ingest.http_timeout_s)
+        )
         try:
             self._runner, self.port = await listen(self.server(), self.config.host,
                                                    self.config.port)
@@ -233,7 +294,10 @@ class RouterService:
         await self._close_clients()
 
     async def _close_clients(self) -> None:
+        if self.bus is not None:
+            await self.bus.stop()
         await self.ingest.stop()
+        self.text.close()
         if self._proxy_session is not None:
             await self._proxy_session.close()
             self._proxy_session = None
@@ -242,28 +306,99 @@ class RouterService:
 
     async def _route(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
-        body = (parse_route_body(raw) if len(raw) <= OFFLOAD_BYTES
-                else await off_loop(raw, parse_route_body))
+        big = len(raw) > OFFLOAD_BYTES
+        if big:
+            body, tokens = await asyncio.to_thread(parse_big_route_body, raw)
+        else:
+            body = parse_route_body(raw)
+            tokens = None
+            if body.token_ids is not None and body.prompt is None and body.messages is None:
+                tokens = token_array(body.token_ids)
+        if tokens is None:  # text or messages: tokenized as the workers do
+            try:
+                ids = (await self.text.route_body(body.token_ids, body.prompt,
+                                                  body.messages)).ids
+            except TokenizerUnavailableError as exc:
+                return _error(503, str(exc))
+            except InvalidArgumentError as exc:
+                return _error(400, str(exc))
+            tokens = token_array(ids)
+        rid = body.request_id
+        if rid is None and self.bus is not None:  # ids unique across replicas
+            rid = f"{self.bus.replica_id}-{next(self._proxy_ids)}"
+        return await self._routed(tokens, body.cache_salt, rid, body.prefill_tokens,
+                                  in_thread=big)
+
+    async def _routed(self, tokens: array[int] | list[int], salt: str | None, rid: str | None,
+                      prefill: int | None, *, in_thread: bool = False) -> web.Response:
+        """The decision as JSON (503, 400 as the router raises). A large request is routed in
+        a thread, the small ones on the loop, never two at once (:attr:`_routing`)."""
         try:
-            decision = self.router.route(
-                token_array(body.token_ids),
-                cache_salt=body.cache_salt,
-                request_id=body.request_id,
-                prefill_tokens=body.prefill_tokens,
-            )
+            if in_thread or self._routing.locked():
+                async with self._routing:
+                    decision = await self._in_thread(
+                        functools.partial(self.router.route, tokens, cache_salt=salt,
+                                          request_id=rid, prefill_tokens=prefill),
+                        in_thread)
+            else:
+                decision = self.router.route(tokens, cache_salt=salt, request_id=rid,
+                                             prefill_tokens=prefill)
         except NoWorkerAvailableError as exc:
             return _error(503, str(exc))
         except InvalidArgumentError as exc:
             return _error(400, str(exc))
+        if self.bus is not None:
+            self.bus.inflight.routed(decision.request_id)
         return web.Response(body=msgspec.json.encode(decision), content_type=_JSON)
+
+    async def _in_thread(self, call: Callable[[], _R], in_thread: bool) -> _R:
+        """``call()`` in a thread (the index defers its resets meanwhile), or at once."""
+        if not in_thread:
+            return call()
+        self.index.defer_resets()
+        done = asyncio.ensure_future(asyncio.to_thread(call))
+        try:
+            return await asyncio.shield(done)
+        finally:
+            while not done.done():  # cancelled: the thread still uses the router, so the
+                with contextlib.suppress(asyncio.CancelledError):  # lock is held till it ends
+                    await asyncio.wait([done])
+            self.index.flush_resets()
+
+    async def _gated(self, call: Callable[[], _R]) -> _R:
+        """``call()`` on the loop, after any large route in its thread."""
+        if not self._routing.locked():
+            return call()
+        async with self._routing:
+            return call()
+
+    async def _query(self, request: web.BaseRequest) -> web.Response:
+        raw = await read_body(request, self.limits, _SIZE_OPTION)
+        body = await off_loop(raw, parse_query_body)
+        try:
+            body.check()
+            tokens = await self.text.route_body(body.token_ids, body.prompt, body.messages)
+            answer = query(self.router, tokens_to_u32(token_array(tokens.ids)),
+                           body.cache_salt)
+        except TokenizerUnavailableError as exc:
+            return _error(503, str(exc))
+        except InvalidArgumentError as exc:
+            return _error(400, str(exc))
+        return web.Response(body=msgspec.json.encode(answer), content_type=_JSON)
 
     async def _finished(self, request: web.BaseRequest) -> web.Response:
         raw = await read_body(request, self.limits, _SIZE_OPTION)
         body = await off_loop(raw, parse_finished_body)
-        done = self.router.request_finished(body.request_id)
+        done = await self._gated(functools.partial(self.router.request_finished,
+                                                   body.request_id))
+        if self.bus is not None:
+            self.bus.inflight.finished(body.request_id)
         return web.json_response({"request_id": body.request_id, "finished": done})
 
     async def _workers_view(self, request: web.BaseRequest) -> web.Response:
+        return web.json_response({"workers": await self._gated(self._workers_list)})
+
+    def _workers_list(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for info in self.index.workers():
             cfg = self._workers.get(info.worker_id)
@@ -295,7 +430,7 @@ class RouterService:
                 "pending_prefill_tokens": self.router.pending_prefill_tokens(info.worker_id),
                 "ingest": status.as_dict(),
             })
-        return web.json_response({"workers": out})
+        return out
 
     async def _health(self, request: web.BaseRequest) -> web.Response:
         infos = self.index.workers()
@@ -307,53 +442,12 @@ class RouterService:
         )
 
     async def _metrics(self, request: web.BaseRequest) -> web.Response:
-        return web.Response(body=self.metrics.text(), headers={"Content-Type": CONTENT_TYPE})
+        text = await self._gated(self.metrics.text)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
-    async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
-        raw = await read_body(request, self.limits, _SIZE_OPTION)
-        obj = await off_loop(raw, _parse_proxied)
-        tokens = obj.get("prompt_token_ids") if isinstance(obj, dict) else None
-        if tokens is None and isinstance(obj, dict) and request.path == "/v1/completions":
-            prompt = obj.get("prompt")
-            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-                tokens = prompt
-        if not isinstance(tokens, list):
-            return _error(400, "proxy mode routes requests that carry prompt_token_ids")
-        salt = obj.get("cache_salt")
-        rid = f"proxy-{next(self._proxy_ids)}"
-        try:
-            decision = self.router.route(
-                tokens, cache_salt=salt if isinstance(salt, str) else None, request_id=rid
-            )
-        except NoWorkerAvailableError as exc:
-            return _error(503, str(exc))
-        except InvalidArgumentError as exc:
-            return _error(400, str(exc))
-        try:
-            cfg = self._workers.get(decision.worker_id)
-            if cfg is None or cfg.http_base_url is None or self._proxy_session is None:
-                return _error(502, f"worker {decision.worker_id!r} has no http_base_url")
-            url = cfg.http_base_url + request.path
-            try:
-                async with self._proxy_session.post(
-                    url, data=raw, headers={"Content-Type": _JSON}
-                ) as upstream:
-                    resp = web.StreamResponse(
-                        status=upstream.status,
-                        headers={
-                            "Content-Type": upstream.headers.get("Content-Type", _JSON),
-                            "x-kvpool-worker": decision.worker_id,
-                        },
-                    )
-                    await resp.prepare(request)
-                    async for chunk in upstream.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                    return resp
-            except (ClientError, TimeoutError) as exc:
-                return _error(502, f"worker {decision.worker_id!r} failed: {exc}")
-        finally:
-            self.router.request_finished(rid)
+    async def _bus_view(self, request: web.BaseRequest) -> web.Response:
+        assert self.bus is not None
+        return web.json_response({**self.bus.as_dict(), "digest": self.bus.digest()})
 
 
 def _error(status: int, message: str) -> web.Response:

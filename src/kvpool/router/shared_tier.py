@@ -48,6 +48,7 @@ from kvpool.events.keyed import (
     normalize_hashes,
 )
 from kvpool.events.model import REMOTE_CACHE_LEVEL, KVCacheEvent, Removed, Stored, Updated
+from kvpool.validation import check_int
 
 __all__ = [
     "DEFAULT_SHARED_TIER_BLOCKS",
@@ -73,11 +74,7 @@ class SharedTiers:
     """The shared remote tiers of one router (see the module docstring)."""
 
     def __init__(self, max_blocks: int = DEFAULT_SHARED_TIER_BLOCKS) -> None:
-        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
-            raise InvalidArgumentError(
-                f"shared tier max_blocks must be an int >= 1, got {max_blocks!r}"
-            )
-        self.max_blocks = max_blocks
+        self.max_blocks = check_int("shared tier max_blocks", max_blocks, 1)
         self.masks: dict[int, int] = {}
         """key -> slots of the workers that can read it from a tier that holds it."""
         self.ignored_blocks = 0

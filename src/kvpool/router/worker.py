@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvpool.errors import InvalidArgumentError
 from kvpool.hashing.keys import HashAlgo
 from kvpool.router.ledger import EventStream, LedgerEntry
+from kvpool.validation import check_int
 
 TIERS: Final = 3
 """Tiers the index tracks: 0 = GPU, 1 = host, 2 = disk."""
@@ -187,5 +187,4 @@ def group_key(w: WorkerState) -> GroupKey | None:
 def check_tpb(tpb: int | None) -> None:
     if tpb is None:
         return
-    if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb < 1:
-        raise InvalidArgumentError(f"tokens_per_block must be an int >= 1, got {tpb!r}")
+    check_int("tokens_per_block", tpb, 1)

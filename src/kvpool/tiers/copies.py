@@ -1,4 +1,4 @@
-"""CopyPlan: the block copies one manager call makes, forwarded and ordered for the storage.
+"""CallCopies: the block copies one manager call makes, forwarded and ordered for the storage.
 
 A call's bookkeeping runs first and its copies after (the storage moves the bytes in one
 batch per tier pair). A block moved twice in a call (offloaded, then offloaded again, or
@@ -21,7 +21,7 @@ def _stage(c: BlockCopy) -> tuple[int, int]:
     return (2, 0)
 
 
-class CopyPlan:
+class CallCopies:
     """The copies of the call in progress (see the module docstring)."""
 
     __slots__ = ("_copies", "_dst")
@@ -50,6 +50,11 @@ class CopyPlan:
             self._copies[idx] = None
         self._dst[(c.dst_tier, c.layer_group, c.dst_slot)] = len(self._copies)
         self._copies.append(c)
+
+    def filling(self, t: int, g: int, slot: int) -> BlockCopy | None:
+        """The copy of this call that fills (t, g, slot), if one does."""
+        idx = self._dst.get((t, g, slot))
+        return None if idx is None else self._copies[idx]
 
     def cancel_into(self, t: int, g: int, slot: int) -> None:
         """The block at (t, g, slot) is dropped: a copy still bringing it there is moot."""

@@ -70,6 +70,7 @@ from kvpool.errors import InvalidArgumentError, ManifestError, StorageError, Uns
 from kvpool.hashing.keys import MAX_TOKEN_ID, BlockKey, HashAlgo
 from kvpool.tiers.diskfile import open_private
 from kvpool.tiers.remote.namespace import RemoteNamespace, key_bytes
+from kvpool.validation import is_int
 
 __all__ = ["Manifest", "ManifestEntry", "OnDamage"]
 
@@ -108,7 +109,7 @@ class ManifestEntry:
 
 
 def _u(name: str, value: object, bits: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << bits:
+    if not is_int(value) or not 0 <= value < 1 << bits:
         raise InvalidArgumentError(f"{name} must be an int in [0, 2**{bits}), got {value!r}")
     return value
 

@@ -45,6 +45,7 @@ from types import MappingProxyType, TracebackType
 from typing import NamedTuple, Protocol, Self, runtime_checkable
 
 from kvpool.errors import BlockCopyError, CopyFailedError, GeometryError, StorageError
+from kvpool.validation import is_int
 
 
 class Tier(IntEnum):
@@ -63,13 +64,9 @@ DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
 )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _show(value: object) -> str:
     """A value for an error message: ints (IntEnum members too) as plain numbers."""
-    return str(int(value)) if _is_int(value) else repr(value)  # type: ignore[call-overload]
+    return str(int(value)) if is_int(value) else repr(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +84,7 @@ class GroupGeometry:
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise GeometryError(f"GroupGeometry.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
             raise GeometryError(
@@ -110,6 +107,74 @@ class GroupGeometry:
         """Shape of one slot: ``(num_layers, 2, tokens_per_block, kv_heads, head_dim)``."""
         _check_tokens_per_block(tokens_per_block)
         return (self.num_layers, 2, tokens_per_block, self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class StateGeometry:
+    """The recurrent state of one state layer group (Mamba, gated delta net, short conv).
+
+    One slot holds one sequence's whole state for the group's ``num_layers`` layers: per layer
+    one array per entry of ``shapes`` (e.g. the conv state ``(channels, kernel - 1)`` and the
+    SSM / recurrent state ``(heads, head_dim, state_dim)``), each of ``dtype`` (or of
+    ``dtypes[k]`` when given). A slot is a fixed number of bytes whatever the sequence's
+    length, so ``block_bytes`` ignores the block size. The storage keeps a state pool as
+    bytes (``[slots, block_bytes]``) and hands out typed views of it, one per shape
+    (:meth:`~kvpool.tiers.torch_storage.TorchStorage.tensors`).
+
+    Raises :class:`GeometryError` on a non-positive size or an unknown dtype.
+    """
+
+    num_layers: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str = "float16"
+    dtypes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.num_layers) or self.num_layers <= 0:
+            raise GeometryError(
+                f"StateGeometry.num_layers must be a positive int, got {self.num_layers!r}")
+        if isinstance(self.shapes, str | bytes) or not isinstance(self.shapes, Iterable):
+            raise GeometryError(f"StateGeometry.shapes must be a sequence of shapes, "
+                                f"got {self.shapes!r}")
+        shapes = tuple(tuple(s) if isinstance(s, Iterable) else s for s in self.shapes)
+        if not shapes or not all(isinstance(s, tuple) and s and all(
+                is_int(d) and d > 0 for d in s) for s in shapes):
+            raise GeometryError(f"StateGeometry.shapes must hold shapes of positive ints, "
+                                f"got {self.shapes!r}")
+        object.__setattr__(self, "shapes", shapes)
+        dtypes = (self.dtype,) * len(shapes) if self.dtypes is None else tuple(self.dtypes)
+        if len(dtypes) != len(shapes) or not all(
+                isinstance(d, str) and d in DTYPE_ITEMSIZE for d in dtypes):
+            raise GeometryError(f"StateGeometry dtypes {dtypes!r} must name one of "
+                                f"{sorted(DTYPE_ITEMSIZE)} per shape")
+        object.__setattr__(self, "dtypes", dtypes)
+
+    def parts(self) -> tuple[tuple[int, int, tuple[int, ...], str], ...]:
+        """Per shape: (byte offset in a slot, bytes, ``(num_layers, *shape)``, dtype). Each
+        part starts 16-byte aligned, so its typed view needs no copy."""
+        out = []
+        off = 0
+        assert self.dtypes is not None
+        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
+            n = self.num_layers * DTYPE_ITEMSIZE[dt]
+            for d in shape:
+                n *= d
+            out.append((off, n, (self.num_layers, *shape), dt))
+            off += -(-n // 16) * 16
+        return tuple(out)
+
+    def block_bytes(self, tokens_per_block: int = 1) -> int:
+        """Bytes of one state slot (every part, 16-byte aligned; the block size is ignored)."""
+        off, n, _, _ = self.parts()[-1]
+        return off + -(-n // 16) * 16
+
+    def block_shape(self, tokens_per_block: int = 1) -> tuple[int]:
+        """Shape of one slot in the byte pool: ``(block_bytes,)``."""
+        return (self.block_bytes(),)
+
+
+LayerGeometry = GroupGeometry | StateGeometry
+"""What ``CacheConfig.layer_geometry`` holds per layer group: KV blocks or recurrent state."""
 
 
 class BlockCopy(NamedTuple):
@@ -176,7 +241,7 @@ CopyPlan = dict[CopyKey, tuple[list[int], list[int]]]  # key -> (src slots, dst 
 
 
 def _check_tokens_per_block(tokens_per_block: int) -> None:
-    if not _is_int(tokens_per_block) or tokens_per_block <= 0:
+    if not is_int(tokens_per_block) or tokens_per_block <= 0:
         raise GeometryError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
 
 
@@ -327,15 +392,14 @@ class _CopyEngine:
             raise StorageError(f"{type(self).__name__} is closed")
 
     def _check_tier(self, tier: object) -> int:
-        if isinstance(tier, bool) or not isinstance(tier, int) or not 0 <= tier < self._num_tiers():
+        if not is_int(tier) or not 0 <= tier < self._num_tiers():
             raise BlockCopyError(f"tier {_show(tier)} is not one of 0..{self._num_tiers() - 1}")
         return tier
 
     def _check_group(self, group: object) -> int:
         groups = self._num_groups()
         if (
-            isinstance(group, bool)
-            or not isinstance(group, int)
+            not is_int(group)
             or group < 0
             or (groups is not None and group >= groups)
         ):
@@ -352,7 +416,7 @@ class _CopyEngine:
         # Exact ints are the common case and are checked in bulk; other values one by one.
         if not all(type(s) is int for s in slots):
             for s in slots:
-                if not _is_int(s):
+                if not is_int(s):
                     raise BlockCopyError(
                         f"{role} slot {s!r} (tier {tier}, group {group}) is not an int"
                     )
@@ -382,7 +446,7 @@ class MetadataStorage(_CopyEngine):
             )
         sizes = tuple(block_bytes_per_group)
         for g, size in enumerate(sizes):
-            if not _is_int(size) or size < 0:
+            if not is_int(size) or size < 0:
                 raise GeometryError(
                     f"block_bytes_per_group[{g}] must be a non-negative int, got {size!r}"
                 )

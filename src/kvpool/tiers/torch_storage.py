@@ -41,10 +41,12 @@ from kvpool.tiers.storage import (
     CopyKey,
     CopyPlan,
     GroupGeometry,
+    LayerGeometry,
+    StateGeometry,
     Tier,
     _CopyEngine,
-    _is_int,
 )
+from kvpool.validation import check_bool, is_int
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,7 +92,7 @@ class TorchStorage(_CopyEngine):
     def __init__(
         self,
         tokens_per_block: int,
-        geometries: Sequence[GroupGeometry],
+        geometries: Sequence[LayerGeometry],
         slots: Sequence[Sequence[int]],
         *,
         device: str | torch.device | None = None,
@@ -103,7 +105,7 @@ class TorchStorage(_CopyEngine):
         from kvpool.tiers import copy_kernels
 
         super().__init__(tokens_per_block)
-        self._geometries: tuple[GroupGeometry, ...] = _sequence("geometries", geometries)
+        self._geometries: tuple[LayerGeometry, ...] = _sequence("geometries", geometries)
         self._slots = _check_layout(self._geometries, slots)
         if disk_path is not None and not isinstance(disk_path, str | os.PathLike):
             raise StorageError(f"disk_path must be a path, got {disk_path!r}")
@@ -121,8 +123,7 @@ class TorchStorage(_CopyEngine):
             if len(self._slots) > Tier.DISK
             else {}
         )
-        if not isinstance(persistent, bool):
-            raise StorageError(f"persistent must be a bool, got {persistent!r}")
+        check_bool("persistent", persistent, error=StorageError)
         self._persistent = persistent and bool(layout)
         opener = open_persistent_pools if persistent else create_pools
         self._disk: dict[int, DiskPool] = opener(disk_path, layout) if layout else {}
@@ -155,7 +156,9 @@ class TorchStorage(_CopyEngine):
         import torch
 
         geometry = self._geometries[group]
-        dtype = getattr(torch, geometry.dtype)
+        # a state pool is bytes; tensors() gives typed views of each part of a slot
+        dtype = (torch.uint8 if isinstance(geometry, StateGeometry)
+                 else getattr(torch, geometry.dtype))
         shape = (self._slots[tier][group], *geometry.block_shape(self.tokens_per_block))
         if tier == Tier.GPU:
             return torch.zeros(shape, dtype=dtype, device=self._device)
@@ -164,7 +167,7 @@ class TorchStorage(_CopyEngine):
     # -- the public surface
 
     @property
-    def geometries(self) -> tuple[GroupGeometry, ...]:
+    def geometries(self) -> tuple[LayerGeometry, ...]:
         return self._geometries
 
     @property
@@ -217,8 +220,10 @@ class TorchStorage(_CopyEngine):
             raise StorageError(f"layer group {layer_group} has no persistent disk tier")
         return pool
 
-    def tensors(self, layer_group: int, tier: int = Tier.GPU) -> torch.Tensor:
-        """The pool of one (tier, layer group): ``[slots, layers, 2, tpb, kv_heads, head_dim]``.
+    def tensors(self, layer_group: int, tier: int = Tier.GPU) -> Any:
+        """The pool of one (tier, layer group): ``[slots, layers, 2, tpb, kv_heads, head_dim]``;
+        for a state group (:class:`StateGeometry`) a tuple of typed views of the state pool,
+        one per shape, ``[slots, layers, *shape]`` (writing them writes the pool).
 
         Slot i of the pool is the block the manager calls slot i. For tier ≥ 1 this first waits
         for pending host↔device copies, so the returned tensor can be read or written from the
@@ -231,9 +236,21 @@ class TorchStorage(_CopyEngine):
         group = self._check_group(layer_group)
         if tier != Tier.GPU:
             self.synchronize()
-        if tier == Tier.DISK:
-            return self._read_disk(group)
-        return self._pools[tier][group]
+        pool = self._read_disk(group) if tier == Tier.DISK else self._pools[tier][group]
+        geometry = self._geometries[group]
+        if isinstance(geometry, StateGeometry):
+            return state_views(pool, geometry)
+        return pool
+
+    def zero_slots(self, layer_group: int, slots: Sequence[int]) -> None:
+        """Zero GPU slots of a layer group (a cold sequence's recurrent state starts at 0)."""
+        import torch
+
+        self._check_open()
+        group = self._check_group(layer_group)
+        if slots:
+            self._pools[Tier.GPU][group][torch.tensor(list(slots), dtype=torch.long,
+                                                      device=self._device)] = 0
 
     def read_ahead(self, reads: dict[int, list[int]]) -> None:
         """Read the disk slots ``reads`` (layer group -> slots) into host memory now: the next
@@ -461,7 +478,9 @@ class TorchStorage(_CopyEngine):
 
         geometry = self._geometries[group]
         shape = (self._slots[Tier.DISK][group], *geometry.block_shape(self.tokens_per_block))
-        out = torch.zeros(shape, dtype=getattr(torch, geometry.dtype))
+        dtype = (torch.uint8 if isinstance(geometry, StateGeometry)
+                 else getattr(torch, geometry.dtype))
+        out = torch.zeros(shape, dtype=dtype)
         pool = self._disk.get(group)
         if pool is not None:
             pool.check()
@@ -536,13 +555,14 @@ def _serial_torch_thread() -> None:
 
 
 def _check_layout(
-    geometries: tuple[GroupGeometry, ...], slots: Sequence[Sequence[int]]
+    geometries: tuple[LayerGeometry, ...], slots: Sequence[Sequence[int]]
 ) -> tuple[tuple[int, ...], ...]:
     if not geometries:
         raise GeometryError("TorchStorage needs at least one layer group geometry")
     for g, geometry in enumerate(geometries):
-        if not isinstance(geometry, GroupGeometry):
-            raise GeometryError(f"geometries[{g}] must be a GroupGeometry, got {geometry!r}")
+        if not isinstance(geometry, GroupGeometry | StateGeometry):
+            raise GeometryError(f"geometries[{g}] must be a GroupGeometry or StateGeometry, "
+                                f"got {geometry!r}")
     table = tuple(_sequence(f"slots[{tier}]", row) for tier, row in
                   enumerate(_sequence("slots", slots)))
     if not 1 <= len(table) <= NUM_TIERS:
@@ -553,7 +573,7 @@ def _check_layout(
                 f"slots[{tier}] has {len(row)} entries for {len(geometries)} layer groups"
             )
         for g, count in enumerate(row):
-            if not _is_int(count) or count < 0:
+            if not is_int(count) or count < 0:
                 raise GeometryError(f"slots[{tier}][{g}] must be a non-negative int, got {count!r}")
     return table
 
@@ -581,3 +601,15 @@ def _resolve_device(device: object) -> torch.device:
     elif resolved.type != "cpu":
         raise StorageError(f"device {device!r} is not supported (use 'cpu' or 'cuda[:N]')")
     return resolved
+
+
+def state_views(pool: torch.Tensor, geometry: StateGeometry) -> tuple[torch.Tensor, ...]:
+    """Typed views ``[slots, layers, *shape]`` of a byte state pool ``[slots, bytes]``, one per
+    part of :meth:`StateGeometry.parts` (no copy: each part is 16-byte aligned)."""
+    import torch
+
+    out = []
+    for off, n, shape, dt in geometry.parts():
+        part = pool[:, off:off + n].view(getattr(torch, dt))
+        out.append(part.view(pool.shape[0], *shape))
+    return tuple(out)

@@ -10,7 +10,6 @@ option fails at start instead of being ignored.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -20,6 +19,7 @@ from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.integrations import IntegrationUnavailableError
 from kvpool.planner.sizes import parse_size
 from kvpool.tiers.remote.store import split_url
+from kvpool.validation import check_bool, check_number, is_int
 
 __all__ = ["KEYS", "SGLANG_KEYS", "SGLangUnavailableError", "StorageOptions"]
 
@@ -49,7 +49,7 @@ class SGLangUnavailableError(IntegrationUnavailableError):
 
 def _size(value: object) -> int:
     """``disk_bytes``: an int, or a size as people write it (``'64GiB'``, kvpool's sizes)."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
+    if not (is_int(value) or isinstance(value, str)):
         raise ConfigError(f"disk_bytes must be a size in bytes, got {value!r}")
     try:
         n = value if isinstance(value, int) else parse_size(value.strip())
@@ -62,12 +62,7 @@ def _size(value: object) -> int:
 
 
 def _seconds(name: str, value: object, *, zero: bool = False) -> float:
-    ok = (not isinstance(value, bool) and isinstance(value, int | float)
-          and math.isfinite(value) and (value >= 0 if zero else value > 0))
-    if not ok:
-        raise ConfigError(f"{name} must be a number of seconds {'>=' if zero else '>'} 0, "
-                          f"got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return check_number(name, value, 0, above=not zero, error=ConfigError)
 
 
 def _text(name: str, value: object) -> str:
@@ -119,8 +114,7 @@ class StorageOptions:
             raise ConfigError(f"disk_manifest_damaged must be one of {list(_DAMAGED)}, "
                               f"got {damaged!r}")
         promote = get("promote_remote_hits", True)
-        if not isinstance(promote, bool):
-            raise ConfigError(f"promote_remote_hits must be true or false, got {promote!r}")
+        check_bool("promote_remote_hits", promote, error=ConfigError)
         if remote_url is not None:
             split_url(_text("remote_url", remote_url))  # InvalidArgumentError for a bad URL
         namespace = get("namespace", "")

@@ -8,7 +8,8 @@ kvpool's persistent disk tier and/or a shared Redis/Valkey store; vLLM builds it
      "disk_path": "/var/cache/kvpool", "disk_bytes": "200GiB",
      "remote_url": "redis://cache:6379/0"}
 
-``KvpoolS3FIFO``, ``KvpoolTwoQ``, ``KvpoolARC`` and ``KvpoolLRU``
+``KvpoolS3FIFO``, ``KvpoolTwoQ``, ``KvpoolARC``, ``KvpoolLRU`` and ``KvpoolPriorityS3FIFO``
+(per-request retention priority from ``kv_transfer_params``)
 (:mod:`~kvpool.integrations.vllm.policies`) are vLLM ``CachePolicy`` classes for its CPU tier
 (``"eviction_policy": "KvpoolS3FIFO", "cache_policy_module_path":
 "kvpool.integrations.vllm"``).
@@ -26,13 +27,14 @@ from typing import Any
 
 from kvpool.integrations.vllm.config import KvpoolTierConfig
 
-__all__ = ["KvpoolARC", "KvpoolLRU", "KvpoolS3FIFO", "KvpoolTier", "KvpoolTierConfig",
-           "KvpoolTwoQ"]
+__all__ = ["KvpoolARC", "KvpoolLRU", "KvpoolPriorityS3FIFO", "KvpoolS3FIFO", "KvpoolTier",
+           "KvpoolTierConfig", "KvpoolTwoQ"]
 
 _LAZY = {
     "KvpoolTier": "tier",
     "KvpoolARC": "policies",
     "KvpoolLRU": "policies",
+    "KvpoolPriorityS3FIFO": "policies",
     "KvpoolS3FIFO": "policies",
     "KvpoolTwoQ": "policies",
 }

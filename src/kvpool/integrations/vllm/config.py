@@ -17,6 +17,7 @@ from typing import Any, Final
 from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError, InvalidArgumentError
 from kvpool.tiers.remote.store import DEFAULT_BATCH_BYTES, split_url
+from kvpool.validation import check_bool, check_int, check_number, is_int
 
 __all__ = ["MANIFEST_ACTIONS", "KvpoolTierConfig", "parse_bytes"]
 
@@ -31,7 +32,7 @@ _LOCALITIES: Final = ("LOCAL", "REMOTE")
 def parse_bytes(name: str, value: object) -> int:
     """A byte count from an int or a string such as ``"200GiB"``, ``"1.5 TB"``, ``"4096"``
     (decimal and binary units); :class:`ConfigError` naming ``name`` otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         number = value
     elif isinstance(value, str) and (m := _SIZE.fullmatch(value)) and (
             m.group(2).lower() in _UNITS):
@@ -46,11 +47,9 @@ def parse_bytes(name: str, value: object) -> int:
 
 
 def _positive(name: str, value: object, kind: type = float) -> Any:
-    ok = isinstance(value, int | float) if kind is float else isinstance(value, int)
-    if isinstance(value, bool) or not ok or value <= 0:  # type: ignore[operator]
-        what = "a positive number" if kind is float else "an int >= 1"
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
-    return value
+    if kind is float:
+        return check_number(name, value, 0, above=True, error=ConfigError)
+    return check_int(name, value, 1, error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +130,7 @@ class KvpoolTierConfig:
             _positive(name, getattr(self, name))
         _positive("remote_batch_bytes", self.remote_batch_bytes, int)
         _positive("remote_known_max", self.remote_known_max, int)
-        if not isinstance(self.enable_kv_events, bool):
-            raise ConfigError(f"enable_kv_events must be a bool, got {self.enable_kv_events!r}")
+        check_bool("enable_kv_events", self.enable_kv_events, error=ConfigError)
         if self.locality is not None and self.locality not in _LOCALITIES:
             raise ConfigError(f"locality must be one of {list(_LOCALITIES)}, "
                               f"got {self.locality!r}")

@@ -19,11 +19,17 @@ truncated file, a slot rewritten behind the record's back) fails that key and fo
 block. A restart therefore reads nothing but the manifest: the blocks it names are indexed at
 once and verified when loaded.
 
-Threads: the index (which key is in which slot, pins, the eviction queue) belongs to the
-scheduler thread (vLLM calls the tier under its lock): :meth:`reserve`, :meth:`commit`,
-:meth:`abort`, :meth:`pin`, :meth:`unpin`, :meth:`discard`. The I/O (:meth:`write`,
-:meth:`read`) runs on the tier's worker threads; a slot being written or read is reserved or
-pinned, so no two threads ever touch one slot; the manifest has its own lock.
+Threads: the index (which key is in which slot, pins, the eviction queue) is guarded by one
+lock, held only for index work, never across I/O. vLLM's scheduler thread reads it without the
+lock (``in``: one dict lookup, atomic under the GIL) and takes the lock only to :meth:`pin` a
+load's keys (a counter each); the eviction work (:meth:`reserve`, :meth:`finish_store`,
+:meth:`finish_load`, :meth:`touch`) runs on the tier's worker threads, as does the I/O
+(:meth:`write`, :meth:`read`). A slot being written or read is reserved or pinned, so no two
+threads ever touch one slot; the manifest has its own lock.
+
+Pins: a pinned block is never evicted. :meth:`pin` only counts (cheap on the scheduler
+thread); the eviction queue learns of it when a :meth:`reserve` needs room (pinned blocks
+leave the queue first) and when the last :meth:`unpin` ends the load (one use).
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ class DiskChunks:
                 f"the kvpool disk tier in {directory!r} cannot start: {e}. With "
                 "disk_manifest_damaged='discard' it starts empty instead"
             ) from e
+        self._lock = threading.Lock()  # the index (module doc)
         self._manifest_lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._sync_interval = sync_interval_s
@@ -158,86 +165,134 @@ class DiskChunks:
         """Slots for the keys not stored or being stored yet, evicting unpinned blocks as
         needed: (the (key, slot) pairs to write, the keys evicted, how many keys got no slot:
         more than the unpinned blocks make room for)."""
+        with self._lock:
+            return self._reserve(keys)
+
+    def _reserve(self, keys: Sequence[bytes]
+                 ) -> tuple[list[tuple[bytes, int]], list[bytes], int]:
         offered = list(dict.fromkeys(keys))
-        index, pending = self._index, self._pending
+        index, pending, queue = self._index, self._pending, self._policy
         new = [k for k in offered if k not in index and k not in pending]
         evicted: list[bytes] = []
         short = len(new) - len(self._free)
         if short > 0:
+            for pinned in self._pins:  # pinned: out of the queue until their last unpin
+                slot = index[pinned][0]
+                if slot in queue:
+                    queue.remove(slot)
             # the offered blocks already here are in use: out of the queue while victims go,
             # then back at its most recent end (one more use)
-            kept = [(k, self._index[k][0]) for k in offered
-                    if k in self._index and k not in self._pins]
-            queue = self._policy
+            kept = [(k, index[k][0]) for k in offered if k in index and k not in self._pins]
             if kept:
                 queue.remove_many([slot for _, slot in kept])
             for slot in queue.pop_slots(min(short, len(queue))):
-                key = self._slot_key[slot]
-                assert key is not None and key not in self._pins
-                del self._index[key]
+                victim = self._slot_key[slot]
+                assert victim is not None and victim not in self._pins
+                del index[victim]
                 self._slot_key[slot] = None
                 self._free.append(slot)
-                evicted.append(key)
+                evicted.append(victim)
             if kept:
                 queue.push_many([slot for _, slot in kept], DEFAULT_PRIORITY,
                                 [k for k, _ in kept])
         placed = [(key, self._free.pop()) for key in new[:len(self._free)]]
         for key, slot in placed:
-            self._pending[key] = slot
+            pending[key] = slot
         return placed, evicted, len(new) - len(placed)
 
     def commit(self, key: bytes, slot: int, checksum: int) -> None:
         """The write of ``key`` into ``slot`` finished: the block is readable."""
-        del self._pending[key]
-        self._index[key] = (slot, checksum)
-        self._slot_key[slot] = key
-        self._policy.push(slot, DEFAULT_PRIORITY, key=key)
+        self.finish_store([(key, slot, checksum)], ())
 
     def abort(self, key: bytes, slot: int) -> None:
         """The write of ``key`` failed: its slot is free again."""
-        del self._pending[key]
-        self._free.append(slot)
+        self.finish_store((), [(key, slot)])
+
+    def finish_store(self, written: Sequence[tuple[bytes, int, int]],
+                     aborted: Sequence[tuple[bytes, int]]) -> None:
+        """:meth:`commit` each of ``written`` (key, slot, checksum), :meth:`abort` each of
+        ``aborted`` (key, slot)."""
+        with self._lock:
+            pending, index, slot_key, policy = (self._pending, self._index, self._slot_key,
+                                                self._policy)
+            for key, slot, checksum in written:
+                del pending[key]
+                index[key] = (slot, checksum)
+                slot_key[slot] = key
+            if written:
+                policy.push_many([s for _, s, _ in written], DEFAULT_PRIORITY,
+                                 [k for k, _, _ in written])
+            for key, slot in aborted:
+                del pending[key]
+                self._free.append(slot)
 
     def pin(self, key: bytes) -> tuple[int, int] | None:
         """(slot, checksum) of a readable block, kept from eviction until :meth:`unpin`; None
         if the key is not stored."""
-        found = self._index.get(key)
-        if found is None or key in self._doomed:
-            return None
-        pins = self._pins.get(key, 0)
-        if not pins:
-            self._policy.remove(found[0])  # a claim: a load is a reuse
-        self._pins[key] = pins + 1
-        return found
+        return self.pin_many([key])[0]
+
+    def pin_many(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """:meth:`pin` of each key (one lock, a counter per key: the scheduler thread's
+        part of a load)."""
+        out: list[tuple[int, int] | None] = []
+        with self._lock:
+            index, doomed, pins = self._index, self._doomed, self._pins
+            for key in keys:
+                found = index.get(key)
+                if found is None or key in doomed:
+                    out.append(None)
+                    continue
+                pins[key] = pins.get(key, 0) + 1
+                out.append(found)
+        return out
 
     def unpin(self, key: bytes) -> list[bytes]:
         """End one load of ``key``; the keys forgotten by it (``key`` if it was discarded)."""
-        pins = self._pins.pop(key) - 1
-        if pins:
-            self._pins[key] = pins
-            return []
-        slot, _ = self._index[key]
-        if key in self._doomed:
-            self._doomed.discard(key)
-            del self._index[key]
-            self._slot_key[slot] = None
-            self._free.append(slot)
-            return [key]
-        self._policy.push(slot, DEFAULT_PRIORITY, key=key)
-        return []
+        return self.finish_load([key], ())
+
+    def finish_load(self, pinned: Sequence[bytes], damaged: Sequence[bytes]) -> list[bytes]:
+        """A load ended: the keys of ``damaged`` (pinned, bytes that failed their check) are
+        forgotten once unpinned, each of ``pinned`` is unpinned (a use of the block when its
+        last load ends). The keys forgotten."""
+        forgotten: list[bytes] = []
+        with self._lock:
+            pins, doomed, index, policy = self._pins, self._doomed, self._index, self._policy
+            doomed.update(k for k in damaged if k in pins)
+            for key in pinned:
+                left = pins.pop(key) - 1
+                if left:
+                    pins[key] = left
+                    continue
+                slot, _ = index[key]
+                if key in doomed:
+                    doomed.discard(key)
+                    del index[key]
+                    self._slot_key[slot] = None
+                    if slot in policy:
+                        policy.remove(slot)
+                    self._free.append(slot)
+                    forgotten.append(key)
+                    continue
+                if slot in policy:
+                    policy.remove(slot)
+                policy.push(slot, DEFAULT_PRIORITY, key=key)
+        return forgotten
 
     def discard(self, key: bytes) -> None:
         """Forget a pinned block whose bytes failed their check, once its last load ends."""
-        if key in self._pins:
-            self._doomed.add(key)
+        with self._lock:
+            if key in self._pins:
+                self._doomed.add(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Count a use of each readable, unpinned block (a reuse in the eviction policy)."""
-        for key in keys:
-            found = self._index.get(key)
-            if found is not None and key not in self._pins:
-                self._policy.remove(found[0])
-                self._policy.push(found[0], DEFAULT_PRIORITY, key=key)
+        with self._lock:
+            policy = self._policy
+            for key in keys:
+                found = self._index.get(key)
+                if found is not None and key not in self._pins and found[0] in policy:
+                    policy.remove(found[0])
+                    policy.push(found[0], DEFAULT_PRIORITY, key=key)
 
     # ------------------------------------------------------------ worker threads: the bytes
 

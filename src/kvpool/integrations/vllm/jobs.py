@@ -3,8 +3,11 @@
 A job's task never raises: every failure (a disk error, a server down, bytes that fail their
 check) becomes keys reported as not stored or not loaded, counted by reason, and the report
 (:class:`StoreDone`, :class:`LoadDone`) goes to the tier's queue, which the scheduler thread
-drains in ``get_finished_jobs``. The tasks touch only the chunks' bytes (the primary pool's
-views, pinned by vLLM for the job's life) and the stores' I/O: the index is the scheduler's.
+drains in ``get_finished_jobs``. The scheduler thread only checks a job and queues it (a load
+also pins its disk keys); the tasks do the rest: the disk tier's slot reservation and
+eviction, the byte copies from and into the primary pool's chunks (vLLM keeps them valid for
+the job's life: ``TransferJob.chunk_ids`` are pinned until the job is reported finished), the
+hashing, the I/O, and the index updates after it (``finish_store``, ``finish_load``).
 
 Failure reasons (``failures``): ``disk_error`` (the disk file could not be read or written),
 ``checksum`` (disk bytes that differ from the hash recorded with them), ``remote_error`` (the
@@ -29,11 +32,13 @@ __all__ = ["LoadDone", "LoadItem", "StoreDone", "run_load", "run_store"]
 
 @dataclass(slots=True)
 class StoreDone:
-    """A store job's outcome: disk slots written (key, slot, checksum) or to give back
-    (key, slot), keys written to the remote store, and the failed keys by reason."""
+    """A store job's outcome: disk slots written (key, slot, checksum) or given back
+    (key, slot), keys evicted from disk to make room, keys written to the remote store, and
+    the failed keys by reason."""
 
     job_id: int
     keys: list[bytes]
+    evicted: list[bytes] = field(default_factory=list)
     written: list[tuple[bytes, int, int]] = field(default_factory=list)
     aborted: list[tuple[bytes, int]] = field(default_factory=list)
     remote_stored: list[bytes] = field(default_factory=list)
@@ -56,37 +61,39 @@ class LoadItem:
 @dataclass(slots=True)
 class LoadDone:
     """A load job's outcome: the keys loaded (their chunks hold the stored bytes), the disk
-    keys to unpin, those whose disk bytes failed their check, those the remote store lacked."""
+    keys pinned for it, those whose disk bytes failed their check (``forgotten``: the keys the
+    disk tier dropped because of that), those the remote store lacked."""
 
     job_id: int
     keys: list[bytes]
     loaded: list[bytes] = field(default_factory=list)
     pinned: list[bytes] = field(default_factory=list)
     damaged: list[bytes] = field(default_factory=list)
+    forgotten: list[bytes] = field(default_factory=list)
     remote_missing: list[bytes] = field(default_factory=list)
     failures: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     nbytes: int = 0
 
 
-def run_store(done: StoreDone, disk: DiskChunks | None, placed: Sequence[tuple[bytes, int]],
+def run_store(done: StoreDone, disk: DiskChunks | None, chunk_ids: Sequence[int],
               remote: RemoteChunks | None, remote_keys: Sequence[bytes],
-              view_of: Callable[[bytes], memoryview], post: Callable[[object], None]) -> None:
-    """Write ``placed`` (key, reserved slot) to disk and ``remote_keys`` to the remote store,
-    then ``post(done)``; never raises."""
+              view_of: Callable[[int], memoryview], post: Callable[[object], None]) -> None:
+    """Reserve disk slots for the job's keys (evicting as needed), write them to disk and
+    ``remote_keys`` to the remote store, record what was written, then ``post(done)``; never
+    raises."""
     start = time.perf_counter()
+    chunk_of = dict(zip(done.keys, chunk_ids, strict=True))
+    placed: list[tuple[bytes, int]] = []
     try:
-        if disk is not None and placed:
-            try:
-                sums = disk.write(placed, [view_of(k) for k, _ in placed])
-            except StorageError:
-                done.aborted.extend(placed)
-                done.failures["disk_error"] += len(placed)
-            else:
-                done.written.extend((k, s, c) for (k, s), c in zip(placed, sums, strict=True))
-                done.nbytes += disk.chunk_bytes * len(placed)
+        if disk is not None:
+            placed, done.evicted, unplaced = disk.reserve(done.keys)
+            if unplaced:
+                done.failures["no_space"] += unplaced
+            if placed:
+                _write_disk(done, disk, placed, [view_of(chunk_of[k]) for k, _ in placed])
         if remote is not None and remote_keys:
-            views = [view_of(k) for k in remote_keys]
+            views = [view_of(chunk_of[k]) for k in remote_keys]
             try:
                 remote.put(remote_keys, views)
             except RemoteTierError:
@@ -99,19 +106,38 @@ def run_store(done: StoreDone, disk: DiskChunks | None, placed: Sequence[tuple[b
         done.aborted.extend((k, s) for k, s in placed if k not in written)
         done.failures["internal"] += 1
     finally:
-        done.seconds = time.perf_counter() - start
-        post(done)
+        try:
+            if disk is not None and (done.written or done.aborted):
+                disk.finish_store(done.written, done.aborted)
+        finally:
+            done.seconds = time.perf_counter() - start
+            post(done)
 
 
-def run_load(done: LoadDone, items: Sequence[LoadItem], view_of: Callable[[int], memoryview],
-             disk: DiskChunks | None, remote: RemoteChunks | None,
-             post: Callable[[object], None]) -> None:
-    """Fill each item's chunk from disk (verified) or else the remote store (verified), then
-    ``post(done)``; never raises. A chunk whose key failed holds bytes nobody may use: the
-    job reports that key as not loaded."""
+def _write_disk(done: StoreDone, disk: DiskChunks, placed: Sequence[tuple[bytes, int]],
+                views: Sequence[memoryview]) -> None:
+    try:
+        sums = disk.write(placed, views)
+    except StorageError:
+        done.aborted.extend(placed)
+        done.failures["disk_error"] += len(placed)
+    else:
+        done.written.extend((k, s, c) for (k, s), c in zip(placed, sums, strict=True))
+        done.nbytes += disk.chunk_bytes * len(placed)
+
+
+def run_load(done: LoadDone, chunk_ids: Sequence[int], on_disk: Sequence[tuple[int, int] | None],
+             view_of: Callable[[int], memoryview], disk: DiskChunks | None,
+             remote: RemoteChunks | None, post: Callable[[object], None]) -> None:
+    """Fill each key's chunk from its pinned disk copy (``on_disk``: slot, checksum; verified)
+    or else the remote store (verified), unpin the disk copies, then ``post(done)``; never
+    raises. A chunk whose key failed holds bytes nobody may use: the job reports that key as
+    not loaded."""
     start = time.perf_counter()
     loaded = done.loaded
     try:
+        items = [LoadItem(k, c, d, remote is not None)
+                 for k, c, d in zip(done.keys, chunk_ids, on_disk, strict=True)]
         wanted: list[tuple[LoadItem, memoryview]] = []
         for item in items:
             view = view_of(item.chunk)
@@ -141,8 +167,12 @@ def run_load(done: LoadDone, items: Sequence[LoadItem], view_of: Callable[[int],
         loaded.clear()
         done.failures["internal"] += 1
     finally:
-        done.seconds = time.perf_counter() - start
-        post(done)
+        try:
+            if disk is not None and done.pinned:
+                done.forgotten = disk.finish_load(done.pinned, done.damaged)
+        finally:
+            done.seconds = time.perf_counter() - start
+            post(done)
 
 
 def _read_disk(disk: DiskChunks, item: LoadItem, view: memoryview, done: LoadDone) -> bool:

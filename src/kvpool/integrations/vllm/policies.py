@@ -21,6 +21,16 @@ How vLLM's calls map onto kvpool's queue (one slot per CPU chunk id):
   the queue's most recent end (protected chunks are the ones the current request offers: they
   are in use).
 - ``remove`` (a failed store) and ``clear`` forget chunks without a trace in the history.
+
+Retention priority (``KvpoolPriorityS3FIFO``; vLLM 0.33's ``ReqContext`` carries no priority
+of its own, but every ``CachePolicy`` call that adds or uses a chunk receives the request's
+``ReqContext``, whose ``kv_transfer_params`` is the request's own JSON): a request sending
+``"kv_transfer_params": {"kvpool_priority": P}`` (an int in ``[0, 100]``, default 35, as
+kvpool's own retention priorities) queues the chunks it stores at priority P, and a reuse by a
+request of a higher priority raises a chunk's. A victim comes from the lowest priority level
+with an evictable chunk, in S3-FIFO order within it. A value that is not such an int counts in
+``invalid_priorities`` and the request gets the default: a client's bad field never stops
+vLLM's scheduler.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from kvpool.config import DEFAULT_PRIORITY
+from kvpool.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from kvpool.integrations.vllm._vllm import import_failed
 from kvpool.integrations.vllm.queues import SlotQueue, new_queue
 
@@ -38,7 +48,11 @@ try:
 except ImportError as exc:  # vLLM there (checked above) but incomplete
     raise import_failed(exc) from exc
 
-__all__ = ["KvpoolARC", "KvpoolCachePolicy", "KvpoolLRU", "KvpoolS3FIFO", "KvpoolTwoQ"]
+__all__ = ["PRIORITY_PARAM", "KvpoolARC", "KvpoolCachePolicy", "KvpoolLRU",
+           "KvpoolPriorityS3FIFO", "KvpoolS3FIFO", "KvpoolTwoQ"]
+
+PRIORITY_PARAM = "kvpool_priority"
+"""The key of a request's ``kv_transfer_params`` that ``KvpoolPriorityS3FIFO`` reads."""
 
 
 class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
@@ -55,18 +69,35 @@ class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
     def _reset(self) -> None:
         self.queue: SlotQueue = new_queue(self.POLICY, self.cache_capacity)
         self._slot_key: list[OffloadKey | None] = [None] * self.cache_capacity
+        self._slot_priority: list[int] = [DEFAULT_PRIORITY] * self.cache_capacity
+
+    def _priority(self, req_context: ReqContext) -> int:
+        """The retention priority of a request's chunks (priority-aware subclasses)."""
+        return DEFAULT_PRIORITY
+
+    def _push(self, slots: list[int], keys: Sequence[OffloadKey]) -> None:
+        """Queue the slots (most recent last) at their chunks' priorities."""
+        prio = self._slot_priority
+        levels = {prio[s] for s in slots}
+        if len(levels) == 1:
+            self.queue.push_many(slots, levels.pop(), keys)
+            return
+        for level in sorted(levels):
+            picked = [i for i, s in enumerate(slots) if prio[s] == level]
+            self.queue.push_many([slots[i] for i in picked], level, [keys[i] for i in picked])
 
     def _slot(self, chunk: ChunkStatus) -> int:
         slot = int(chunk.chunk_id)
         if slot >= len(self._slot_key):  # vLLM's chunk ids stay below the capacity; be safe
             self._slot_key.extend([None] * (slot + 1 - len(self._slot_key)))
+            self._slot_priority.extend([DEFAULT_PRIORITY] * (slot + 1 - len(self._slot_priority)))
         return slot
 
     def _enqueue(self, key: OffloadKey, chunk: ChunkStatus) -> None:
         slot = self._slot(chunk)
         if slot not in self.queue:
             self._slot_key[slot] = key
-            self.queue.push(slot, DEFAULT_PRIORITY, key=key)
+            self.queue.push(slot, self._slot_priority[slot], key=key)
 
     # ------------------------------------------------------------------ CachePolicy
 
@@ -75,6 +106,7 @@ class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         self.chunks[key] = chunk
+        self._slot_priority[self._slot(chunk)] = self._priority(req_context)
         if chunk.ref_cnt >= 0:
             self._enqueue(key, chunk)
 
@@ -97,16 +129,17 @@ class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
         self._pinned.add(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        self._reuse(list(keys))
+        self._reuse(list(keys), self._priority(req_context))
 
     def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
                             insertion_only_keys: set[OffloadKey],
                             reused_keys: set[OffloadKey], req_context: ReqContext) -> None:
         order = order_request_keys(key_groups, req_context)
-        self._reuse([k for k in order if k in reused_keys])
+        self._reuse([k for k in order if k in reused_keys], self._priority(req_context))
 
-    def _reuse(self, keys: list[OffloadKey]) -> None:
-        """One more use of each queued chunk of ``keys`` (head-to-tail order), tail first."""
+    def _reuse(self, keys: list[OffloadKey], priority: int) -> None:
+        """One more use of each queued chunk of ``keys`` (head-to-tail order), tail first, by
+        a request of ``priority`` (a chunk's priority rises to it)."""
         slots: list[int] = []
         used: list[OffloadKey] = []
         seen: set[int] = set()
@@ -122,7 +155,10 @@ class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
                 used.append(key)
         if slots:
             queue.remove_many(slots)
-            queue.push_many(slots, DEFAULT_PRIORITY, used)
+            prio = self._slot_priority
+            for slot in slots:
+                prio[slot] = max(prio[slot], priority)
+            self._push(slots, used)
 
     def evict(self, n: int, protected: set[OffloadKey]
               ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
@@ -139,7 +175,7 @@ class KvpoolCachePolicy(CachePolicy):  # type: ignore[misc]
             for slot in queue.pop_slots(n - len(victims)):
                 (skipped if slot_key[slot] in held else victims).append(slot)
         if skipped:
-            queue.push_many(skipped, DEFAULT_PRIORITY, [slot_key[s] or b"" for s in skipped])
+            self._push(skipped, [slot_key[s] or b"" for s in skipped])
         out: list[tuple[OffloadKey, ChunkStatus]] = []
         for slot in victims:
             key = slot_key[slot]
@@ -179,3 +215,23 @@ class KvpoolLRU(KvpoolCachePolicy):
     """Least recently used first (:class:`kvpool.eviction.PrioritizedLRU`)."""
 
     POLICY = "lru"
+
+
+class KvpoolPriorityS3FIFO(KvpoolS3FIFO):
+    """S3-FIFO within retention priority levels set per request (``kv_transfer_params``'
+    ``kvpool_priority``, module doc): lower priorities are evicted first."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.invalid_priorities = 0
+
+    def _priority(self, req_context: ReqContext) -> int:
+        params = req_context.kv_transfer_params
+        if not params or PRIORITY_PARAM not in params:
+            return DEFAULT_PRIORITY
+        value = params[PRIORITY_PARAM]
+        if (isinstance(value, int) and not isinstance(value, bool)
+                and MIN_PRIORITY <= value <= MAX_PRIORITY):
+            return value
+        self.invalid_priorities += 1
+        return DEFAULT_PRIORITY

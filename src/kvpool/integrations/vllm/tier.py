@@ -9,19 +9,24 @@ standalone (``model`` then names the namespace).
 
 Contract with vLLM (``vllm/v1/kv_offload/tiering/base.py``), and how it is kept:
 
-- Every method runs on the scheduler side under vLLM's manager lock and returns at once: the
-  index lives on that thread; disk and network I/O run on ``io_threads`` worker threads, and
-  remote lookups on a prober thread (:mod:`~kvpool.integrations.vllm.probe`).
+- Every method runs on the scheduler side under vLLM's manager lock and returns at once: it
+  checks the job and queues it. ``io_threads`` worker threads do the rest (the disk tier's
+  slot reservation and eviction, byte copies from and into the primary pool, hashing, disk
+  and network I/O, the index updates after them: :mod:`~kvpool.integrations.vllm.jobs`), and
+  remote lookups run on a prober thread (:mod:`~kvpool.integrations.vllm.probe`).
 - ``lookup``: HIT when the disk index holds the key or the remote store is known to; otherwise,
   with a remote store, the key is probed in the background and the answer is RETRY until the
   probe returns (then HIT or MISS). A store in flight is a MISS (vLLM's primary tier still
   holds the chunk).
-- ``submit_store`` copies the primary pool's chunks to disk (slots reserved at once, the
-  eviction policy making room among unpinned blocks) and to the remote store (keys it already
-  holds are skipped); ``submit_load`` copies verified bytes into the primary pool's chunks,
-  disk first, the remote store for the rest. ``get_finished_jobs`` reports each job once; a
-  load that got only some keys reports ``successful_keys``. A key whose bytes fail their check
-  is never reported loaded, so vLLM never reads wrong bytes: it frees that chunk and recomputes.
+- ``submit_store`` copies the primary pool's chunks to disk (slots reserved by the job's
+  worker, the eviction policy making room among unpinned blocks; a lookup between submit and
+  reservation may still see a block the job then evicts: its load fails that key, and vLLM
+  recomputes it) and to the remote store (keys it already holds are skipped);
+  ``submit_load`` pins the keys' disk copies (a counter each) and copies verified bytes into
+  the primary pool's chunks, disk first, the remote store for the rest.
+  ``get_finished_jobs`` reports each job once; a load that got only some keys reports
+  ``successful_keys``. A key whose bytes fail their check is never reported loaded, so vLLM
+  never reads wrong bytes: it frees that chunk and recomputes.
 - ``drain_jobs`` waits for every job; ``shutdown`` drains, then syncs the disk tier.
 """
 
@@ -36,7 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 from kvpool.integrations.vllm._vllm import import_failed
 from kvpool.integrations.vllm.config import KvpoolTierConfig
 from kvpool.integrations.vllm.disk import DiskChunks
-from kvpool.integrations.vllm.jobs import LoadDone, LoadItem, StoreDone, run_load, run_store
+from kvpool.integrations.vllm.jobs import LoadDone, StoreDone, run_load, run_store
 from kvpool.integrations.vllm.metrics import TierCounters, metric_definitions
 from kvpool.integrations.vllm.namespace import tier_namespace
 from kvpool.integrations.vllm.probe import ProbeDone, Prober
@@ -214,21 +219,11 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         ids = self._chunk_ids(job_metadata, done)
         if ids is None:
             return
-        chunk_of = dict(zip(keys, ids, strict=True))
-        placed: list[tuple[bytes, int]] = []
-        disk = self.disk
-        if disk is not None:
-            placed, evicted, unplaced = disk.reserve(keys)
-            if evicted:
-                self.counters.evicted += len(evicted)
-                self._event(evicted, removed=True, locality=Locality.LOCAL)
-            if unplaced:
-                done.failures["no_space"] += unplaced
         remote = self.remote
-        remote_keys = [k for k in chunk_of if not remote.is_known(k)] if remote else []
-        chunk = self._chunk
-        self._submit(done.job_id, run_store, done, disk, placed, remote, remote_keys,
-                     lambda key: chunk(chunk_of[key]), self._done.put)
+        remote_keys = ([k for k in dict.fromkeys(keys) if not remote.is_known(k)]
+                       if remote is not None else [])
+        self._submit(done.job_id, run_store, done, self.disk, ids, remote, remote_keys,
+                     self._chunk, self._done.put)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -236,14 +231,13 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
         ids = self._chunk_ids(job_metadata, done)
         if ids is None:
             return
-        disk, remote = self.disk, self.remote is not None
-        items = []
-        for key, chunk_id in zip(keys, ids, strict=True):
-            found = disk.pin(key) if disk is not None else None
-            if found is not None:
-                done.pinned.append(key)
-            items.append(LoadItem(key, chunk_id, found, remote))
-        self._submit(done.job_id, run_load, done, items, self._chunk, self.disk, self.remote,
+        disk = self.disk
+        if disk is not None:
+            on_disk = disk.pin_many(keys)
+            done.pinned = [k for k, found in zip(keys, on_disk, strict=True) if found is not None]
+        else:
+            on_disk = [None] * len(keys)
+        self._submit(done.job_id, run_load, done, ids, on_disk, self._chunk, disk, self.remote,
                      self._done.put)
 
     def _submit(self, job_id: int, task: Any, *args: Any) -> None:
@@ -264,11 +258,10 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
 
     def _finish_store(self, done: StoreDone) -> JobResult:
         disk, remote, counters = self.disk, self.remote, self.counters
+        if done.evicted:
+            counters.evicted += len(done.evicted)
+            self._event(done.evicted, removed=True, locality=Locality.LOCAL)
         if disk is not None:
-            for key, slot, checksum in done.written:
-                disk.commit(key, slot, checksum)
-            for key, slot in done.aborted:
-                disk.abort(key, slot)
             counters.stored["disk"] += len(done.written)
             self._event([k for k, _, _ in done.written], removed=False,
                         locality=Locality.LOCAL)
@@ -289,12 +282,8 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
                 or (remote is not None and remote.is_known(key)))
 
     def _finish_load(self, done: LoadDone) -> JobResult:
-        disk, counters = self.disk, self.counters
-        if disk is not None:
-            for key in done.damaged:
-                disk.discard(key)
-            forgotten = [k for key in done.pinned for k in disk.unpin(key)]
-            self._event(forgotten, removed=True, locality=Locality.LOCAL)
+        counters = self.counters
+        self._event(done.forgotten, removed=True, locality=Locality.LOCAL)
         if self.remote is not None:
             if done.failures["remote_error"]:
                 self.remote.forget_all()
@@ -327,8 +316,8 @@ class KvpoolTier(SecondaryTierManager):  # type: ignore[misc]
                 del self._probes[key]
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self.disk is not None:
-            self.disk.touch(list(keys))
+        if self.disk is not None and keys:
+            self._io.submit(self.disk.touch, list(keys))  # index work: off this thread
 
     def _event(self, keys: list[bytes], *, removed: bool, locality: Locality) -> None:
         if self._events is not None and keys:

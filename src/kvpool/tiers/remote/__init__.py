@@ -12,7 +12,7 @@ Layered bottom-up, each module using only those above it in this list:
 - :mod:`~kvpool.tiers.remote.tier`: what a manager calls: offload a block, fetch the longest
   resident continuation of a chain.
 
-The manager's use of them (``CacheConfig(remote_url=...)``, ``prefetch``) comes next.
+The manager's use of them (``CacheConfig.remote``, ``prefetch``) comes next.
 """
 
 from kvpool.tiers.remote.codec import ValueCodec

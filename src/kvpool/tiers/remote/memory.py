@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.remote.store import Item, Value
+from kvpool.validation import check_int
 
 __all__ = ["MemoryStore", "MemoryStoreStats"]
 
@@ -44,11 +45,7 @@ class MemoryStore:
 
     def __init__(self, capacity_bytes: int, *,
                  charge: Callable[[bytes, int], int] | None = None) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
-                or capacity_bytes < 1:
-            raise InvalidArgumentError(
-                f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}"
-            )
+        check_int("capacity_bytes", capacity_bytes, 1)
         if charge is not None and not callable(charge):
             raise InvalidArgumentError(f"charge must be callable, got {charge!r}")
         self.capacity_bytes = capacity_bytes

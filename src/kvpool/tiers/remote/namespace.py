@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.hashing.keys import M64, BlockKey, HashAlgo, cache_salt_id, hash_algo, v2_root_key
+from kvpool.hashing.keys import BlockKey, HashAlgo, cache_salt_id, hash_algo, v2_root_key
+from kvpool.validation import check_int, check_u64
 
 
 class LayoutSource(Protocol):
@@ -62,9 +63,7 @@ def key_bytes(algo: HashAlgo, key: BlockKey) -> bytes:
     Raises :class:`InvalidArgumentError` for a key that is not of ``algo``'s kind.
     """
     if algo is HashAlgo.V1_BLOCK_KEY:
-        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= M64:
-            raise InvalidArgumentError(f"a v1_block_key key must be a u64 int, got {key!r}")
-        return key.to_bytes(8, "big")
+        return check_u64("a v1_block_key key", key).to_bytes(8, "big")
     if not isinstance(key, bytes) or len(key) != _DIGEST_KEY_SIZE:
         raise InvalidArgumentError(f"a {algo.value} key must be 32 bytes, got {key!r:.80}")
     return key
@@ -150,15 +149,13 @@ class ScopeNamespace:
 
     def remote_key(self, key: BlockKey, layer_group: int) -> bytes:
         """The remote key of one layer group's bytes of the block whose full key is ``key``."""
-        if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group < 0:
-            raise InvalidArgumentError(f"layer_group must be an int >= 0, got {layer_group!r}")
+        check_int("layer_group", layer_group, 0)
         return b"%s%s:%d" % (self.prefix, key_bytes(self.parent.algo, key).hex().encode(),
                              layer_group)
 
     def remote_keys(self, keys: Sequence[BlockKey], layer_group: int) -> list[bytes]:
         """:meth:`remote_key` of each of ``keys`` (one layer group), validated first."""
-        if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group < 0:
-            raise InvalidArgumentError(f"layer_group must be an int >= 0, got {layer_group!r}")
+        check_int("layer_group", layer_group, 0)
         algo = self.parent.algo
         prefix = self.prefix
         suffix = b":%d" % layer_group

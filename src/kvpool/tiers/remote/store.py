@@ -47,6 +47,7 @@ from kvpool.errors import (
     RemoteWriteRefusedError,
     StorageError,
 )
+from kvpool.validation import check_int, check_number
 
 __all__ = ["DEFAULT_BATCH_BYTES", "WRITE_REFUSALS", "BlockStore", "RemoteStore",
            "RemoteStoreStats", "is_write_refusal"]
@@ -124,17 +125,17 @@ class _Refused(Exception):
         self.refused = refused
 
 
-def split_url(url: str) -> tuple[str, bool]:
-    """(the URL redis-py connects to, whether it names a cluster); InvalidArgumentError for
-    anything but a redis/rediss/unix/valkey URL or a ``+cluster`` one."""
+def split_url(url: str, name: str = "remote_url") -> tuple[str, bool]:
+    """(the URL redis-py connects to, whether it names a cluster); InvalidArgumentError (naming
+    the setting ``name``) for anything but a redis/rediss/unix/valkey URL or a ``+cluster`` one."""
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidArgumentError(f"remote_url must be a redis:// URL, got {url!r}")
+        raise InvalidArgumentError(f"{name} must be a redis:// URL, got {url!r}")
     scheme, rest = url.split("://", 1)
     if scheme in _CLUSTER_SCHEMES:
         return f"{_CLUSTER_SCHEMES[scheme]}://{rest}", True
     if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
         raise InvalidArgumentError(
-            f"remote_url scheme {scheme!r} is not redis://, rediss://, unix://, "
+            f"{name} scheme {scheme!r} is not redis://, rediss://, unix://, "
             f"redis+cluster:// or rediss+cluster://"
         )
     if scheme.startswith("valkey"):
@@ -178,12 +179,6 @@ def _pipelined_gets(client: Any, keys: list[bytes]) -> list[Value | None]:
     return values
 
 
-def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
 class RemoteStore:
     """Batched block reads and writes on a Redis- or Valkey-compatible server (module doc).
 
@@ -207,12 +202,11 @@ class RemoteStore:
                 "the remote tier needs redis-py: install kvpool with the 'remote' extra "
                 "(pip install 'kvpool[remote]')"
             )
-        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
-            raise InvalidArgumentError(f"batch_bytes must be an int >= 1, got {batch_bytes!r}")
-        self.batch_bytes = batch_bytes
-        self.timeout_s = _check_positive("timeout_s", timeout_s)
-        self.backoff_s = _check_positive("backoff_s", backoff_s)
-        self.backoff_max_s = max(_check_positive("backoff_max_s", backoff_max_s), self.backoff_s)
+        self.batch_bytes = check_int("batch_bytes", batch_bytes, 1)
+        self.timeout_s = check_number("timeout_s", timeout_s, 0, above=True)
+        self.backoff_s = check_number("backoff_s", backoff_s, 0, above=True)
+        self.backoff_max_s = max(check_number("backoff_max_s", backoff_max_s, 0, above=True),
+                                 self.backoff_s)
         self._clock = clock
         self._lock = threading.Lock()
         self._client: Any = None

@@ -37,6 +37,7 @@ from typing import Final
 from kvpool.errors import InvalidArgumentError, RemoteWriteRefusedError
 from kvpool.tiers.remote.codec import ValueCodec
 from kvpool.tiers.remote.store import BlockStore
+from kvpool.validation import check_int
 
 __all__ = ["REMOTE_WRITE_MODES", "RemoteWriter", "WriterStats"]
 
@@ -81,8 +82,7 @@ class RemoteWriter:
             )
         for name, value in (("max_pending_bytes", max_pending_bytes),
                             ("batch_bytes", batch_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, value, 1)
         self.store = store
         self.mode = mode
         self.max_pending_bytes = max_pending_bytes
