@@ -1,5 +1,5 @@
-"""The figure tables of the README and docs, written from the replays' JSON, so that no table
-can say what its replay does not.
+"""The figure tables of the README and docs, written from the replays' and the benchmarks'
+JSON, so that no table can say what its run does not.
 
 Each figure is one or more ``kvpool replay`` runs whose ``--json`` output is kept in
 ``docs/figures/<figure>.json`` (``<figure>-<i>.json`` for a figure of several runs), and a
@@ -15,6 +15,9 @@ From the repository root:
 * ``python -m kvpool.replay.figures`` rewrites every block from the JSON files;
 * ``python -m kvpool.replay.figures --run quick trace`` replays those figures first (their
   JSON files are rewritten; ``--run all`` replays every figure);
+* ``python -m kvpool.replay.figures --bench hashing copy`` runs those benchmarks first, each
+  replacing its document in ``docs/figures/bench`` (the benchmark tables:
+  :mod:`kvpool.replay.bench_figures`);
 * ``python -m kvpool.replay.figures --check`` rewrites nothing and exits 1 naming every block
   that differs from what the JSON says (the test suite runs it, and replays the quick figures
   to compare their JSON with what the replay prints now).
@@ -29,19 +32,23 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from kvpool.replay.bench_figures import BENCH_RUNS, bench_table
+from kvpool.replay.bench_figures import BENCH_TABLES, RUNS, bench_table
 from kvpool.replay.report import best_marks, fmt_ms, fmt_pct
 
-__all__ = ["FIGURES", "Figure", "block_pattern", "check", "render_block", "run", "write"]
+__all__ = ["FIGURES", "BenchFigure", "Figure", "block_pattern", "check", "render_block", "run",
+           "run_bench", "write"]
 
 FIGURE_DIR: Final = Path("docs") / "figures"
+BENCH_DIR: Final = FIGURE_DIR / "bench"
 DOCUMENTS: Final = ("README.md", "docs/*.md")
 """The markdown files (relative to the root, globs allowed) whose blocks this module owns."""
 
@@ -67,34 +74,27 @@ class Figure:
     def commands(self) -> list[str]:
         return [" ".join([".venv/bin/kvpool", "replay", *args]) for args in self.runs]
 
-    def argv(self, i: int, path: Path) -> tuple[list[str], dict[str, str]]:
-        """The child process of run ``i`` writing ``path``, and its extra environment."""
-        return ([sys.executable, "-m", "kvpool.cli", "replay", *self.runs[i], "--no-progress",
-                 "--json", str(path)], {})
+    def body(self, docs: Sequence[dict[str, Any]]) -> list[str]:
+        return ["```bash", *self.commands(), "```", "", *self.table(docs)]
 
 
 @dataclass(frozen=True)
 class BenchFigure:
-    """The benchmarks' figure: each :class:`~kvpool.replay.bench_figures.BenchRun` writes one
-    document into ``docs/figures/bench``; :func:`~kvpool.replay.bench_figures.bench_table`
-    makes the table."""
+    """A benchmark figure: :data:`~kvpool.replay.bench_figures.BENCH_TABLES`' table of this
+    name, from the documents in ``docs/figures/bench`` (rerun by ``--bench``)."""
 
     name: str
     quick: bool = False
 
+    def documents(self) -> list[str]:
+        return BENCH_TABLES[self.name].documents()
+
     def json_paths(self, root: Path) -> list[Path]:
-        return [root / FIGURE_DIR / "bench" / f"{r.json}.json" for r in BENCH_RUNS]
+        return [root / BENCH_DIR / f"{name}.json" for name in self.documents()]
 
-    def commands(self) -> list[str]:
-        return [r.command() for r in BENCH_RUNS]
-
-    def table(self, docs: Sequence[dict[str, Any]]) -> list[str]:
-        return bench_table({r.json: d for r, d in zip(BENCH_RUNS, docs, strict=True)})
-
-    def argv(self, i: int, path: Path) -> tuple[list[str], dict[str, str]]:
-        run = BENCH_RUNS[i]
-        return ([sys.executable, f"benchmarks/{run.script}", *run.args],
-                {"KVPOOL_RESULTS_DIR": str(path.parent)})
+    def body(self, docs: Sequence[dict[str, Any]]) -> list[str]:
+        return bench_table(BENCH_TABLES[self.name],
+                           dict(zip(self.documents(), docs, strict=True)))
 
 
 def _policy_table(docs: Sequence[dict[str, Any]]) -> list[str]:
@@ -151,7 +151,7 @@ FIGURES: Final[tuple[Figure | BenchFigure, ...]] = (
         (*_TRACE, "1000", "--gpu-mem", "16GiB", "--policies", "cost,trtllm,round-robin",
          "--remote-mem", "256GiB"),
     ), _shared_tier_table),
-    BenchFigure("benchmarks"),
+    *(BenchFigure(name) for name in BENCH_TABLES),
 )
 
 
@@ -166,10 +166,9 @@ def block_pattern(name: str) -> re.Pattern[str]:
 def render_block(figure: Figure | BenchFigure, root: Path) -> str:
     """The block as this module writes it: the commands, then the table."""
     docs = [json.loads(p.read_text()) for p in figure.json_paths(root)]
-    body = ["```bash", *figure.commands(), "```", "", *figure.table(docs)]
     return "\n".join([
         f"<!-- figure: {figure.name} (python -m kvpool.replay.figures writes this block) -->",
-        *body,
+        *figure.body(docs),
         f"<!-- /figure: {figure.name} -->",
     ])
 
@@ -211,20 +210,37 @@ def write(root: Path) -> list[str]:
     return changed
 
 
-def run(figure: Figure | BenchFigure, root: Path, out_dir: Path | None = None) -> list[Path]:
-    """Run ``figure``'s replays or benchmarks (their tables print), writing their JSON into
-    ``out_dir`` (default: the figure's files under ``root``)."""
+def run(figure: Figure, root: Path, out_dir: Path | None = None) -> list[Path]:
+    """Replay ``figure``'s runs (their tables print), writing their JSON into ``out_dir``
+    (default: the figure's files under ``root``)."""
     paths = figure.json_paths(root)
     if out_dir is not None:
         paths = [out_dir / p.name for p in paths]
-    for i, path in enumerate(paths):
+    for args, path in zip(figure.runs, paths, strict=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         # the command itself, in a child: the replay layer does not import the CLI above it
-        argv, env = figure.argv(i, path)
-        code = subprocess.call(argv, cwd=root, env={**os.environ, **env})
+        code = subprocess.call([sys.executable, "-m", "kvpool.cli", "replay", *args,
+                                "--no-progress", "--json", str(path)])
         if code != 0:
-            raise SystemExit(f"{' '.join(argv[1:])} exited {code}")
+            raise SystemExit(f"kvpool replay {' '.join(args)} exited {code}")
     return paths
+
+
+def run_bench(name: str, root: Path) -> Path:
+    """Run the benchmark of document ``name`` (its table prints) from ``root`` and keep what it
+    wrote as ``docs/figures/bench/<name>.json``."""
+    bench = RUNS[name]
+    path = root / BENCH_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp) / f"{bench.writes or name}.json"
+        argv = [sys.executable, f"benchmarks/{bench.script}", *bench.args]
+        argv += ["--out", str(written)] if bench.out else []
+        code = subprocess.call(argv, cwd=root, env={**os.environ, "KVPOOL_RESULTS_DIR": tmp})
+        if code != 0:
+            raise SystemExit(f"{bench.command()} exited {code}")
+        shutil.move(written, path)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,19 +249,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Rewrite the figure tables of README.md and docs/*.md from the replays' "
         "JSON in docs/figures (run from the repository root).",
     )
-    names = [f.name for f in FIGURES]
+    names = [f.name for f in FIGURES if isinstance(f, Figure)]
     parser.add_argument("--run", nargs="+", metavar="FIGURE", choices=[*names, "all"],
                         help=f"replay these figures first ({', '.join(names)}, or all)")
+    parser.add_argument("--bench", nargs="+", metavar="DOC", choices=sorted(RUNS),
+                        help="run these benchmarks first, each replacing its document "
+                        f"docs/figures/bench/DOC.json ({', '.join(sorted(RUNS))})")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a block differs from the JSON")
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="the repository root (default: the current directory)")
     args = parser.parse_args(argv)
     root: Path = args.root
-    if args.run:
-        for figure in FIGURES:
-            if "all" in args.run or figure.name in args.run:
-                run(figure, root)
+    for figure in FIGURES:
+        if isinstance(figure, Figure) and args.run and ("all" in args.run
+                                                        or figure.name in args.run):
+            run(figure, root)
+    for name in args.bench or ():
+        run_bench(name, root)
     if args.check:
         stale = check(root)
         for name in stale:
