@@ -11,6 +11,8 @@ import collections
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,14 +31,23 @@ RESULTS_DIR = Path(
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on, and how loaded it was (the 1/5/15-minute load
+    averages when the run ended), and the command that measured them."""
     return {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor(),
         "cpus": os.cpu_count(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load": [round(x, 2) for x in os.getloadavg()],
+        "command": shlex.join([".venv/bin/python", _script(), *sys.argv[1:]]),
     }
+
+
+def _script() -> str:
+    """The running benchmark as the repository root names it (benchmarks/bench_x.py)."""
+    path = Path(sys.argv[0]).resolve()
+    return f"{path.parent.name}/{path.name}" if path.parent.name == "benchmarks" else sys.argv[0]
 
 
 def report(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -54,3 +55,35 @@ def test_80_columns_get_one_column_per_result_with_every_cell_whole() -> None:
     text = "\n".join(lines)
     for p in ("s3fifo", "1,732,465", "6,904"):
         assert p in text
+
+
+def test_a_report_records_the_machine_its_load_and_the_command(tmp_path: Path) -> None:
+    argv = [str(ROOT / "benchmarks" / "bench_x.py"), "--quick"]
+    old, sys.argv = sys.argv, argv
+    try:
+        path = common().report("bench_x", [ROW], out=tmp_path / "x.json")
+    finally:
+        sys.argv = old
+    machine = json.loads(path.read_text())["machine"]
+    assert machine["command"] == ".venv/bin/python benchmarks/bench_x.py --quick"
+    assert len(machine["load"]) == 3 and all(x >= 0 for x in machine["load"])
+    assert machine["cpus"] >= 1 and machine["when"].endswith("Z")
+
+
+def test_the_figure_extractors_read_rows_shaped_as_the_benchmarks_write_them() -> None:
+    """Rows shaped as bench_engine.py's and bench_router_service.py --bus nats' (their
+    committed documents are transcribed, so the generator test does not read these)."""
+    from kvpool.replay.bench_figures import BENCH_TABLES, Measure
+
+    engine = [{"measure": m, "unit": "x", "kvpool": 1.0, "reference": 1.0, "ratio": r}
+              for m, r in (("TTFT, 2,048-token prompt: cached 1,920 vs cold", 9.87),
+                           ("decode tokens/s, batch 1: kvpool vs generate", 0.912),
+                           ("8 concurrent requests, tokens/s: kvpool vs generate_batch", 2.1))]
+    nats = [{"router": "zmq x1", "per router cpu s": 3279.0, "p99 ms": 15.0},
+            {"router": "nats x2", "per router cpu s": 2941.0, "p99 ms": 18.06,
+             "vs zmq": 2941.0 / 3279.0}]
+    docs = {"bench_engine": {"rows": engine}, "bench_router_service_nats": {"rows": nats}}
+    texts = {c.key: c.text(docs) for row in BENCH_TABLES["benchmarks"].rows for c in row
+             if isinstance(c, Measure) and c.json in docs}
+    assert texts == {"ttft": "9.9× faster", "decode": "0.91×", "batch": "2.10×",
+                     "vs_zmq": "0.897× (2,941 / 3,279)", "p99": "18.1 ms"}

@@ -104,8 +104,75 @@ def test_every_figure_block_equals_what_the_generator_writes() -> None:
         assert f"<!-- figure: {figure.name} (" in written, figure.name
 
 
+NOT_FIGURES = {  # tables of words (options, fields, names): no measured figure, no generator
+    ("README.md", "| | kvpool | vLLM prefix caching |"),
+    ("README.md", "| command | what it does |"),
+    ("docs/architecture.md", "| word | meaning |"),
+    ("docs/architecture.md", "| # | invariant | checked by |"),
+    ("docs/benchmarks.md", "| benchmark | what it measures |"),
+    ("docs/compatibility.md", "| algorithm | tree key (digest) | what an event carries |"),
+    ("docs/hybrid.md", "| call | what it does for a state group `g` |"),
+    ("docs/hybrid.md", "| `checkpoint_policy` | boundaries saved |"),
+    ("docs/integrations.md", "| key | default | meaning |"),
+    ("docs/integrations.md", "| metric | labels | what |"),
+    ("docs/router.md", "| key | type | default | meaning |"),
+    ("docs/router.md", "| field | type | meaning |"),
+    ("docs/router.md", "| field | meaning |"),
+    ("docs/router.md", "| endpoint | what it does |"),
+}
+
+
+def _tables_outside_figures(text: str) -> list[str]:
+    """The header line of every markdown table outside a figure block and a code block."""
+    text = re.sub(r"<!-- figure: (\S+) \(.*?\) -->\n.*?<!-- /figure: \1 -->", "", text,
+                  flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    lines = text.split("\n")
+    return [line for prev, line in zip(["", *lines], lines, strict=False)
+            if line.startswith("|") and not prev.startswith("|")]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_table_is_a_generated_figure_or_named_as_no_figure(doc: str) -> None:
+    allowed = {h for d, h in NOT_FIGURES if d == doc}
+    for header in _tables_outside_figures((ROOT / doc).read_text()):
+        assert any(header.startswith(h) for h in allowed), (
+            f"{doc}: the table {header!r} has no generator: put it in a figure block of "
+            "kvpool.replay.figures, or name it in NOT_FIGURES if it holds no figure")
+
+
+def test_a_changed_benchmark_document_makes_its_table_stale(tmp_path: Path) -> None:
+    """The check reads the documents: one changed figure makes the table differ."""
+    import shutil
+
+    for doc in ("README.md", "docs"):
+        src = ROOT / doc
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / doc)
+    assert figures.check(tmp_path) == []
+    path = tmp_path / "docs" / "figures" / "bench" / "bench_eviction.json"
+    doc = json.loads(path.read_text())
+    next(r for r in doc["rows"] if r["keys"] == "w1")["us_per_block"] += 1.0
+    path.write_text(json.dumps(doc))
+    assert figures.check(tmp_path) == ["docs/benchmarks.md"]
+
+
+def test_every_benchmark_document_is_a_run_or_names_where_it_was_transcribed() -> None:
+    for figure in figures.FIGURES:
+        if not isinstance(figure, figures.BenchFigure):
+            continue
+        for path in figure.json_paths(ROOT):
+            doc = json.loads(path.read_text())
+            if "source" in doc:
+                assert re.match(r"transcribed from [0-9a-f]{7,40} \(", doc["source"]), path
+            else:  # a run: its machine, its load and its command
+                machine = doc["machine"]
+                assert machine["cpus"] >= 1 and len(machine["load"]) == 3, path
+                assert machine["command"].startswith(".venv/bin/python benchmarks/"), path
+
+
 def _replays_print_the_kept_json(name: str, tmp_path: Path) -> None:
-    figure = next(f for f in figures.FIGURES if f.name == name)
+    figure = next(f for f in figures.FIGURES
+                  if isinstance(f, figures.Figure) and f.name == name)
     fresh = figures.run(figure, ROOT, out_dir=tmp_path)
     for new, kept in zip(fresh, figure.json_paths(ROOT), strict=True):
         a = strip_wall(json.loads(new.read_text()))
@@ -114,7 +181,8 @@ def _replays_print_the_kept_json(name: str, tmp_path: Path) -> None:
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), kept
 
 
-@pytest.mark.parametrize("name", [f.name for f in figures.FIGURES if f.quick])
+@pytest.mark.parametrize("name", [f.name for f in figures.FIGURES
+                                  if isinstance(f, figures.Figure) and f.quick])
 def test_the_quick_replays_print_the_json_behind_the_tables(name: str, tmp_path: Path) -> None:
     _replays_print_the_kept_json(name, tmp_path)
 
@@ -247,7 +315,8 @@ def _run_by_a_figure_test(command: str) -> bool:
         return False
     parser = build_parser()
     args = vars(parser.parse_args(words[1:]))
-    run = [f for f in figures.FIGURES if f.quick or f.name == "synthetic"]
+    run = [f for f in figures.FIGURES
+           if isinstance(f, figures.Figure) and (f.quick or f.name == "synthetic")]
     return any(args == vars(parser.parse_args(["replay", *argv]))
                for f in run for argv in f.runs)
 

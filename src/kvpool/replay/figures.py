@@ -1,5 +1,5 @@
-"""The figure tables of the README and docs, written from the replays' JSON, so that no table
-can say what its replay does not.
+"""The figure tables of the README and docs, written from the replays' and the benchmarks'
+JSON, so that no table can say what its run does not.
 
 Each figure is one or more ``kvpool replay`` runs whose ``--json`` output is kept in
 ``docs/figures/<figure>.json`` (``<figure>-<i>.json`` for a figure of several runs), and a
@@ -15,6 +15,9 @@ From the repository root:
 * ``python -m kvpool.replay.figures`` rewrites every block from the JSON files;
 * ``python -m kvpool.replay.figures --run quick trace`` replays those figures first (their
   JSON files are rewritten; ``--run all`` replays every figure);
+* ``python -m kvpool.replay.figures --bench hashing copy`` runs those benchmarks first, each
+  replacing its document in ``docs/figures/bench`` (the benchmark tables:
+  :mod:`kvpool.replay.bench_figures`);
 * ``python -m kvpool.replay.figures --check`` rewrites nothing and exits 1 naming every block
   that differs from what the JSON says (the test suite runs it, and replays the quick figures
   to compare their JSON with what the replay prints now).
@@ -27,19 +30,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from kvpool.replay.bench_figures import BENCH_TABLES, RUNS, bench_table
 from kvpool.replay.report import best_marks, fmt_ms, fmt_pct
 
-__all__ = ["FIGURES", "Figure", "block_pattern", "check", "render_block", "run", "write"]
+__all__ = ["FIGURES", "BenchFigure", "Figure", "block_pattern", "check", "render_block", "run",
+           "run_bench", "write"]
 
 FIGURE_DIR: Final = Path("docs") / "figures"
+BENCH_DIR: Final = FIGURE_DIR / "bench"
 DOCUMENTS: Final = ("README.md", "docs/*.md")
 """The markdown files (relative to the root, globs allowed) whose blocks this module owns."""
 
@@ -64,6 +73,28 @@ class Figure:
 
     def commands(self) -> list[str]:
         return [" ".join([".venv/bin/kvpool", "replay", *args]) for args in self.runs]
+
+    def body(self, docs: Sequence[dict[str, Any]]) -> list[str]:
+        return ["```bash", *self.commands(), "```", "", *self.table(docs)]
+
+
+@dataclass(frozen=True)
+class BenchFigure:
+    """A benchmark figure: :data:`~kvpool.replay.bench_figures.BENCH_TABLES`' table of this
+    name, from the documents in ``docs/figures/bench`` (rerun by ``--bench``)."""
+
+    name: str
+    quick: bool = False
+
+    def documents(self) -> list[str]:
+        return BENCH_TABLES[self.name].documents()
+
+    def json_paths(self, root: Path) -> list[Path]:
+        return [root / BENCH_DIR / f"{name}.json" for name in self.documents()]
+
+    def body(self, docs: Sequence[dict[str, Any]]) -> list[str]:
+        return bench_table(BENCH_TABLES[self.name],
+                           dict(zip(self.documents(), docs, strict=True)))
 
 
 def _policy_table(docs: Sequence[dict[str, Any]]) -> list[str]:
@@ -108,7 +139,7 @@ def _shared_tier_table(docs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 _TRACE: Final = ("--trace", "conversation", "--limit")
-FIGURES: Final[tuple[Figure, ...]] = (
+FIGURES: Final[tuple[Figure | BenchFigure, ...]] = (
     Figure("quick", (("--requests", "300", "--workers", "2",
                       "--policies", "cost,trtllm,approx,round-robin"),),
            _policy_table, quick=True),
@@ -120,6 +151,7 @@ FIGURES: Final[tuple[Figure, ...]] = (
         (*_TRACE, "1000", "--gpu-mem", "16GiB", "--policies", "cost,trtllm,round-robin",
          "--remote-mem", "256GiB"),
     ), _shared_tier_table),
+    *(BenchFigure(name) for name in BENCH_TABLES),
 )
 
 
@@ -131,13 +163,12 @@ def block_pattern(name: str) -> re.Pattern[str]:
     )
 
 
-def render_block(figure: Figure, root: Path) -> str:
+def render_block(figure: Figure | BenchFigure, root: Path) -> str:
     """The block as this module writes it: the commands, then the table."""
     docs = [json.loads(p.read_text()) for p in figure.json_paths(root)]
-    body = ["```bash", *figure.commands(), "```", "", *figure.table(docs)]
     return "\n".join([
         f"<!-- figure: {figure.name} (python -m kvpool.replay.figures writes this block) -->",
-        *body,
+        *figure.body(docs),
         f"<!-- /figure: {figure.name} -->",
     ])
 
@@ -195,25 +226,47 @@ def run(figure: Figure, root: Path, out_dir: Path | None = None) -> list[Path]:
     return paths
 
 
+def run_bench(name: str, root: Path) -> Path:
+    """Run the benchmark of document ``name`` (its table prints) from ``root`` and keep what it
+    wrote as ``docs/figures/bench/<name>.json``."""
+    bench = RUNS[name]
+    path = root / BENCH_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp) / f"{bench.writes or name}.json"
+        argv = [sys.executable, f"benchmarks/{bench.script}", *bench.args]
+        argv += ["--out", str(written)] if bench.out else []
+        code = subprocess.call(argv, cwd=root, env={**os.environ, "KVPOOL_RESULTS_DIR": tmp})
+        if code != 0:
+            raise SystemExit(f"{bench.command()} exited {code}")
+        shutil.move(written, path)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvpool.replay.figures",
         description="Rewrite the figure tables of README.md and docs/*.md from the replays' "
         "JSON in docs/figures (run from the repository root).",
     )
-    names = [f.name for f in FIGURES]
+    names = [f.name for f in FIGURES if isinstance(f, Figure)]
     parser.add_argument("--run", nargs="+", metavar="FIGURE", choices=[*names, "all"],
                         help=f"replay these figures first ({', '.join(names)}, or all)")
+    parser.add_argument("--bench", nargs="+", metavar="DOC", choices=sorted(RUNS),
+                        help="run these benchmarks first, each replacing its document "
+                        f"docs/figures/bench/DOC.json ({', '.join(sorted(RUNS))})")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a block differs from the JSON")
     parser.add_argument("--root", type=Path, default=Path.cwd(),
                         help="the repository root (default: the current directory)")
     args = parser.parse_args(argv)
     root: Path = args.root
-    if args.run:
-        for figure in FIGURES:
-            if "all" in args.run or figure.name in args.run:
-                run(figure, root)
+    for figure in FIGURES:
+        if isinstance(figure, Figure) and args.run and ("all" in args.run
+                                                        or figure.name in args.run):
+            run(figure, root)
+    for name in args.bench or ():
+        run_bench(name, root)
     if args.check:
         stale = check(root)
         for name in stale:
