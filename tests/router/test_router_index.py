@@ -646,10 +646,12 @@ def test_stored_chains_with_bad_token_ids_are_malformed_whole() -> None:
         token_bytes([2**32])
 
 
-def _token_matched_stream(rng: random.Random, steps: int) -> list[KeyedEvent]:
+def _token_matched_stream(
+    rng: random.Random, steps: int
+) -> list[KeyedEvent | KVCacheEvent]:
     """Stored chains (records and events, on any tier, engine hashes stored again) and removals
     (on one tier, every tier, mixed tiers; records and events) of a token-matched worker."""
-    out: list[KeyedEvent] = []
+    out: list[KeyedEvent | KVCacheEvent] = []
     stored_hashes: list[int] = []
     for eid in range(steps):
         if rng.random() < 0.55 or not stored_hashes:

@@ -257,9 +257,10 @@ def test_vllm_keyed_decoding_with_tokens_cuts_blocks_as_the_checked_decoding() -
                                ({"token_ids": list(range(3))}, False),  # a block without any
                                ({"parent_block_hash": b"\x01" * 40}, True)):
         payload = msgspec.msgpack.encode([0.0, [{**stored, **changes}], None])
-        (event,) = decode_vllm_keys(payload, hash_algo="v2_sha256", tokens=True)
-        assert event == keyed(decode_vllm_batch(payload, hash_algo="v2_sha256").events[0], True)
-        assert (event.op == MALFORMED) is malformed
+        (converted,) = decode_vllm_keys(payload, hash_algo="v2_sha256", tokens=True)
+        assert converted == keyed(decode_vllm_batch(payload, hash_algo="v2_sha256").events[0],
+                                  True)
+        assert (converted.op == MALFORMED) is malformed
     # A chain of one partial block: its tokens, not block_size, are what the index learns.
     payload = msgspec.msgpack.encode([0.0, [{**stored, "block_hashes": [5],
                                              "token_ids": [1, 2, 3]}], None])

@@ -158,7 +158,7 @@ class Model:
             levels = data.cache_levels or (None,) * len(data.block_hashes)
             for h, t in zip(data.block_hashes, levels, strict=True):
                 if t == REMOTE_CACHE_LEVEL:
-                    self.shared.discard(h)  # type: ignore[arg-type]
+                    self.shared.discard(h)
                 elif (key := self.key(h)) is not None:  # type: ignore[arg-type]
                     self.release(g, key, range(TIERS) if t is None else (t,))
         elif isinstance(data, Updated) and data.cache_level is not None:
