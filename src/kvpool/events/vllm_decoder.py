@@ -40,6 +40,7 @@ from kvpool.events.vllm_wire import (
     STORED_FIELDS,
     TIER_OF_MEDIUM,
     V2_SHA256,
+    InRemoved,
     InStored,
     InStoredNoTokens,
 )
@@ -256,6 +257,34 @@ class KeyedBatchDecoder(BatchDecoder):
     def records(self) -> list[KeyedEvent]:
         """What was emitted (keyed records)."""
         return cast(list[KeyedEvent], self.out)
+
+    def typed_events(
+        self, events: list[Any], read: tuple[bytes, list[int]] | None = None
+    ) -> list[KeyedEvent]:
+        """The records of a batch's typed wire events. ``read``: every stored event's token
+        ids already read (u32 little-endian, back to back, and each non-empty array's length),
+        for the stored events without tokens that the kernel read them for."""
+        data, lengths = read if read is not None else (b"", [])
+        k = off = 0
+        for index, ev in enumerate(events):
+            kind = type(ev)
+            if kind is InStoredNoTokens:
+                if read is None:
+                    self.stored_keys(ev, index)
+                    continue
+                n_tokens = 0
+                if ev.token_ids:
+                    n_tokens = lengths[k]
+                    k += 1
+                self.stored_token_bytes(ev, index, data[4 * off:4 * (off + n_tokens)])
+                off += n_tokens
+            elif kind is InStored:
+                self.stored_tokens(ev, index)
+            elif kind is InRemoved:
+                self.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
+            else:
+                self.emit(AllCleared(), 0, 0)
+        return self.records()
 
     def emit(self, data: Stored | Removed | AllCleared, group: int, window: int) -> None:
         event = KVCacheEvent(self.next_id, data, window, group, self.algo, self.rank)

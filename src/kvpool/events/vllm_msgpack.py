@@ -172,16 +172,7 @@ def decode_vllm_keys(
     except (msgspec.DecodeError, TypeError):
         return _decode_generic_keys(payload, hash_algo, first_event_id, tokens)
     decoder = KeyedBatchDecoder(hash_algo, first_event_id, batch.data_parallel_rank, True, tokens)
-    for index, ev in enumerate(batch.events):
-        if type(ev) is InStoredNoTokens:
-            decoder.stored_keys(ev, index)
-        elif type(ev) is InStored:
-            decoder.stored_tokens(ev, index)
-        elif type(ev) is InRemoved:
-            decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
-        else:
-            decoder.emit(AllCleared(), 0, 0)
-    return decoder.records()
+    return decoder.typed_events(batch.events)
 
 
 def _decode_keys_reading_tokens(
@@ -205,22 +196,8 @@ def _decode_keys_reading_tokens(
     read = jit.msgpack_token_arrays(arrays)  # type: ignore[arg-type]  # Raw is a buffer
     if read is None:
         return None
-    data, lengths = read
     decoder = KeyedBatchDecoder(hash_algo, first_event_id, batch.data_parallel_rank, True, True)
-    k = off = 0
-    for index, ev in enumerate(events):
-        if type(ev) is InStoredNoTokens:
-            n_tokens = 0
-            if ev.token_ids:
-                n_tokens = lengths[k]
-                k += 1
-            decoder.stored_token_bytes(ev, index, data[4 * off:4 * (off + n_tokens)])
-            off += n_tokens
-        elif type(ev) is InRemoved:
-            decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
-        else:
-            decoder.emit(AllCleared(), 0, 0)
-    return decoder.records()
+    return decoder.typed_events(events, read)
 
 
 def _decode_generic_keys(
