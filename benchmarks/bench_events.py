@@ -84,6 +84,20 @@ from kvpool.events import (
 M64 = (1 << 64) - 1
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What a hook source generates: ``steps`` scheduler steps, each storing
+    ``chains_per_step`` chains of ``blocks_per_chain`` blocks of ``tpb`` tokens, with about
+    ``live_chains`` chains cached at once."""
+
+    steps: int
+    tpb: int
+    blocks_per_chain: int
+    chains_per_step: int
+    live_chains: int
+    seed: int = 0
+
+
 @dataclass
 class HookSource:
     """One scheduler step of hook calls into the EventManager at a time."""
@@ -96,23 +110,17 @@ class HookSource:
     """The hash algorithm of the hashes the hooks pass."""
 
 
-def synthetic_source(
-    *,
-    steps: int,
-    tpb: int,
-    blocks_per_chain: int,
-    chains_per_step: int,
-    live_chains: int,
-    seed: int = 0,
-) -> HookSource:
+def synthetic_source(shape: Shape) -> HookSource:
     """Each step stores ``chains_per_step`` new chains and removes the oldest beyond
     ``live_chains`` (so in steady state as many blocks leave as enter). ``prepare`` builds the
     next step's blocks (hashes and token tuples taken from a pool), so the timed work is the
     hook calls themselves."""
+    tpb, blocks_per_chain = shape.tpb, shape.blocks_per_chain
+    chains_per_step = shape.chains_per_step
     # Token tuples as the manager builds them (unpacked from bytes: one int object per token),
     # two steps' worth, so that a step's tokens are about as warm in the cache as fresh ones.
     pool_size = 2 * chains_per_step * blocks_per_chain
-    ids = np.random.default_rng(seed).integers(0, 1 << 17, pool_size * tpb, dtype=np.uint32)
+    ids = np.random.default_rng(shape.seed).integers(0, 1 << 17, pool_size * tpb, dtype=np.uint32)
     token_pool = list(struct.iter_unpack(f"={tpb}I", ids.tobytes()))
     live: deque[list[int]] = deque()  # the hashes of the chains still cached, oldest first
     state: dict[str, Any] = {"counter": 0, "calls": []}
@@ -128,7 +136,7 @@ def synthetic_source(
                 h = (counter * 0x9E3779B97F4A7C15) & M64
                 chain.append(StoredBlock(h, token_pool[counter % pool_size]))
             live.append([b.block_hash for b in chain])
-            calls.append((chain, live.popleft() if len(live) > live_chains else None))
+            calls.append((chain, live.popleft() if len(live) > shape.live_chains else None))
         state["counter"] = counter
         state["calls"] = calls
 
@@ -145,23 +153,17 @@ def synthetic_source(
     return HookSource(step, prepare, "v1_block_key")
 
 
-def manager_source(
-    *,
-    steps: int,
-    tpb: int,
-    blocks_per_chain: int,
-    chains_per_step: int,
-    live_chains: int,
-    seed: int = 0,
-) -> HookSource:
+def manager_source(shape: Shape) -> HookSource:
     """Each step admits ``chains_per_step`` requests of ``blocks_per_chain`` new blocks each,
     commits and releases them; the GPU pool holds about ``live_chains`` of them, so in steady
     state every commit evicts as many cached blocks (stored + removed block events)."""
-    rng = np.random.default_rng(seed)
+    tpb, blocks_per_chain = shape.tpb, shape.blocks_per_chain
+    chains_per_step = shape.chains_per_step
+    rng = np.random.default_rng(shape.seed)
     n_tok = blocks_per_chain * tpb + 1
     prompts = [
         array("I", rng.integers(0, 1 << 17, n_tok, dtype=np.uint32).tobytes())
-        for _ in range(steps * chains_per_step)
+        for _ in range(shape.steps * chains_per_step)
     ]
     state: dict[str, Any] = {"m": None, "next": 0}
 
@@ -169,7 +171,7 @@ def manager_source(
         m = state["m"]
         if m is None:
             cfg = CacheConfig(tokens_per_block=tpb, hash_algo="v2_sha256_64",
-                              gpu_blocks=live_chains * (blocks_per_chain + 1),
+                              gpu_blocks=shape.live_chains * (blocks_per_chain + 1),
                               enable_partial_reuse=False)
             m = state["m"] = KVCacheManager(cfg, events=em)
         dropped = m.stats().dropped_blocks
@@ -242,13 +244,8 @@ def _subscriber(
 
 
 def make_source(name: str, args: argparse.Namespace) -> HookSource:
-    return SOURCES[name](
-        steps=args.steps,
-        tpb=args.tpb,
-        blocks_per_chain=args.blocks_per_chain,
-        chains_per_step=args.chains_per_step,
-        live_chains=args.live_chains,
-    )
+    return SOURCES[name](Shape(args.steps, args.tpb, args.blocks_per_chain,
+                               args.chains_per_step, args.live_chains))
 
 
 def run_stages(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -413,11 +413,12 @@ class ThreadGather:
         return gather
 
 
-def test_attention_dp_ranks_publish_through_rank_0() -> None:
+def dp_ranks(capacity: int) -> list[EventManager]:
+    """Two attention-DP ranks' event managers, gathering to rank 0 across threads."""
     gather = ThreadGather(2)
-    ranks = [
+    return [
         EventManager(
-            4,
+            capacity,
             hash_algo="v1_block_key",
             attention_dp_rank=r,
             attention_dp_gather=gather.for_rank(r),
@@ -425,15 +426,24 @@ def test_attention_dp_ranks_publish_through_rank_0() -> None:
         )
         for r in range(2)
     ]
-    assert ranks[0].capacity == 8 and ranks[1].capacity == 4
-    ranks[0].on_stored(0, 64, None, chain(1))
-    ranks[1].on_stored(0, 64, None, chain(2))
-    ranks[1].on_stored(0, 64, None, chain(3))
+
+
+def flush_ranks(ranks: list[EventManager]) -> None:
+    """Every rank flushes at once (each in a thread), as ranks of one engine step do."""
     threads = [threading.Thread(target=em.flush_iteration_events) for em in ranks]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def test_attention_dp_ranks_publish_through_rank_0() -> None:
+    ranks = dp_ranks(4)
+    assert ranks[0].capacity == 8 and ranks[1].capacity == 4
+    ranks[0].on_stored(0, 64, None, chain(1))
+    ranks[1].on_stored(0, 64, None, chain(2))
+    ranks[1].on_stored(0, 64, None, chain(3))
+    flush_ranks(ranks)
     events = ranks[0].get_latest_events(0)
     assert [(e.attention_dp_rank, e.event_id, stored_hashes(e)) for e in events] == [
         (0, 0, [1]),
@@ -444,25 +454,11 @@ def test_attention_dp_ranks_publish_through_rank_0() -> None:
 
 
 def test_attention_dp_rank_0_buffer_scales_and_each_rank_share_is_capped() -> None:
-    gather = ThreadGather(2)
-    ranks = [
-        EventManager(
-            2,
-            hash_algo="v1_block_key",
-            attention_dp_rank=r,
-            attention_dp_gather=gather.for_rank(r),
-            attention_dp_size=2,
-        )
-        for r in range(2)
-    ]
+    ranks = dp_ranks(2)
     for r, em in enumerate(ranks):
         for i in range(3):  # 3 events per rank; each rank may send 2
             em.on_stored(0, 64, None, chain(10 * r + i))
-    threads = [threading.Thread(target=em.flush_iteration_events) for em in ranks]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    flush_ranks(ranks)
     events = ranks[0].get_latest_events(0)
     assert [(e.attention_dp_rank, e.event_id) for e in events] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert ranks[0].dropped_events == 1 and ranks[1].dropped_events == 1

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpool.errors import DuplicateWorkerError, UnknownHashAlgorithmError, UnknownWorkerError
 from kvpool.events.index import EventIndex
-from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredTokens, token_bytes
+from kvpool.events.keyed import REMOVED, STORED, KeyedEvent, token_bytes
 from kvpool.events.model import (
     AllCleared,
     Created,
@@ -569,7 +569,7 @@ def test_a_token_matched_worker_holds_what_a_worker_publishing_the_chain_keys_ho
     """Token matching maps the engine's hashes onto the index's chain: the index then holds,
     block for block, what it holds for a worker publishing the chain keys themselves. Stored
     chains come as events (any block sizes, token-less re-announcements, mixed tiers) or as
-    StoredTokens records; removals as events or RemovedKeys records, with duplicates, engine
+    records with tokens; removals as events or records, with duplicates, engine
     hashes sharing a key, hashes never stored and every kind of tier."""
     rng = random.Random(seed)
     mapped: dict[int, int] = {}  # engine hash -> chain key, as the token-matched worker maps it
@@ -600,12 +600,11 @@ def test_a_token_matched_worker_holds_what_a_worker_publishing_the_chain_keys_ho
             tiers = [rng.randrange(TIERS)] * len(engine)
             if rng.random() < 0.2:
                 tiers = [rng.randrange(TIERS) for _ in engine]
-            regular = (len(set(tiers)) == 1 and all(sizes) and sizes[-1] <= sizes[0]
-                       and all(s == sizes[0] for s in sizes[:-1]))
-            if regular and rng.random() < 0.5:
-                record: KeyedEvent = StoredTokens(
-                    eid, list(engine), b"".join(struct.pack(f"<{len(t)}I", *t) for t in blocks),
-                    sizes[0], parent, lora, tiers[0])
+            if len(set(tiers)) == 1 and rng.random() < 0.5:
+                record = KeyedEvent(
+                    eid, STORED, list(engine), tiers[0],
+                    tokens=tuple(struct.pack(f"<{len(t)}I", *t) for t in blocks),
+                    parent=parent, lora_id=lora)
                 assert tokens.apply("w", record)
             else:
                 assert tokens.apply("w", ev(eid, Stored(parent, tuple(
@@ -626,7 +625,7 @@ def test_a_token_matched_worker_holds_what_a_worker_publishing_the_chain_keys_ho
                 levels = tuple(rng.randrange(TIERS) for _ in engine)
             if shape == 3 or (levels is not None and len(set(levels)) == 1 and rng.random() < .5):
                 level = None if levels is None else levels[0]
-                assert tokens.apply("w", RemovedKeys(eid, engine, level))
+                assert tokens.apply("w", KeyedEvent(eid, REMOVED, engine, level))
             else:
                 assert tokens.apply("w", ev(eid, Removed(tuple(engine), levels)))
             keyed.apply("w", ev(eid, Removed(tuple(keys), levels)))
@@ -647,10 +646,12 @@ def test_stored_chains_with_bad_token_ids_are_malformed_whole() -> None:
         token_bytes([2**32])
 
 
-def _token_matched_stream(rng: random.Random, steps: int) -> list[KeyedEvent]:
+def _token_matched_stream(
+    rng: random.Random, steps: int
+) -> list[KeyedEvent | KVCacheEvent]:
     """Stored chains (records and events, on any tier, engine hashes stored again) and removals
     (on one tier, every tier, mixed tiers; records and events) of a token-matched worker."""
-    out: list[KeyedEvent] = []
+    out: list[KeyedEvent | KVCacheEvent] = []
     stored_hashes: list[int] = []
     for eid in range(steps):
         if rng.random() < 0.55 or not stored_hashes:
@@ -658,8 +659,8 @@ def _token_matched_stream(rng: random.Random, steps: int) -> list[KeyedEvent]:
             toks = [tuple(rng.randrange(9) for _ in range(2)) for _ in engine]
             tier = rng.choice([0, 0, 0, 1, 2])
             if rng.random() < 0.5:
-                out.append(StoredTokens(eid, engine, token_bytes([t for b in toks for t in b]),
-                                        2, None, None, tier))
+                out.append(KeyedEvent(eid, STORED, engine, tier,
+                                      tokens=tuple(map(token_bytes, toks))))
             else:
                 out.append(ev(eid, Stored(None, tuple(
                     StoredBlock(h, t, tier) for h, t in zip(engine, toks, strict=True)))))
@@ -668,9 +669,9 @@ def _token_matched_stream(rng: random.Random, steps: int) -> list[KeyedEvent]:
             engine = rng.sample(stored_hashes, min(len(stored_hashes), rng.randint(1, 6)))
             shape = rng.randrange(4)
             if shape == 0:
-                out.append(RemovedKeys(eid, engine, rng.randrange(TIERS)))
+                out.append(KeyedEvent(eid, REMOVED, engine, rng.randrange(TIERS)))
             elif shape == 1:
-                out.append(RemovedKeys(eid, engine, None))
+                out.append(KeyedEvent(eid, REMOVED, engine, None))
             else:
                 levels = tuple(rng.randrange(TIERS) for _ in engine)
                 out.append(ev(eid, Removed(tuple(engine), levels if shape == 2 else None)))
@@ -712,10 +713,12 @@ def test_recently_removed_mappings_are_remembered_for_at_least_max_ledger_remova
     index = KvIndex()
     index.add_worker("w", match_by_tokens=True, tokens_per_block=1)
     with max_ledger(4):
-        index.apply("w", StoredTokens(0, list(range(10)), token_bytes(range(10)), 1))
+        index.apply("w", KeyedEvent(0, STORED, list(range(10)),
+                                    tokens=tuple(token_bytes([t]) for t in range(10))))
         for eid, h in enumerate(range(10), start=1):
-            index.apply("w", RemovedKeys(eid, [h], 0))
+            index.apply("w", KeyedEvent(eid, REMOVED, [h], 0))
         # The last 4 (to 8) removed can still be named as parents; the first ones are gone.
         for eid, parent in enumerate((9, 8, 7, 6, 0), start=11):
-            index.apply("w", StoredTokens(eid, [100 + eid], token_bytes([1]), 1, parent))
+            index.apply("w", KeyedEvent(eid, STORED, [100 + eid], tokens=(token_bytes([1]),),
+                                        parent=parent))
     assert index.counters.anomalies == 1

@@ -1,5 +1,6 @@
-"""The keyed ingestion paths (kvpool.events.keyed records, the token-list cut of TensorRT-LLM's
-JSON) against the checking parsers: on random batches, the same errors and the same index."""
+"""The keyed ingestion paths (kvpool.events.keyed records read straight from the wire, the
+token-list cut of TensorRT-LLM's JSON) against the checking parsers whose events are converted
+at the index's door: on random batches, the same errors and the same index."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from hypothesis import strategies as st
 
 from kvpool.errors import EventFormatError
 from kvpool.events.keyed import (
+    MALFORMED,
+    REMOVED,
+    STORED,
     KeyedEvent,
-    RemovedKeys,
-    StoredKeys,
-    StoredTokens,
     digest_keys,
     hex_keys,
+    keyed,
     normalize_hash,
     normalize_hashes,
     token_bytes,
@@ -40,7 +42,7 @@ M64 = (1 << 64) - 1
 
 
 def index_state(
-    events: list[KeyedEvent], *, algo: str | None = None, tpb: int | None = None,
+    events: list[Any], *, algo: str | None = None, tpb: int | None = None,
     by_tokens: bool = False,
 ) -> tuple[Any, ...]:
     """Everything the index makes of ``events`` (applied one by one and as a batch)."""
@@ -212,12 +214,12 @@ def test_vllm_keyed_decoding_with_tokens_means_what_the_checked_decoding_means(
     if got is None or expected is None:
         return
     assert [e.event_id for e in got] == [e.event_id for e in expected]
-    for by_tokens in (True, False):
-        assert index_state(got, by_tokens=by_tokens) == index_state(expected, by_tokens=by_tokens)
-        assert (index_state(got, algo=algo, tpb=4, by_tokens=by_tokens)
-                == index_state(expected, algo=algo, tpb=4, by_tokens=by_tokens))
+    # Records with tokens are what a worker matched by its tokens reads (ingest: tokens=True).
+    assert index_state(got, by_tokens=True) == index_state(expected, by_tokens=True)
+    assert (index_state(got, algo=algo, tpb=4, by_tokens=True)
+            == index_state(expected, algo=algo, tpb=4, by_tokens=True))
     # Chains under the stored blocks' hashes (parents the payloads rarely name by chance).
-    held = [k for e in got if isinstance(e, StoredTokens) for k in e.keys]
+    held = [k for e in got if e.op == STORED and e.tokens for k in e.keys]
     if held:
         size = data.draw(st.integers(1, 3))
         child = msgspec.msgpack.encode([0.0, [
@@ -242,19 +244,23 @@ def test_vllm_keyed_decoding_with_tokens_cuts_blocks_as_the_checked_decoding() -
         "lora_name": None}
     payload = msgspec.msgpack.encode([0.0, [stored], 1])
     (record,) = decode_vllm_keys(payload, first_event_id=9, tokens=True)
-    assert record == StoredTokens(9, [5, 6], token_bytes(range(4, 10)), 4, None, 3, 1, 0,
-                                  "vllm_sha256_cbor", 1)
+    assert record == KeyedEvent(9, STORED, [5, 6], 1, 0, "vllm_sha256_cbor", 1, block_tokens=4,
+                                block_size=4, lora_id=3,
+                                tokens=(token_bytes(range(4, 8)), token_bytes(range(8, 10))))
     (event,) = decode_vllm_batch(payload, first_event_id=9).events
     assert isinstance(event.data, Stored)
     assert [b.tokens for b in event.data.blocks] == [(4, 5, 6, 7), (8, 9)]
-    # Token ids a record cannot carry leave the event an ordinary one, for the index to reject;
-    # so does a parent that makes no key (a v2_sha256 digest longer than 32 bytes).
-    for changes in ({"token_ids": [1, 2, 3, 2**32]},  # an id too large
-                    {"token_ids": list(range(3))},  # a block without any
-                    {"parent_block_hash": b"\x01" * 40}):
+    # Token ids a record cannot carry as they are go through the event, converted: an id too
+    # large, or a parent that makes no key (a v2_sha256 digest longer than 32 bytes), makes a
+    # malformed record; a block without tokens is announced by its hash alone.
+    for changes, malformed in (({"token_ids": [1, 2, 3, 2**32]}, True),  # an id too large
+                               ({"token_ids": list(range(3))}, False),  # a block without any
+                               ({"parent_block_hash": b"\x01" * 40}, True)):
         payload = msgspec.msgpack.encode([0.0, [{**stored, **changes}], None])
-        (event,) = decode_vllm_keys(payload, hash_algo="v2_sha256", tokens=True)
-        assert event == decode_vllm_batch(payload, hash_algo="v2_sha256").events[0]
+        (converted,) = decode_vllm_keys(payload, hash_algo="v2_sha256", tokens=True)
+        assert converted == keyed(decode_vllm_batch(payload, hash_algo="v2_sha256").events[0],
+                                  True)
+        assert (converted.op == MALFORMED) is malformed
     # A chain of one partial block: its tokens, not block_size, are what the index learns.
     payload = msgspec.msgpack.encode([0.0, [{**stored, "block_hashes": [5],
                                              "token_ids": [1, 2, 3]}], None])
@@ -273,7 +279,8 @@ def test_vllm_keyed_decoding_does_not_read_token_ids() -> None:
     ], None])
     with pytest.raises(EventFormatError, match="token_ids"):
         decode_vllm_batch(payload)
-    assert decode_vllm_keys(payload) == [StoredKeys(0, [1, 2], 1, 0, "vllm_sha256_cbor", None, 2)]
+    assert decode_vllm_keys(payload) == [KeyedEvent(0, STORED, [1, 2], 1, 0, "vllm_sha256_cbor",
+                                                    None, 2)]
 
 
 # Token ids as any msgpack encoder may write them: every int form (a non-canonical one too),
@@ -417,18 +424,18 @@ def test_vllm_keyed_decoding_with_tokens_uses_the_kernel() -> None:
     finally:
         jit.msgpack_token_arrays = original  # type: ignore[assignment]
     assert calls == [1]
-    assert record == StoredTokens(0, [11, 12], token_bytes([5, 2**32 - 1, 7, 1]), 2, None, None,
-                                  0, 0, "vllm_sha256_cbor", None)
+    assert record == KeyedEvent(0, STORED, [11, 12], 0, 0, "vllm_sha256_cbor", None, 2, 2,
+                                (token_bytes([5, 2**32 - 1]), token_bytes([7, 1])))
 
 
-def test_vllm_digest_a_v2_key_cannot_be_made_of_stays_an_event_for_the_index_to_reject() -> None:
+def test_vllm_digest_a_v2_key_cannot_be_made_of_makes_a_malformed_record() -> None:
     payload = msgspec.msgpack.encode([0.0, [
         {"type": "BlockRemoved", "block_hashes": [b"\x01" * 40], "medium": "GPU"},
         {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32], "medium": None},
     ], None])
     bad, good = decode_vllm_keys(payload, hash_algo="v2_sha256")
-    assert isinstance(bad, KVCacheEvent) and bad.data == Removed(("01" * 40,), (0,))
-    assert good == RemovedKeys(1, [0x0101010101010101], None, 0, "v2_sha256", None)
+    assert bad == KeyedEvent(0, MALFORMED, [], 0, 0, "v2_sha256", None)
+    assert good == KeyedEvent(1, REMOVED, [0x0101010101010101], None, 0, "v2_sha256", None)
     index = KvIndex()
     index.add_worker("w")
     assert index.apply_many("w", [bad, good]) == 1 and index.counters.events_malformed == 1
@@ -544,7 +551,7 @@ def test_trtllm_token_lists_are_cut_only_where_that_is_exact() -> None:
         text = ('[{"event_id": 0, "data": {"type": "stored", "parent_hash": null, "blocks": '
                 '[{"block_hash": 5, "tokens": ' + tokens + ', "cache_level": 1}]}}]')
         text = text.replace(": ", ":").replace(", ", ",")
-        assert parse_trtllm_keys(text) == [StoredKeys(0, [5], 1)]
+        assert parse_trtllm_keys(text) == [KeyedEvent(0, STORED, [5], 1)]
         (event,) = parse_trtllm_json(text, tokens=False)
         assert isinstance(event.data, Stored) and event.data.blocks == (StoredBlock(5, (), 1),)
 
@@ -554,27 +561,27 @@ def test_trtllm_token_lists_are_not_checked_without_tokens() -> None:
             '[{"block_hash":5,"tokens":[{"token_id":-1},"x"],"cache_level":0}]}}]')
     with pytest.raises(EventFormatError, match="token"):
         parse_trtllm_json(text)
-    assert parse_trtllm_keys(text) == [StoredKeys(0, [5], 0)]
+    assert parse_trtllm_keys(text) == [KeyedEvent(0, STORED, [5], 0)]
 
 
 # ==================================================================== the index, both inputs
 
 
-def _as_keyed(event: KVCacheEvent) -> KeyedEvent:
-    """The record a decoder would make of ``event`` (when one can carry it)."""
+def _as_keyed(event: KVCacheEvent) -> KeyedEvent | KVCacheEvent:
+    """The record a decoder's fast path would make of ``event`` (when one can carry it)."""
     data, common = event.data, (event.layer_group_id, event.hash_algo, event.attention_dp_rank)
     if isinstance(data, Stored) and data.blocks:
         levels = {b.cache_level for b in data.blocks}
         if len(levels) == 1:
             keys = [normalize_hash(b.block_hash) for b in data.blocks]
-            return StoredKeys(event.event_id, keys, levels.pop(), *common,
+            return KeyedEvent(event.event_id, STORED, keys, levels.pop(), *common,
                               len(data.blocks[0].tokens))
     if isinstance(data, Removed):
         levels = set(data.cache_levels or ())
         if data.cache_levels is None or len(levels) == 1:
             keys = [normalize_hash(h) for h in data.block_hashes]
             level = None if data.cache_levels is None else levels.pop()
-            return RemovedKeys(event.event_id, keys, level, *common)
+            return KeyedEvent(event.event_id, REMOVED, keys, level, *common)
     return event
 
 
@@ -679,10 +686,9 @@ def test_token_matched_index_reads_token_ids_as_their_tuples(
     index that the same chains with tuples build: whole, partial and token-less blocks."""
     from kvpool.events import TokenIds
 
-    def events(make: Any) -> list[KeyedEvent]:
+    def events(make: Any) -> list[KVCacheEvent]:
         chain = tuple(StoredBlock(h, make(t)) for t, h in blocks)
-        out: list[KeyedEvent] = [KVCacheEvent(0, Stored(None, chain), 0,
-                                              hash_algo="vllm_sha256_cbor")]
+        out = [KVCacheEvent(0, Stored(None, chain), 0, hash_algo="vllm_sha256_cbor")]
         if chained:  # a child chain under the last block
             out.append(KVCacheEvent(1, Stored(blocks[-1][1], (StoredBlock(M64 - 1, make([9])),)),
                                     0, hash_algo="vllm_sha256_cbor"))

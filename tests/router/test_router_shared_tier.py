@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_router_service import FakeTrtllm, config, eventually, get_json, post, run
 
 from kvpool.errors import ConfigError, InvalidArgumentError
-from kvpool.events.keyed import RemovedKeys, StoredKeys
+from kvpool.events.keyed import REMOVED, STORED, KeyedEvent
 from kvpool.events.model import (
     REMOTE_CACHE_LEVEL,
     EventDiff,
@@ -97,7 +97,7 @@ def test_trtllm_mode_and_a_zero_weight_give_no_credit() -> None:
 def test_removals_and_moves_of_remote_blocks() -> None:
     index, router, ingest = cluster("pool", "pool")
     keys = [b.block_hash for b in blocks(PROMPT, 4, 0)]
-    ingest.feed("w0", [StoredKeys(0, [keys[3]], 1, 0, ALGO),  # on w0's host tier
+    ingest.feed("w0", [KeyedEvent(0, STORED, [keys[3]], 1, 0, ALGO),  # on w0's host tier
                        stored(1, PROMPT, 4, REMOTE_CACHE_LEVEL)])
     assert index.tiers_of("w0", keys[3]) == (1,)
     # a removal naming no tier is a local eviction: the store keeps the blocks
@@ -120,8 +120,8 @@ def test_removals_and_moves_of_remote_blocks() -> None:
                                     4096, hash_algo=ALGO)])
     assert index.tiers_of("w0", keys[0]) == ()
     # keyed records (the decoders' fast path) the same way; mixed batches split per block
-    ingest.feed("w1", [StoredKeys(0, [keys[3]], REMOTE_CACHE_LEVEL, 0, ALGO),
-                       RemovedKeys(1, [keys[2]], REMOTE_CACHE_LEVEL, 0, ALGO)])
+    ingest.feed("w1", [KeyedEvent(0, STORED, [keys[3]], REMOTE_CACHE_LEVEL, 0, ALGO),
+                       KeyedEvent(1, REMOVED, [keys[2]], REMOTE_CACHE_LEVEL, 0, ALGO)])
     assert scores(router)["w1"][1:] == (2, 0)
     mixed = Stored(None, (StoredBlock(keys[0], (), 0), StoredBlock(keys[1], (), 3)))
     ingest.feed("w1", [KVCacheEvent(2, mixed, 4096, hash_algo=ALGO)])
@@ -193,10 +193,9 @@ def test_masks_are_the_readers_of_the_tiers_holding_each_key(ops: list[Any]) -> 
             tier_of.pop(worker, None)
         else:
             level = REMOTE_CACHE_LEVEL
-            ev: Any = (StoredKeys(0, [key], level, 0, ALGO) if op == "store"
-                       else RemovedKeys(0, [key], level, 0, ALGO))
+            ev = KeyedEvent(0, STORED if op == "store" else REMOVED, [key], level, 0, ALGO)
             out = shared.split(wid, [ev])
-            assert type(out[0]) is StoredKeys and out[0].keys == []  # nothing for the index
+            assert out[0].op == STORED and out[0].keys == []  # nothing for the index
             if worker in tier_of:
                 (held[tier_of[worker]].add if op == "store"
                  else held[tier_of[worker]].discard)(key)

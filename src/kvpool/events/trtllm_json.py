@@ -14,8 +14,8 @@ block's ``lora_id`` (both parse back as None). kvpool's all-cleared event, which
 does not emit, is written as ``{"type": "all_cleared"}``.
 
 :func:`parse_trtllm_keys` parses the same lists for a consumer keyed by block hashes (the
-router's index): token lists skipped, stored and removed events as :mod:`kvpool.events.keyed`
-records.
+router's index): token lists skipped, every event as a :class:`~kvpool.events.keyed.KeyedEvent`
+record.
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ import msgspec
 
 from kvpool.errors import EventFormatError
 from kvpool.events.decoding import format_errors
-from kvpool.events.keyed import KeyedEvent, RemovedKeys, StoredKeys, hex_keys, normalize_hashes
+from kvpool.events.keyed import (
+    REMOVED,
+    STORED,
+    KeyedEvent,
+    hex_keys,
+    keyed,
+    keyed_events,
+    normalize_hashes,
+)
 from kvpool.events.model import (
     DEFAULT_PRIORITY,
     AllCleared,
@@ -147,11 +155,11 @@ def parse_trtllm_keys(text: str | bytes) -> list[KeyedEvent]:
     """Parse an event list for a consumer keyed by block hashes (the router's index).
 
     The events mean what ``parse_trtllm_json(text, tokens=False)`` means to such a consumer
-    (the same events, the same errors), but stored events whose blocks share one tier and
-    removed events come as :class:`~kvpool.events.keyed.StoredKeys` /
-    :class:`~kvpool.events.keyed.RemovedKeys` records holding their blocks' normalized keys,
-    with no object per block. Events the records cannot carry (hashes that make no key, blocks
-    on mixed tiers, created and updated events) stay ordinary events.
+    (the same events, the same errors), each as one :class:`~kvpool.events.keyed.KeyedEvent`
+    record: stored events whose blocks share one tier and removed events are read into records
+    holding their blocks' normalized keys, with no object per block; the rest (blocks on mixed
+    tiers, created, updated and all-cleared events, hashes that make no key) go through kvpool
+    events and :func:`~kvpool.events.keyed.keyed`.
     """
     typed = _decode_typed(text, False)
     if typed is not None:
@@ -159,8 +167,7 @@ def parse_trtllm_keys(text: str | bytes) -> list[KeyedEvent]:
             return [_keyed(e) for e in cast(list[_JEventNoTokens], typed)]
         except _Fallback:
             pass
-    events: list[KeyedEvent] = list(_parse_checked(text))
-    return events
+    return keyed_events(_parse_checked(text))
 
 
 def _parse_checked(text: str | bytes) -> list[KVCacheEvent]:
@@ -377,7 +384,8 @@ _HASH = attrgetter("block_hash")
 
 
 def _keyed(e: _JEventNoTokens) -> KeyedEvent:
-    """A typed event as a keyed record when one can carry it, else as :func:`_from_typed`."""
+    """A typed event as a keyed record: read straight into one when it is a stored event on one
+    tier or a removed event, else converted from :func:`_from_typed`'s event."""
     d = e.data
     if type(d) is _JStoredNoTokens:
         blocks = d.blocks
@@ -388,14 +396,14 @@ def _keyed(e: _JEventNoTokens) -> KeyedEvent:
             if 0 <= level < 3 and list(map(_LEVEL, blocks)).count(level) == len(blocks):
                 keys = _keys(list(map(_HASH, blocks)))
                 if keys is not None:
-                    return StoredKeys(e.event_id, keys, level, e.layer_group_id, e.hash_algo,
-                                      e.attention_dp_rank)
+                    return KeyedEvent(e.event_id, STORED, keys, level, e.layer_group_id,
+                                      e.hash_algo, e.attention_dp_rank)
     elif type(d) is _JRemoved:
         keys = _keys(d.block_hashes)
         if keys is not None:
-            return RemovedKeys(e.event_id, keys, None, e.layer_group_id, e.hash_algo,
-                               e.attention_dp_rank)
-    return _from_typed(e, False)
+            return KeyedEvent(e.event_id, REMOVED, keys, None, e.layer_group_id, e.hash_algo,
+                              e.attention_dp_rank)
+    return keyed(_from_typed(e, False))
 
 
 def _keys(hashes: list[Any]) -> list[int] | None:

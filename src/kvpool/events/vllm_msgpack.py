@@ -36,7 +36,7 @@ parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx
 window]``, 6 to 12 elements; ``["BlockRemoved", block_hashes, medium, group_idx]``, 2 to 4),
 a batch written as a map, ignores unknown keys and tolerates missing optional fields.
 :func:`decode_vllm_keys` decodes the same batches for a consumer keyed by block hashes (the
-router's index): stored and removed events as :mod:`kvpool.events.keyed` records.
+router's index): every event as a :class:`~kvpool.events.keyed.KeyedEvent` record.
 
 The format is split by concept: :mod:`kvpool.events.vllm_wire` (the structs and media),
 :mod:`kvpool.events.vllm_encode` (the encoder), :mod:`kvpool.events.vllm_decoder` (the
@@ -52,9 +52,9 @@ import msgspec
 
 from kvpool.errors import EventFormatError
 from kvpool.events.decoding import format_errors
-from kvpool.events.keyed import KeyedEvent
+from kvpool.events.keyed import KeyedEvent, keyed_events
 from kvpool.events.model import AllCleared, KVCacheEvent
-from kvpool.events.vllm_decoder import BatchDecoder, short_repr
+from kvpool.events.vllm_decoder import BatchDecoder, KeyedBatchDecoder, short_repr
 from kvpool.events.vllm_encode import encode_vllm_batch
 from kvpool.events.vllm_wire import (
     MEDIUM_OF_TIER,
@@ -147,19 +147,18 @@ def decode_vllm_keys(
     """Decode one batch for a consumer keyed by block hashes (the router's index).
 
     The events mean to such a consumer what :func:`decode_vllm_batch`'s mean, numbered and
-    stamped the same way, but stored and removed events come as
-    :class:`~kvpool.events.keyed.StoredKeys` / :class:`~kvpool.events.keyed.RemovedKeys`
-    records holding their blocks' normalized keys: no object per block. Token ids are neither
-    built nor checked (as with ``tokens=False``); a stored record carries the token count of
-    its first block (from ``block_size`` and the length of ``token_ids``), so the block size
-    is learned as from the full events. With ``tokens=True`` (a consumer that keys blocks by
-    their tokens) stored events come as :class:`~kvpool.events.keyed.StoredTokens` records
-    instead: the blocks' token ids, cut as :func:`decode_vllm_batch` cuts them, in one byte
-    string; a stored event whose tokens such a record cannot carry (a block without tokens,
-    an id outside ``[0, 2**32)``) stays an ordinary one. Hashes that do not make a key (a
-    ``v2_sha256`` digest longer than 32 bytes) leave their event an ordinary one, for the
-    consumer to reject; batches only the generic decoder reads (positional events, map
-    batches) come back as ordinary events.
+    stamped the same way, each as one :class:`~kvpool.events.keyed.KeyedEvent` record: stored
+    and removed events are read into records holding their blocks' normalized keys, with no
+    object per block; the rest (all-cleared events, hashes that make no key, batches only the
+    generic decoder reads: positional events, map batches) go through kvpool events and
+    :func:`~kvpool.events.keyed.keyed`. Token ids are neither built nor checked (as with
+    ``tokens=False``); a stored record carries the token count of its first block (from
+    ``block_size`` and the length of ``token_ids``), so the block size is learned as from the
+    full events. With ``tokens=True`` (a consumer that keys blocks by their tokens) stored
+    records carry the blocks' token ids, cut as :func:`decode_vllm_batch` cuts them, parent and
+    LoRA id; a stored event whose token ids are not all in ``[0, 2**32)``, or whose parent
+    makes no key, is a malformed record. Hashes that make no key make their event a malformed
+    record, for the consumer to count.
 
     Raises:
         EventFormatError: as :func:`decode_vllm_batch`.
@@ -171,19 +170,9 @@ def decode_vllm_keys(
     try:
         batch = (TYPED_DECODER if tokens else TYPED_DECODER_NO_TOKENS).decode(payload)
     except (msgspec.DecodeError, TypeError):
-        events: list[KeyedEvent] = list(_decode_generic(payload, hash_algo, first_event_id).events)
-        return events
-    decoder = BatchDecoder(hash_algo, first_event_id, batch.data_parallel_rank, typed=True)
-    for index, ev in enumerate(batch.events):
-        if type(ev) is InStoredNoTokens:
-            decoder.stored_keys(ev, index)
-        elif type(ev) is InStored:
-            decoder.stored_tokens(ev, index)
-        elif type(ev) is InRemoved:
-            decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
-        else:
-            decoder.emit(AllCleared(), 0, 0)
-    return decoder.out
+        return _decode_generic_keys(payload, hash_algo, first_event_id, tokens)
+    decoder = KeyedBatchDecoder(hash_algo, first_event_id, batch.data_parallel_rank, True, tokens)
+    return decoder.typed_events(batch.events)
 
 
 def _decode_keys_reading_tokens(
@@ -201,29 +190,20 @@ def _decode_keys_reading_tokens(
         batch = TYPED_DECODER_NO_TOKENS.decode(payload)
     except (msgspec.DecodeError, TypeError):
         # not the typed shape even with token ids left raw, so not with them read either
-        return list(_decode_generic(payload, hash_algo, first_event_id).events)
+        return _decode_generic_keys(payload, hash_algo, first_event_id, True)
     events = batch.events
     arrays = [ev.token_ids for ev in events if type(ev) is InStoredNoTokens and ev.token_ids]
     read = jit.msgpack_token_arrays(arrays)  # type: ignore[arg-type]  # Raw is a buffer
     if read is None:
         return None
-    data, lengths = read
-    decoder = BatchDecoder(hash_algo, first_event_id, batch.data_parallel_rank, typed=True)
-    k = off = 0
-    for index, ev in enumerate(events):
-        if type(ev) is InStoredNoTokens:
-            n_tokens = 0
-            if ev.token_ids:
-                n_tokens = lengths[k]
-                k += 1
-            decoder.stored_token_bytes(ev, index, data[4 * off:4 * (off + n_tokens)])
-            off += n_tokens
-        elif type(ev) is InRemoved:
-            decoder.removed_keys(ev.block_hashes, ev.medium, ev.group_idx, index)
-        else:
-            decoder.emit(AllCleared(), 0, 0)
-    return decoder.out
+    decoder = KeyedBatchDecoder(hash_algo, first_event_id, batch.data_parallel_rank, True, True)
+    return decoder.typed_events(events, read)
 
+
+def _decode_generic_keys(
+    payload: bytes, hash_algo: str, first_event_id: int, tokens: bool
+) -> list[KeyedEvent]:
+    return keyed_events(_decode_generic(payload, hash_algo, first_event_id).events, tokens)
 
 
 def _decode_generic(payload: bytes, hash_algo: str, first_event_id: int) -> VllmEventBatch:

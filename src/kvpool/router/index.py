@@ -1,24 +1,28 @@
 """The router's index: which worker holds which block, on which tier (ARCHITECTURE §5).
 
-The index applies KV cache events (:mod:`kvpool.events.model`) from many workers and answers
-one question fast: for a block hash, which workers hold it, and at which tiers.
+The index applies KV cache events from many workers and answers one question fast: for a block
+hash, which workers hold it, and at which tiers. It applies one record type,
+:class:`~kvpool.events.keyed.KeyedEvent`, into which every source converts its events once, where
+they enter (:mod:`kvpool.router.ingest`: the wire decoders' keyed paths read records straight
+from the wire; an in-process source's :class:`~kvpool.events.model.KVCacheEvent` is converted by
+:func:`~kvpool.events.keyed.keyed`, here too when it is handed to :meth:`KvIndex.apply`).
 
 Modules
 -------
-The index is :class:`KvIndex` here (workers, event validation and dispatch, what the router
-reads) over :class:`~kvpool.router.counts.BlockCounts` (the presence masks and every worker's
+The index is :class:`KvIndex` here (workers, event order and dispatch, what the router reads)
+over :class:`~kvpool.router.counts.BlockCounts` (the presence masks and every worker's
 reference counts, compact or expanded: the layout is described there), with a worker's state in
 :mod:`kvpool.router.worker`, the reorder ledger in :mod:`kvpool.router.ledger` and the token
 chain with the engine hash -> token key maps in :mod:`kvpool.router.token_keys`.
 
 Event semantics (the "event-implied set")
 -----------------------------------------
-* ``Stored``: +1 reference per block at its ``cache_level``.
-* ``Removed``: with ``cache_levels`` (vLLM's medium, kvpool's manager), -1 reference at that
-  tier; without (TensorRT-LLM), -1 reference at every tier that holds the hash.
-* ``Updated`` with a cache-level diff: one reference moves from the old tier to the new one.
-  Priority-only updates change nothing the router uses.
-* ``AllCleared``: the worker holds nothing. A second ``Created`` for the same layer group and
+* Stored: +1 reference per block at its cache level.
+* Removed: with tiers (vLLM's medium, kvpool's manager), -1 reference at that tier; without
+  (TensorRT-LLM), -1 reference at every tier that holds the hash.
+* Moved (an update with a cache-level diff): one reference moves from the old tier to the new
+  one. Priority-only updates change nothing the router uses (their records hold no block).
+* Cleared: the worker holds nothing. A second Created for the same layer group and
   attention-DP rank means the engine restarted: the worker is reset.
 * Order. Reference counts are sums of +1/-1 steps, so any arrival order gives the same counts
   except where a count would drop below zero. A step that takes a reference from a tier that
@@ -32,8 +36,10 @@ Event semantics (the "event-implied set")
   stores and moves they follow produce exactly the index the in-order stream produces. A
   removal without tiers acts on the tiers held when it arrives; a removal of a block held
   nowhere is an ignored anomaly.
-* A malformed event (bad hash, tier out of range, unknown algorithm, wrong type) is counted and
-  skipped whole: validation happens before any state changes.
+* A malformed event (bad hash, tier out of range, unknown algorithm, wrong type: a
+  :data:`~kvpool.events.keyed.MALFORMED` record, or one naming a tier the index does not track)
+  is counted and skipped whole: it is found malformed before any state changes (its id counts
+  as seen). An event both malformed and an anomaly is malformed.
 
 Hash algorithms and tokens per block are configured per worker or learned from its events
 (``hash_algo`` of each event; the longest block of its stored events). Workers can instead be
@@ -56,32 +62,24 @@ from kvpool.errors import (
     UnknownWorkerError,
 )
 from kvpool.events.keyed import (
+    CLEARED,
+    CREATED,
+    MOVED,
+    REMOVED,
+    STORED,
     KeyedEvent,
-    RemovedKeys,
-    StoredKeys,
-    StoredTokens,
+    keyed,
     normalize_hash,
-    normalize_hashes,
 )
-from kvpool.events.model import (
-    AllCleared,
-    Created,
-    EventDiff,
-    KVCacheEvent,
-    Removed,
-    Stored,
-    StoredBlock,
-    Updated,
-)
+from kvpool.events.model import KVCacheEvent
 from kvpool.hashing.keys import HashAlgo
 from kvpool.hashing.keys import hash_algo as parse_hash_algo
-from kvpool.router.counts import M64, BlockCounts
+from kvpool.router.counts import BlockCounts
 from kvpool.router.ledger import HOLE_WINDOW, MAX_LEDGER, EventStream
 from kvpool.router.token_keys import (
-    block_chain_keys,
-    chain,
     chain_get,
     chain_start,
+    record_chain_keys,
     token_chain_keys,
     token_chain_root,
 )
@@ -332,22 +330,22 @@ class KvIndex(BlockCounts):
     # ---------------------------------------------------------------------------------------
     # applying events
 
-    def apply(self, worker_id: str, event: KeyedEvent) -> bool:
+    def apply(self, worker_id: str, event: KeyedEvent | KVCacheEvent) -> bool:
         """Apply one event of ``worker_id``. Returns False when the event was malformed
-        (counted, nothing changed). Raises only :class:`UnknownWorkerError`."""
+        (counted, nothing changed). Raises only :class:`UnknownWorkerError`.
+
+        The index applies :class:`~kvpool.events.keyed.KeyedEvent` records; anything else
+        (an in-process source's :class:`~kvpool.events.model.KVCacheEvent`) is converted first
+        (:func:`~kvpool.events.keyed.keyed`, with the tokens a token-matched worker needs)."""
         w = self._worker(worker_id)
         if not self._apply(w, event):
             return False
         w.last_event_at = time.monotonic()
         return True
 
-    def apply_many(self, worker_id: str, events: Iterable[KeyedEvent]) -> int:
-        """Apply events in order; returns how many were applied (malformed ones are skipped).
-
-        Events may be :class:`~kvpool.events.model.KVCacheEvent` objects or, from the wire
-        decoders' keyed paths, :class:`~kvpool.events.keyed.StoredKeys` /
-        :class:`~kvpool.events.keyed.RemovedKeys` records: both mean the same to the index.
-        """
+    def apply_many(self, worker_id: str, events: Iterable[KeyedEvent | KVCacheEvent]) -> int:
+        """Apply events in order (as :meth:`apply`); returns how many were applied (malformed
+        ones are skipped)."""
         w = self._worker(worker_id)
         apply = self._apply
         n = 0
@@ -358,8 +356,8 @@ class KvIndex(BlockCounts):
         return n
 
     def uses_tokens(self, worker_id: str) -> bool:
-        """True when the worker's stored events must carry their token ids (``match_by_tokens``):
-        keyed records carry none."""
+        """True when the worker's stored records must carry their token ids
+        (``match_by_tokens``: :func:`~kvpool.events.keyed.keyed` with ``tokens=True``)."""
         return self._worker(worker_id).match_by_tokens
 
     def learns_block_size(self, worker_id: str) -> bool:
@@ -372,11 +370,10 @@ class KvIndex(BlockCounts):
         w.counters.events_malformed += count
         self.counters.events_malformed += count
 
-    def _apply(self, w: WorkerState, ev: KeyedEvent) -> bool:
+    def _apply(self, w: WorkerState, ev: KeyedEvent | KVCacheEvent) -> bool:
+        if type(ev) is not KeyedEvent:
+            ev = keyed(ev, w.match_by_tokens)
         try:
-            if (type(ev) is not StoredKeys and type(ev) is not RemovedKeys
-                    and type(ev) is not StoredTokens and not isinstance(ev, KVCacheEvent)):
-                raise Malformed(f"not a KVCacheEvent: {type(ev).__name__}")
             eid = ev.event_id
             group = ev.layer_group_id
             if type(eid) is not int or type(group) is not int or group < 0:
@@ -400,32 +397,27 @@ class KvIndex(BlockCounts):
                     learned = parse_hash_algo(ev.hash_algo)
                 except UnknownHashAlgorithmError as exc:
                     raise Malformed(str(exc)) from None
-            if type(ev) is StoredKeys:
+            op = ev.op
+            if op == STORED:
                 if ev.keys:
-                    self._apply_stored_keys(w, group, eid, rank, ev)
-            elif type(ev) is StoredTokens:
-                if ev.keys:
-                    self._apply_stored_tokens(w, group, eid, rank, ev)
-            elif type(ev) is RemovedKeys:
+                    self._apply_stored(w, group, eid, rank, ev)
+            elif op == REMOVED:
+                level, levels = ev.cache_level, ev.levels
+                if level is None or level >= TIERS:
+                    _check_tiers(level, levels)
                 if w.match_by_tokens:  # engine hashes: mapped onto the index's keys first
-                    self._remove_mapped(w, group, eid, rank, ev.keys, ev.cache_level, None)
+                    self._remove_mapped(w, group, eid, rank, ev.keys, level, levels)
                 else:
-                    self._remove(w, group, eid, rank, ev.keys, ev.cache_level, None)
+                    self._remove(w, group, eid, rank, ev.keys, level, levels)
+            elif op == MOVED:
+                self._apply_moved(w, group, eid, rank, ev)
+            elif op == CLEARED:
+                self._drop_blocks(w)
+                self._notify(w.worker_id, w.slot, False)
+            elif op == CREATED:
+                self._apply_created(w, group, eid, rank, ev.capacity)
             else:
-                data = ev.data
-                if type(data) is Stored:
-                    self._apply_stored(w, group, eid, rank, data)
-                elif type(data) is Removed:
-                    self._apply_removed(w, group, eid, rank, data)
-                elif type(data) is Updated:
-                    self._apply_updated(w, group, eid, rank, data)
-                elif type(data) is AllCleared:
-                    self._drop_blocks(w)
-                    self._notify(w.worker_id, w.slot, False)
-                elif type(data) is Created:
-                    self._apply_created(w, group, eid, rank, data)
-                else:
-                    raise Malformed(f"unknown event data {type(data).__name__}")
+                raise Malformed(f"event {eid} is malformed")
         except Malformed:
             w.counters.events_malformed += 1
             self.counters.events_malformed += 1
@@ -444,11 +436,8 @@ class KvIndex(BlockCounts):
         return True
 
     def _apply_created(
-        self, w: WorkerState, group: int, eid: int, rank: int | None, data: Created
+        self, w: WorkerState, group: int, eid: int, rank: int | None, capacity: tuple[int, ...]
     ) -> None:
-        levels = data.num_blocks_per_cache_level
-        if not all(type(n) is int and n >= 0 for n in levels):
-            raise Malformed("num_blocks_per_cache_level must be non-negative ints")
         key = (group, rank)
         if key in w.created_seen:
             # The same pools announced twice: the engine restarted without us seeing a gap.
@@ -456,117 +445,36 @@ class KvIndex(BlockCounts):
             w.streams[rank] = EventStream()
             w.streams[rank].see(eid)
         w.created_seen.add(key)
-        w.capacity[group] = tuple(levels)
+        w.capacity[group] = capacity
 
     def _apply_stored(
-        self, w: WorkerState, group: int, eid: int, rank: int | None, data: Stored
+        self, w: WorkerState, group: int, eid: int, rank: int | None, ev: KeyedEvent
     ) -> None:
-        blocks = data.blocks
-        if not blocks:
-            return
-        try:
-            raw = [b.block_hash for b in blocks]
-            levels = [b.cache_level for b in blocks]
-        except AttributeError as exc:
-            raise Malformed(str(exc)) from None
-        try:
-            keys = normalize_hashes(raw)
-        except ValueError as exc:
-            raise Malformed(str(exc)) from None
-        level: int | None = 0
-        if any(levels):
-            if not all(type(t) is int and 0 <= t < TIERS for t in levels):
-                raise Malformed(f"cache levels {levels!r} out of range")
-            level = levels[0]
-            if levels.count(level) != len(levels):
-                level = None  # mixed tiers: block by block
-        if w.match_by_tokens:
-            start = chain_start(w, data.parent_hash, blocks[0].lora_id)
-            keys = block_chain_keys(w, start, blocks, keys)
-        if not w.tpb_configured:
-            self._learn_tpb(w, len(blocks[0].tokens))
+        level, levels = ev.cache_level, ev.levels
+        if level is None or level >= TIERS:
+            _check_tiers(level, levels)
+        keys = ev.keys
+        if w.match_by_tokens:  # engine hashes: the index keys the blocks by their tokens
+            start = chain_start(w, ev.parent, ev.lora_id)
+            keys = record_chain_keys(w, start, keys, ev.tokens)
+        if not w.tpb_configured and ev.block_tokens > (w.tpb or 0):
+            # A chain's first block is its longest (only a chain's last may be partial).
+            w.tpb = ev.block_tokens
+            self._groups_cache = None
         self._store(w, group, eid, rank, keys, level, levels)
 
-    def _apply_stored_keys(
-        self, w: WorkerState, group: int, eid: int, rank: int | None, ev: StoredKeys
+    def _apply_moved(
+        self, w: WorkerState, group: int, eid: int, rank: int | None, ev: KeyedEvent
     ) -> None:
-        keys = ev.keys
+        old, new = ev.from_level, ev.cache_level
+        if new is None or not (0 <= old < TIERS and 0 <= new < TIERS):
+            raise Malformed(f"cache level move {old!r} -> {new!r} out of range")
+        key = ev.keys[0]
         if w.match_by_tokens:
-            # Records carry no tokens: only blocks the index already keyed can be re-announced.
-            blocks = tuple([StoredBlock(k, (), ev.cache_level) for k in keys])
-            self._apply_stored(w, group, eid, rank, Stored(None, blocks))
-            return
-        if not w.tpb_configured:
-            self._learn_tpb(w, ev.block_tokens)
-        self._store(w, group, eid, rank, keys, ev.cache_level, None)
-
-    def _apply_stored_tokens(
-        self, w: WorkerState, group: int, eid: int, rank: int | None, ev: StoredTokens
-    ) -> None:
-        keys = ev.keys
-        if w.match_by_tokens:
-            start = chain_start(w, ev.parent, ev.lora_id)
-            engine, keys = keys, chain(ev.tokens, ev.block_size, start)
-            w.chain.update(zip(engine, keys, strict=True))
-        self._learn_tpb(w, min(ev.block_size, len(ev.tokens) // 4))
-        self._store(w, group, eid, rank, keys, ev.cache_level, None)
-
-    def _learn_tpb(self, w: WorkerState, block_tokens: int) -> None:
-        """A chain's first block holds ``block_tokens`` tokens (its longest: only a chain's
-        last block may be partial)."""
-        if not w.tpb_configured and block_tokens > (w.tpb or 0):
-            w.tpb = block_tokens
-            self._groups_cache = None
-
-    def _resolve(self, w: WorkerState, raw_hash: object) -> int | None:
-        """Event hash -> index key (None when a token-matched worker never stored it)."""
-        try:
-            h = raw_hash & M64 if type(raw_hash) is int else normalize_hash(raw_hash)
-        except ValueError as exc:
-            raise Malformed(str(exc)) from None
-        if w.match_by_tokens:
-            return chain_get(w, h)
-        return h
-
-    def _apply_removed(
-        self, w: WorkerState, group: int, eid: int, rank: int | None, data: Removed
-    ) -> None:
-        levels = data.cache_levels
-        hashes = data.block_hashes
-        level: int | None = None
-        if levels is not None:
-            if len(levels) != len(hashes):
-                raise Malformed("cache_levels and block_hashes differ in length")
-            level = 0
-            if any(levels):
-                if not all(type(t) is int and 0 <= t < TIERS for t in levels):
-                    raise Malformed(f"cache_levels {levels!r} out of range")
-                level = levels[0]
-                if levels.count(level) != len(levels):
-                    level = None  # mixed tiers: block by block
-        try:
-            keys = normalize_hashes(hashes)
-        except ValueError as exc:
-            raise Malformed(str(exc)) from None
-        if w.match_by_tokens:
-            self._remove_mapped(w, group, eid, rank, keys, level, levels)
-        else:
-            self._remove(w, group, eid, rank, keys, level, levels)
-
-    def _apply_updated(
-        self, w: WorkerState, group: int, eid: int, rank: int | None, data: Updated
-    ) -> None:
-        diff = data.cache_level
-        if diff is None:
-            return  # priority-only: nothing the router scores on
-        if type(diff) is not EventDiff:
-            raise Malformed("cache_level must be an event diff")
-        old, new = diff.old_value, diff.new_value
-        if not (type(old) is int and type(new) is int and 0 <= old < TIERS and 0 <= new < TIERS):
-            raise Malformed(f"cache level diff {old!r} -> {new!r} out of range")
-        key = self._resolve(w, data.block_hash)
-        if key is None:
-            raise Skipped("tier move of a block the index cannot map")
+            mapped = chain_get(w, key)
+            if mapped is None:
+                raise Skipped("tier move of a block the index cannot map")
+            key = mapped
         if old == new:
             return
         self._release(w, group, eid, rank, key, old)
@@ -597,3 +505,10 @@ class KvIndex(BlockCounts):
         w.counters.resets += 1
         self.counters.resets += 1
         self._notify(w.worker_id, w.slot, False)
+
+
+def _check_tiers(level: int | None, levels: list[int] | None) -> None:
+    """A stored or removed record must name tiers the index tracks (the remote level is the
+    shared tier's: :mod:`kvpool.router.shared_tier`)."""
+    if (level is not None and level >= TIERS) or (levels is not None and max(levels) >= TIERS):
+        raise Malformed(f"cache level {level if levels is None else levels!r} out of range")

@@ -1,11 +1,18 @@
 """Event ingestion for the router: ZMQ subscribers, HTTP pollers and in-process feeds.
 
+Every source's events are converted here, once, into the one record type the index applies,
+:class:`~kvpool.events.keyed.KeyedEvent` (normalized keys, checked tiers; a malformed event is
+a record the index counts): the wire decoders' keyed paths read records straight from the
+payload, with no object per block; an in-process source's events are converted by
+:func:`~kvpool.events.keyed.keyed`. Each batch of records then goes through the block size
+check, the shared tier (:meth:`~kvpool.router.shared_tier.SharedTiers.split`) and the index.
+
 * **vLLM-format workers** (``vllm``, and ``kvpool`` workers publishing over ZMQ): one thread
   per worker runs a :class:`~kvpool.events.zmq.ZmqEventSubscriber` (sequence numbers, gap
   repair through the replay socket, restart detection) and decodes each batch with
-  :func:`~kvpool.events.vllm_msgpack.decode_vllm_keys` (map and positional events; stored and
-  removed events as keyed records, no object per block; stored records carry their blocks'
-  tokens when the index matches the worker by them). Decoded events go to the event loop,
+  :func:`~kvpool.events.vllm_msgpack.decode_vllm_keys` (map and positional events; stored
+  records carry their blocks' tokens when the index matches the worker by them). The records
+  go to the event loop,
   which alone touches the index. Events are numbered per worker from 0, consecutively, so the
   index can order them; a publisher restart resets the worker and the numbering. Liveness: a
   replay request for a sequence number past anything buffered must be answered (with the end
@@ -21,12 +28,14 @@
   ``kv_cache_hash_algo`` (when not configured), then ``POST {base}/kv_cache_events`` every
   ``poll_interval_s`` (the call returns the engine's queued events as a JSON list and drains
   it), parsed by :func:`~kvpool.events.trtllm_json.parse_trtllm_keys` (token lists skipped)
-  unless the index needs the tokens: to match by them, or to learn tokens per block. A failed
+  unless the index needs the tokens (to match by them, or to learn tokens per block: then
+  parsed whole and converted by :func:`~kvpool.events.keyed.keyed`). A failed
   or non-200 poll marks the worker unhealthy; the next good one heals it. Event ids that jump
   back to 0 (or far back) mean the engine restarted: the worker is reset.
-* **In-process feeds**: :meth:`Ingest.feed` applies :class:`~kvpool.events.model.KVCacheEvent`
-  objects from a kvpool manager directly; :meth:`Ingest.feed_vllm` and
-  :meth:`Ingest.feed_trtllm` decode wire payloads (for tests, benchmarks and bridges).
+* **In-process feeds**: :meth:`Ingest.feed` converts and applies
+  :class:`~kvpool.events.model.KVCacheEvent` objects from a kvpool manager;
+  :meth:`Ingest.feed_vllm` and :meth:`Ingest.feed_trtllm` decode wire payloads (for tests,
+  benchmarks and bridges).
 
 Malformed payloads are counted (``decode_errors`` per worker and in total, ``events_malformed``
 in the index), reported (``last_error``) and skipped; a ZMQ batch that does not decode is fetched
@@ -66,8 +75,8 @@ from typing import Any, Final
 import aiohttp
 
 from kvpool.errors import EventFormatError, KVPoolError, TransportError, UnknownWorkerError
-from kvpool.events.keyed import KeyedEvent, StoredKeys, StoredTokens
-from kvpool.events.model import KVCacheEvent, Stored
+from kvpool.events.keyed import KeyedEvent, keyed_events
+from kvpool.events.model import KVCacheEvent
 from kvpool.events.trtllm_json import parse_trtllm_json, parse_trtllm_keys
 from kvpool.hashing import jit
 from kvpool.hashing.keys import HashAlgo
@@ -274,10 +283,11 @@ class Ingest:
 
     # ------------------------------------------------------------------------------ feeds
 
-    def feed(self, worker_id: str, events: Iterable[KVCacheEvent]) -> int:
-        """Apply a kvpool manager's events in-process; returns how many were applied."""
+    def feed(self, worker_id: str, events: Iterable[KVCacheEvent | KeyedEvent]) -> int:
+        """Apply a kvpool manager's events in-process (converted here, once: records pass as
+        they are); returns how many were applied."""
         status = self.status(worker_id)
-        batch = list(events)
+        batch = keyed_events(events, self.index.uses_tokens(worker_id))
         applied = self._apply(worker_id, batch)
         self._account(worker_id, status, len(batch))
         return applied
@@ -304,9 +314,11 @@ class Ingest:
         index = self.index
         events: list[KeyedEvent]
         try:
-            # Keyed records carry neither tokens nor (unlike vLLM's) a block size to learn.
-            if index.uses_tokens(worker_id) or index.learns_block_size(worker_id):
-                events = list(parse_trtllm_json(text, tokens=True))
+            # The keyed parser skips token lists: no tokens, nor (unlike vLLM's) a block size
+            # to learn. Where the index needs either, the events are parsed whole and converted.
+            tokens = index.uses_tokens(worker_id)
+            if tokens or index.learns_block_size(worker_id):
+                events = keyed_events(parse_trtllm_json(text, tokens=True), tokens)
             else:
                 events = parse_trtllm_keys(text)
         except EventFormatError as exc:
@@ -319,8 +331,8 @@ class Ingest:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _apply(self, worker_id: str, events: list[Any]) -> int:
-        """Apply a decoded batch: remote-level blocks to :attr:`shared`, the rest to the
+    def _apply(self, worker_id: str, events: list[KeyedEvent]) -> int:
+        """Apply a batch of records: remote-level blocks to :attr:`shared`, the rest to the
         index; a batch of another block size than the worker's is refused (module doc)."""
         refusal = self._block_size_refusal(worker_id, events)
         if refusal is not None:
@@ -334,7 +346,7 @@ class Ingest:
             return 0
         return self.index.apply_many(worker_id, self.shared.split(worker_id, events))
 
-    def _block_size_refusal(self, worker_id: str, events: list[Any]) -> str | None:
+    def _block_size_refusal(self, worker_id: str, events: list[KeyedEvent]) -> str | None:
         """Why the batch must be refused for its block size (None: it may be applied; its
         first full chain teaches a worker that has no block size yet)."""
         index = self.index
@@ -509,26 +521,16 @@ class Ingest:
             await asyncio.sleep(self.options.health_interval_s)
 
 
-def stored_block_sizes(events: list[Any]) -> Iterator[tuple[int, bool]]:
-    """(tokens of its first block, whether that block is full) for each stored event of
+def stored_block_sizes(events: list[KeyedEvent]) -> Iterator[tuple[int, bool]]:
+    """(tokens of its first block, whether that block is full) for each stored record of
     ``events`` whose block size is known; a block is full when more follow in its chain, or
-    when the event announces the block size (vLLM's ``block_size``)."""
+    when the event announces the block size (vLLM's ``block_size``). Only stored records
+    carry either."""
     for ev in events:
-        kind = type(ev)
-        if kind is StoredKeys:
-            if ev.block_tokens > 0:
-                yield ev.block_tokens, len(ev.keys) > 1
-        elif kind is StoredTokens:
-            if ev.block_size > 0:
-                yield ev.block_size, True
-        elif isinstance(ev, KVCacheEvent) and type(ev.data) is Stored:
-            blocks = ev.data.blocks
-            try:
-                n = len(blocks[0].tokens) if blocks else 0
-            except (AttributeError, TypeError):  # malformed: the index refuses it
-                continue
-            if n > 0:
-                yield n, len(blocks) > 1
+        if ev.block_size:
+            yield ev.block_size, True
+        elif ev.block_tokens:
+            yield ev.block_tokens, len(ev.keys) > 1
 
 
 def _wait_ready(readers: list[ZmqReader], timeout_s: float) -> None:

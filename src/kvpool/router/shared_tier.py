@@ -35,19 +35,14 @@ leaves the tier as it is: the store outlives the engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Any, Final
+from itertools import compress
+from typing import Final
+
+import msgspec
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.events.keyed import (
-    KeyedEvent,
-    RemovedKeys,
-    StoredKeys,
-    StoredTokens,
-    normalize_hash,
-    normalize_hashes,
-)
-from kvpool.events.model import REMOTE_CACHE_LEVEL, KVCacheEvent, Removed, Stored, Updated
+from kvpool.events.keyed import MOVED, REMOVED, STORED, KeyedEvent, one_tier
+from kvpool.events.model import REMOTE_CACHE_LEVEL
 from kvpool.validation import check_int
 
 __all__ = [
@@ -118,60 +113,38 @@ class SharedTiers:
 
     # ------------------------------------------------------------------------------ events
 
-    def split(self, worker_id: str, events: list[Any]) -> list[Any]:
-        """The batch the index should apply: ``events`` with their level-3 blocks taken into
+    def split(self, worker_id: str, events: list[KeyedEvent]) -> list[KeyedEvent]:
+        """The records the index should apply: ``events`` with their level-3 blocks taken into
         the worker's tier (see the module docstring). Returns ``events`` itself when none of
-        them names level 3 (the usual batch: one pass of type tests)."""
+        them names level 3 (the usual batch: one pass of three reads per record)."""
         remote = REMOTE_CACHE_LEVEL
         for ev in events:
-            t = type(ev)
-            if t is StoredKeys or t is RemovedKeys or t is StoredTokens:  # the decoders' records
-                if ev.cache_level == remote:
-                    break
-            elif t is KVCacheEvent and _remote(ev):
+            if ev.cache_level == remote or ev.from_level == remote or ev.levels is not None:
                 break
         else:
             return events
         return [self._take(worker_id, ev) if _remote(ev) else ev for ev in events]
 
-    def _take(self, worker_id: str, ev: Any) -> KeyedEvent:
-        """One event that names level 3: its remote part applied here, what the index still
+    def _take(self, worker_id: str, ev: KeyedEvent) -> KeyedEvent:
+        """One record that names level 3: its remote part applied here, what the index still
         needs returned (same id)."""
         tier = self._tier_of.get(worker_id)
-        t = type(ev)
-        if t is StoredKeys or t is StoredTokens:
-            self._add(tier, ev.keys)
+        remote = REMOTE_CACHE_LEVEL
+        if ev.op == MOVED:
+            self._add(tier, ev.keys)  # both ways the store has it: prefetched back, or written out
+            if ev.from_level == remote and ev.cache_level != remote:
+                return msgspec.structs.replace(ev, op=STORED, from_level=0)
+            if ev.cache_level == remote and ev.from_level != remote:
+                return msgspec.structs.replace(ev, op=REMOVED, cache_level=ev.from_level,
+                                               from_level=0)
             return _nothing(ev)
-        if t is RemovedKeys:
-            self._drop(tier, ev.keys)
+        take = self._add if ev.op == STORED else self._drop
+        if ev.levels is None:  # every block on level 3
+            take(tier, ev.keys)
             return _nothing(ev)
-        data = ev.data
-        if type(data) is Stored:
-            remote = [b for b in data.blocks if b.cache_level == REMOTE_CACHE_LEVEL]
-            local = tuple(b for b in data.blocks if b.cache_level != REMOTE_CACHE_LEVEL)
-            self._add(tier, _keys(b.block_hash for b in remote))
-            if not local:
-                return _nothing(ev)
-            return _replace(ev, Stored(data.parent_hash, local))
-        if type(data) is Removed:
-            assert data.cache_levels is not None  # _remote
-            pairs = list(zip(data.block_hashes, data.cache_levels, strict=True))
-            self._drop(tier, _keys(h for h, lv in pairs if lv == REMOTE_CACHE_LEVEL))
-            kept = [(h, lv) for h, lv in pairs if lv != REMOTE_CACHE_LEVEL]
-            if not kept:
-                return _nothing(ev)
-            return _replace(ev, Removed(tuple(h for h, _ in kept), tuple(lv for _, lv in kept)))
-        assert type(data) is Updated and data.cache_level is not None  # _remote
-        diff = data.cache_level
-        key = _keys([data.block_hash])
-        self._add(tier, key)  # both ways the store has it: prefetched back, or written out
-        if diff.old_value == REMOTE_CACHE_LEVEL and diff.new_value != REMOTE_CACHE_LEVEL:
-            return StoredKeys(ev.event_id, key, diff.new_value, ev.layer_group_id,
-                              ev.hash_algo, ev.attention_dp_rank)
-        if diff.new_value == REMOTE_CACHE_LEVEL and diff.old_value != REMOTE_CACHE_LEVEL:
-            return RemovedKeys(ev.event_id, key, diff.old_value, ev.layer_group_id,
-                               ev.hash_algo, ev.attention_dp_rank)
-        return _nothing(ev)
+        local = [lv != remote for lv in ev.levels]
+        take(tier, [k for k, kept in zip(ev.keys, local, strict=True) if not kept])
+        return _kept(ev, local)
 
     def _add(self, tier: str | None, keys: list[int]) -> None:
         if tier is None:
@@ -216,46 +189,30 @@ class SharedTiers:
             self._unmask(k)
 
 
-def _remote(ev: object) -> bool:
-    """True when an event names the remote level (:data:`REMOTE_CACHE_LEVEL`)."""
-    t = type(ev)
-    if t is StoredKeys or t is StoredTokens or t is RemovedKeys:
-        return ev.cache_level == REMOTE_CACHE_LEVEL  # type: ignore[attr-defined, no-any-return]
-    if t is not KVCacheEvent:
+def _remote(ev: KeyedEvent) -> bool:
+    """True when a stored, removed or moved record names the remote level."""
+    remote = REMOTE_CACHE_LEVEL
+    if ev.op == MOVED:
+        return remote in (ev.from_level, ev.cache_level)
+    if ev.op != STORED and ev.op != REMOVED:
         return False
-    data = ev.data  # type: ignore[attr-defined]
-    td = type(data)
-    if td is Stored:
-        return any(b.cache_level == REMOTE_CACHE_LEVEL for b in data.blocks)
-    if td is Removed:
-        return data.cache_levels is not None and REMOTE_CACHE_LEVEL in data.cache_levels
-    if td is Updated:
-        d = data.cache_level
-        return d is not None and REMOTE_CACHE_LEVEL in (d.old_value, d.new_value)
-    return False
+    return ev.cache_level == remote or (ev.levels is not None and remote in ev.levels)
 
 
-def _keys(hashes: Iterable[Any]) -> list[int]:
-    """Normalized keys of event hashes (those that do not normalize are left out: the index
-    would have rejected their event)."""
-    raw = list(hashes)
-    try:
-        return normalize_hashes(raw)
-    except ValueError:
-        out: list[int] = []
-        for h in raw:
-            try:
-                out.append(normalize_hash(h))
-            except ValueError:
-                continue
-        return out
+def _nothing(ev: KeyedEvent) -> KeyedEvent:
+    """A record with no block for the index, with ``ev``'s id (the index sees no gap)."""
+    return KeyedEvent(ev.event_id, STORED, [], 0, ev.layer_group_id, ev.hash_algo,
+                      ev.attention_dp_rank)
 
 
-def _nothing(ev: Any) -> StoredKeys:
-    """An event with no block for the index, with ``ev``'s id (the index sees no gap)."""
-    return StoredKeys(ev.event_id, [], 0, ev.layer_group_id, ev.hash_algo, ev.attention_dp_rank)
-
-
-def _replace(ev: KVCacheEvent, data: Stored | Removed) -> KVCacheEvent:
-    return KVCacheEvent(ev.event_id, data, ev.window_size, ev.layer_group_id, ev.hash_algo,
-                        ev.attention_dp_rank)
+def _kept(ev: KeyedEvent, keep: list[bool]) -> KeyedEvent:
+    """``ev`` with only the blocks ``keep`` marks (their tiers, their tokens); a stored chain's
+    first block still tells the block size."""
+    assert ev.levels is not None
+    keys = list(compress(ev.keys, keep))
+    if not keys:
+        return _nothing(ev)
+    level, levels = one_tier(list(compress(ev.levels, keep)))
+    tokens = tuple(compress(ev.tokens, keep)) if ev.tokens else ()
+    return msgspec.structs.replace(ev, keys=keys, cache_level=level, levels=levels,
+                                   tokens=tokens)

@@ -10,20 +10,17 @@ by hash alone, or named as a late child's parent).
 
 from __future__ import annotations
 
-import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from functools import lru_cache
-from itertools import repeat, starmap
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Final, cast
 
 import xxhash
 
-from kvpool.events.keyed import normalize_hash, token_bytes
-from kvpool.events.model import StoredBlock, TokenIds
+from kvpool.events.keyed import cut_blocks
 from kvpool.router.ledger import MAX_LEDGER
-from kvpool.router.worker import Malformed, Skipped, WorkerState
+from kvpool.router.worker import Skipped, WorkerState
 
 _M64: Final = (1 << 64) - 1
 _XXH3: Final = xxhash.xxh3_64_intdigest
@@ -68,9 +65,7 @@ def token_chain_keys(
 
 def chain(raw: bytes, tokens_per_block: int, key: int) -> list[int]:
     """The chained keys of ``raw`` (u32 LE token ids) cut into blocks, after the key ``key``."""
-    step = 4 * tokens_per_block
-    n, tail = divmod(len(raw), step)
-    return _chain_blocks(_cutter(step, n, tail)(raw), key)
+    return _chain_blocks(cut_blocks(raw, tokens_per_block), key)
 
 
 def _chain_blocks(blocks: Iterable[bytes], key: int) -> list[int]:
@@ -81,20 +76,6 @@ def _chain_blocks(blocks: Iterable[bytes], key: int) -> list[int]:
         key = _XXH3(block, key)
         append(key)
     return out
-
-
-@lru_cache(maxsize=1024)
-def _cutter(step: int, n: int, tail: int) -> Callable[[bytes], tuple[bytes, ...]]:
-    """Cuts ``n * step + tail`` bytes into ``n`` blocks of ``step`` bytes and a ``tail`` (when
-    not 0), in one C call: no Python-level slice per block."""
-    return struct.Struct(f"{step}s" * n + (f"{tail}s" if tail else "")).unpack
-
-
-@lru_cache(maxsize=256)
-def _packer(size: int) -> Callable[..., bytes]:
-    """Packs ``size`` token ids as u32 LE (:class:`struct.error` unless all are in
-    ``[0, 2**32)``)."""
-    return struct.Struct(f"<{size}I").pack
 
 
 def chain_get(w: WorkerState, h: int) -> int | None:
@@ -123,69 +104,42 @@ def forget(w: WorkerState, engine: Sequence[int]) -> None:
         w.chain_recent = {}
 
 
-def chain_start(w: WorkerState, parent: object, lora_id: int | None) -> int:
+def chain_start(w: WorkerState, parent: int | None, lora_id: int | None) -> int:
     """The key a stored chain's first block is hashed after: its reuse scope's root, or the
-    index's key of its parent."""
+    index's key of its parent (the engine's normalized hash ``parent``)."""
     if parent is None:
         return token_chain_root(lora_id, None)
-    try:
-        ph = normalize_hash(parent)
-    except ValueError as exc:
-        raise Malformed(str(exc)) from None
-    found = chain_get(w, ph)
+    found = chain_get(w, parent)
     if found is None:
         raise Skipped("stored chain under a parent the index never saw")
     return found
 
 
-def block_chain_keys(
-    w: WorkerState, key: int, blocks: Sequence[StoredBlock], engine: list[int]
+def record_chain_keys(
+    w: WorkerState, key: int, engine: list[int], tokens: tuple[bytes, ...]
 ) -> list[int]:
-    """The index's keys of a stored chain's ``blocks`` (engine hashes ``engine``) after the key
-    ``key``; the worker's held mappings take them. Raises :class:`Malformed` (bad tokens) or
-    :class:`Skipped` (a block without tokens the worker never mapped) before any change."""
-    try:
-        tokens = [b.tokens for b in blocks]
-        sizes = list(map(len, tokens))
-    except (TypeError, AttributeError) as exc:
-        raise Malformed(f"bad tokens in a stored block: {exc}") from None
-    size, n = sizes[0], len(sizes)
-    if _LITTLE and size and 0 not in sizes and set(map(type, tokens)) == {TokenIds}:
-        # a kvpool manager's blocks (an in-process feed): their u32 bytes, as they are
-        out = _chain_blocks(map(TokenIds.tobytes, tokens), key)  # type: ignore[arg-type]
-    elif 0 < sizes[-1] <= size and sizes.count(size) == n - (sizes[-1] != size):
-        # Full blocks, the last one maybe partial (the usual): each block packed in one C
-        # call, and nothing is changed before every block has packed.
-        try:
-            if sizes[-1] == size:
-                out = _chain_blocks(starmap(_packer(size), tokens), key)
-            else:
-                out = _chain_blocks(starmap(_packer(size), tokens[:-1]), key)
-                out.append(_XXH3(_packer(sizes[-1])(*tokens[-1]), out[-1]))
-        except struct.error as exc:
-            raise Malformed(f"bad token ids in a stored block: {exc}") from None
+    """The index's keys of a stored record's blocks (engine hashes ``engine``, each block's
+    token ids in ``tokens``, as :class:`~kvpool.events.keyed.KeyedEvent` holds them) after the
+    key ``key``; the worker's held mappings take them. Raises :class:`Skipped` (a block
+    announced by its hash alone that the worker never mapped) before any change."""
+    if not tokens:  # every block announced by its hash alone
+        out = [_mapped(w, h) for h in engine]
+    elif b"" not in tokens:  # the usual
+        out = _chain_blocks(tokens, key)
     else:
-        try:
-            # One conversion for the whole chain; blocks are slices of it.
-            flat: list[int] = []
-            for t in tokens:
-                flat += t
-            raw = token_bytes(flat)
-        except (TypeError, ValueError) as exc:
-            raise Malformed(f"bad token ids in a stored block: {exc}") from None
         out = []
-        off = 0
-        for size, h in zip(sizes, engine, strict=True):
-            if not size:
-                # A block re-announced by hash alone (vLLM's offloading connector, and
-                # kvpool's encoding of a tier move): it must be one we already keyed.
-                known = chain_get(w, h)
-                if known is None:
-                    raise Skipped("stored block without tokens the index cannot map")
-                key = known
-            else:
-                key = _XXH3(raw[4 * off:4 * (off + size)], key)
-                off += size
+        for block, h in zip(tokens, engine, strict=True):
+            # a block without tokens: re-announced by its hash (vLLM's offloading connector,
+            # kvpool's tier moves)
+            key = _XXH3(block, key) if block else _mapped(w, h)
             out.append(key)
     w.chain.update(zip(engine, out, strict=True))
     return out
+
+
+def _mapped(w: WorkerState, h: int) -> int:
+    """The key of a block announced by its hash alone: one the worker keyed already."""
+    key = chain_get(w, h)
+    if key is None:
+        raise Skipped("stored block without tokens the index cannot map")
+    return key
