@@ -308,9 +308,16 @@ HYBRID: Final = BenchTable(
           )))
 """README's table of bench_hybrid.py."""
 
+HYBRID_ALPHA: Final = BenchTable(
+    ("alpha", "short prompts, 2,000 requests, 8 GiB", "conversation, 1,000 requests, 40 GiB"),
+    tuple((label, _m(_HY, f"alpha_{key}_short"), _m(_HY, f"alpha_{key}_conv1000"))
+          for label, key in (("LRU (`None`)", "lru"), ("0.5", "0.5"), ("1", "1"), ("2", "2"),
+                             ("4", "4"))))
+"""docs/hybrid.md's table of checkpoint_alpha (bench_hybrid.py --alpha, marconi, split 0.2)."""
+
 BENCH_TABLES: Final[Mapping[str, BenchTable]] = {
     "benchmarks": BENCHMARKS, "vllm-tier": VLLM_TIER, "vllm-tier-detail": VLLM_TIER_DETAIL,
-    "hybrid": HYBRID,
+    "hybrid": HYBRID, "hybrid-alpha": HYBRID_ALPHA,
 }
 """Each figure block of benchmarks, by its name in the markdown."""
 
