@@ -107,7 +107,24 @@ def register(subparsers: Any) -> None:
                    help="listen port, checked before the model loads (default 8000; 0: any)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32",
                    help="the dtype the weights are loaded in (default float32)")
-    pools = p.add_argument_group("KV cache")
+    _add_pool_flags(p.add_argument_group("KV cache"))
+    sched = p.add_argument_group("scheduler")
+    sched.add_argument("--max-batch-size", type=positive, default=8, metavar="N",
+                       help="concurrent sequences per step (default 8)")
+    sched.add_argument("--max-num-tokens", type=positive, default=2048, metavar="N",
+                       help="tokens per step, prefill chunks included (default 2048)")
+    _add_event_flags(p.add_argument_group("KV events"))
+    p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   metavar="SECONDS",
+                   help="on SIGINT or SIGTERM, how long requests in flight may go on before "
+                   f"they are aborted (default {DEFAULT_SHUTDOWN_GRACE_S:g}; a second signal "
+                   "aborts them at once)")
+    add_log_level(p)
+    _add_http_flags(p.add_argument_group("HTTP (as kvpool router's listen keys)"))
+    p.set_defaults(func=run)
+
+
+def _add_pool_flags(pools: Any) -> None:
     pools.add_argument("--tokens-per-block", type=positive, default=DEFAULT_TOKENS_PER_BLOCK,
                        metavar="N", help="tokens per KV block "
                        f"(default {DEFAULT_TOKENS_PER_BLOCK})")
@@ -130,12 +147,9 @@ def register(subparsers: Any) -> None:
                        default=DEFAULT_EVICTION_POLICY,
                        help=f"which cached block is evicted first (default "
                        f"{DEFAULT_EVICTION_POLICY})")
-    sched = p.add_argument_group("scheduler")
-    sched.add_argument("--max-batch-size", type=positive, default=8, metavar="N",
-                       help="concurrent sequences per step (default 8)")
-    sched.add_argument("--max-num-tokens", type=positive, default=2048, metavar="N",
-                       help="tokens per step, prefill chunks included (default 2048)")
-    events = p.add_argument_group("KV events")
+
+
+def _add_event_flags(events: Any) -> None:
     events.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
                         help="publish KV events here, e.g. tcp://127.0.0.1:5557 (port 0: any; "
                         "default: none, no events)")
@@ -152,13 +166,9 @@ def register(subparsers: Any) -> None:
     events.add_argument("--nats-worker", metavar="ID", default="kvpool-serve",
                         help="the worker id the events carry on NATS, as the routers' config "
                         "names it (default kvpool-serve)")
-    p.add_argument("--shutdown-grace", type=nonneg_float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                   metavar="SECONDS",
-                   help="on SIGINT or SIGTERM, how long requests in flight may go on before "
-                   f"they are aborted (default {DEFAULT_SHUTDOWN_GRACE_S:g}; a second signal "
-                   "aborts them at once)")
-    add_log_level(p)
-    http = p.add_argument_group("HTTP (as kvpool router's listen keys)")
+
+
+def _add_http_flags(http: Any) -> None:
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model's name in /v1/models and answers (default: the built-in "
                       "name, or the checkpoint directory's or GGUF file's name)")
@@ -178,7 +188,6 @@ def register(subparsers: Any) -> None:
     http.add_argument("--body-timeout-s", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S,
                       metavar="S", help="a body must be all in this long after its head, 408 "
                       f"otherwise (default {DEFAULT_BODY_TIMEOUT_S:g})")
-    p.set_defaults(func=run)
 
 
 def served_model_name(model: str) -> str:

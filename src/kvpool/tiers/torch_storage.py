@@ -24,7 +24,6 @@ import os
 import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import CopyFailedError, GeometryError, StorageError
@@ -45,6 +44,11 @@ from kvpool.tiers.storage import (
     StateGeometry,
     Tier,
     _CopyEngine,
+)
+from kvpool.tiers.torch_device import (
+    resolve_device,
+    serial_torch_thread,
+    thread_local_torch_threads,
 )
 from kvpool.validation import check_bool, is_int
 
@@ -109,7 +113,7 @@ class TorchStorage(_CopyEngine):
         self._slots = _check_layout(self._geometries, slots)
         if disk_path is not None and not isinstance(disk_path, str | os.PathLike):
             raise StorageError(f"disk_path must be a path, got {disk_path!r}")
-        self._device = _resolve_device(device)
+        self._device = resolve_device(device)
         self._cuda = self._device.type == "cuda"
         if kernel is None:
             kernel = self._cuda and copy_kernels.available(self._device)
@@ -147,7 +151,7 @@ class TorchStorage(_CopyEngine):
         )
         self._host_pending: torch.cuda.Event | None = None
         self._workers: ThreadPoolExecutor | None = None
-        self._num_workers = torch.get_num_threads() if _thread_local_torch_threads() else 0
+        self._num_workers = torch.get_num_threads() if thread_local_torch_threads() else 0
         # disk slots read ahead of the copies that need them: (group, slot) -> bytes, kept
         # until the end of the next copy_blocks (read_ahead)
         self._staged: dict[tuple[int, int], memoryview] = {}
@@ -365,7 +369,7 @@ class TorchStorage(_CopyEngine):
             return
         if self._workers is None:
             self._workers = ThreadPoolExecutor(
-                workers, thread_name_prefix="kvpool-copy", initializer=_serial_torch_thread
+                workers, thread_name_prefix="kvpool-copy", initializer=serial_torch_thread
             )
         # A few chunks per worker: a worker the OS preempts leaves its share to the others.
         step = -(-len(a) // (workers * _CHUNKS_PER_WORKER))
@@ -539,21 +543,6 @@ _SPLIT_BYTES = 4 << 20
 _CHUNKS_PER_WORKER = 4
 
 
-@cache
-def _thread_local_torch_threads() -> bool:
-    """Whether ``torch.set_num_threads`` in one thread leaves the others alone (OpenMP only):
-    without it, copy workers could not run single-threaded, so none are used."""
-    import torch
-
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-def _serial_torch_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)  # thread-local under OpenMP: the caller's threads are untouched
-
-
 def _check_layout(
     geometries: tuple[LayerGeometry, ...], slots: Sequence[Sequence[int]]
 ) -> tuple[tuple[int, ...], ...]:
@@ -582,25 +571,6 @@ def _sequence(name: str, value: object) -> tuple[Any, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Iterable):
         raise GeometryError(f"{name} must be a sequence, got {value!r}")
     return tuple(value)
-
-
-def _resolve_device(device: object) -> torch.device:
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        resolved: torch.device = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
-        raise StorageError(f"device {device!r} is not a torch device: {exc}") from exc
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise StorageError(f"device {device!r} asks for CUDA, which is not available")
-        if resolved.index is None:  # streams and events need a concrete device
-            resolved = torch.device("cuda", torch.cuda.current_device())
-    elif resolved.type != "cpu":
-        raise StorageError(f"device {device!r} is not supported (use 'cpu' or 'cuda[:N]')")
-    return resolved
 
 
 def state_views(pool: torch.Tensor, geometry: StateGeometry) -> tuple[torch.Tensor, ...]:
