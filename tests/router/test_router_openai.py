@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,13 @@ def test_text_is_forwarded_as_the_worker_takes_it(kind: str, tok_dir: Path) -> N
             assert headers["Content-Type"].startswith("text/event-stream")
             assert raw_stream == b"".join(SSE)
             assert svc.router.active_requests("w") == 0  # each finished when its answer ended
+
+            # /metrics: the three text requests counted, with the CPU their tokenizing took
+            async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:
+                metrics = await resp.text()
+            assert "kvpool_router_text_requests_total 3.0" in metrics
+            cpu = re.search(r"^kvpool_router_tokenize_cpu_seconds_total (\S+)$", metrics, re.M)
+            assert cpu is not None and 0 < float(cpu.group(1)) < 10
         finally:
             await svc.stop()
             await up.stop()

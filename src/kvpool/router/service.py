@@ -230,6 +230,7 @@ class RouterService:
         self.responses = ResponseCounts("kvpool_router")
         self.metrics = RouterMetrics(self.router, self.index, self.ingest)
         self.metrics.registry.register(self.responses)
+        self.metrics.registry.register(self.text)
         self._token = bearer_token(config.listen.auth_token_env, option="listen.auth_token_env")
         self.port: int | None = None
         # held while a large request is routed in a thread: the loop's other uses of the

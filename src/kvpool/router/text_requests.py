@@ -21,12 +21,16 @@ Texts over :data:`POOL_CHARS` characters go to the pool whole.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import ClientSession
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.httpserve.messages import chat_messages
@@ -61,13 +65,27 @@ def _ids(value: object, name: str) -> list[int]:
     return value
 
 
-class TextRequests:
-    """Token ids of request bodies; owns the tokenizing thread pool."""
+class TextRequests(Collector):
+    """Token ids of request bodies; owns the tokenizing thread pool. Registered in a
+    Prometheus registry, it exposes ``kvpool_router_text_requests_total`` and
+    ``kvpool_router_tokenize_cpu_seconds_total`` (the CPU time of rendering chat templates and
+    encoding, on the event loop and in the pool: what text requests cost beyond token ids)."""
 
     def __init__(self, config: ServiceConfig, session: Callable[[], ClientSession | None]
                  ) -> None:
         self.pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="kvpool-tokenize")
         self.sources = TokenizerSources(config, session, self.pool)
+        self.encoded = 0
+        self.cpu_s = 0.0
+        self._cpu_lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvpool_router_text_requests",
+                                  "Requests whose text the router tokenized.", value=self.encoded)
+        yield CounterMetricFamily(
+            "kvpool_router_tokenize_cpu_seconds",
+            "CPU time spent rendering chat templates and encoding text requests.",
+            value=self.cpu_s)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -128,13 +146,29 @@ class TextRequests:
     async def _encode(self, encoder: TextEncoder, prepare: Callable[[Any], Plan], arg: Any,
                       size: int) -> list[int]:
         loop = asyncio.get_running_loop()
+        self.encoded += 1
         if size > POOL_CHARS:
             return await loop.run_in_executor(
-                self.pool, lambda: encoder.finish(prepare(arg)))
-        plan = prepare(arg)
-        if plan.work <= INLINE_CHARS:
-            return encoder.finish(plan)
-        return await loop.run_in_executor(self.pool, encoder.finish, plan)
+                self.pool, self._timed, lambda: encoder.finish(prepare(arg)))
+        start = time.thread_time()
+        try:
+            plan = prepare(arg)
+            if plan.work <= INLINE_CHARS:
+                return encoder.finish(plan)
+        finally:
+            self._count(time.thread_time() - start)
+        return await loop.run_in_executor(self.pool, self._timed, lambda: encoder.finish(plan))
+
+    def _timed(self, call: Callable[[], list[int]]) -> list[int]:
+        start = time.thread_time()
+        try:
+            return call()
+        finally:
+            self._count(time.thread_time() - start)
+
+    def _count(self, seconds: float) -> None:
+        with self._cpu_lock:  # the loop and the pool's threads
+            self.cpu_s += seconds
 
     @property
     def encoder(self) -> TextEncoder | None:
