@@ -156,15 +156,8 @@ def test_offloaded_checkpoint_onboarded(name: str, tier: str, tmp_path: Path) ->
         cache.update(host_blocks={0: 32, state: 2}, disk_blocks=48, disk={"path": str(tmp_path)},
                      eviction={"checkpoint_alpha": None})
     pair = Pair(name, cache, max_batch_size=2)
-    base = tokens(10, 14)
-    pair.run([base], max_tokens=2)
-    for i in range(3):  # push base's checkpoints off the GPU (and the host, with a disk)
-        pair.run([tokens(20 + i, 13)], max_tokens=2)
-    before = pair.engine.manager.stats()
-    assert before.offload_blocks > 0
-    out = pair.run([base[:12] + tokens(11, 3)])[0]
-    assert out.cached_tokens == 12
-    after = pair.engine.manager.stats()
+    before, after = logits.push_off_and_reuse(pair, tokens, base=(10, 14), fillers=(3, 13),
+                                              shared=12, max_tokens=2)
     hit = 2 if tier == "disk" else 1
     assert after.tier_hits[hit] > before.tier_hits[hit]
 

@@ -166,18 +166,29 @@ def test_offloaded_prefix_onboarded(model_name: str, tiers: str, tmp_path: Path)
     if tiers == "disk":
         cache.update(host_blocks=8, disk_blocks=40, disk={"path": str(tmp_path)})
     pair = Pair(model_name, cache, max_batch_size=2)
-    base = tokens(9, 22)
-    pair.run([base])
-    for i in range(4):  # push base's blocks off the GPU (and the host, with a disk tier)
-        pair.run([tokens(20 + i, 25)], max_tokens=4)
-    stats = pair.engine.manager.stats()
-    assert stats.offload_blocks > 0
-    out = pair.run([base[:20] + tokens(10, 3)])[0]
-    assert out.cached_tokens == 20
-    after = pair.engine.manager.stats()
+    stats, after = push_off_and_reuse(pair, tokens, base=(9, 22), fillers=(4, 25), shared=20,
+                                      max_tokens=4)
     assert after.onboard_blocks > stats.onboard_blocks
     if tiers == "disk":
         assert after.tier_hits[2] > 0
+
+
+def push_off_and_reuse(pair: Pair, tokens: Callable[[int, int], list[int]], *,
+                       base: tuple[int, int], fillers: tuple[int, int], shared: int,
+                       max_tokens: int) -> tuple[Any, Any]:
+    """A prompt (``base``: seed, length), then ``fillers`` (count, length) new prompts that
+    push its blocks off the GPU (and the host, with a disk tier), then a prompt sharing its
+    first ``shared`` tokens, which must reuse them all (so they came back from a colder tier);
+    the manager's stats before and after that last prompt."""
+    prompt = tokens(*base)
+    pair.run([prompt], max_tokens=max_tokens)
+    for i in range(fillers[0]):
+        pair.run([tokens(20 + i, fillers[1])], max_tokens=max_tokens)
+    before = pair.engine.manager.stats()
+    assert before.offload_blocks > 0
+    out = pair.run([prompt[:shared] + tokens(base[0] + 1, 3)])[0]
+    assert out.cached_tokens == shared
+    return before, pair.engine.manager.stats()
 
 
 def tight_pool(model_name: str) -> tuple[int, list[list[int]]]:
