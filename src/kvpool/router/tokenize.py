@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.router.byte_words import ByteLevelWords
+from kvpool.router.byte_words import WORD_CACHE_WORDS, ByteLevelWords
+from kvpool.router.chat_render import SKELETONS, SkeletonRenderer, contents_only_printed
 
 __all__ = ["SEGMENT_CACHE_BYTES", "WORD_CACHE_SPEEDUP", "Plan", "TextEncoder"]
 
@@ -80,7 +81,8 @@ class Plan:
 class TextEncoder:
     """A tokenizer (``transformers``) with a segment cache; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, *, cache_bytes: int = SEGMENT_CACHE_BYTES) -> None:
+    def __init__(self, tokenizer: Any, *, cache_bytes: int = SEGMENT_CACHE_BYTES,
+                 max_skeletons: int = SKELETONS, max_words: int = WORD_CACHE_WORDS) -> None:
         self.tokenizer = tokenizer
         self.chat_template: str | None = getattr(tokenizer, "chat_template", None) or None
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
@@ -96,9 +98,11 @@ class TextEncoder:
         self._suffix: tuple[int, ...] = ()
         self._anchor = ""
         self._words: ByteLevelWords | None = None
+        self.skeletons: SkeletonRenderer | None = None
         if self._backend is not None:
-            self._words = ByteLevelWords.for_tokenizer(self._backend)
+            self._words = ByteLevelWords.for_tokenizer(self._backend, max_words=max_words)
             self._prepare_cut()
+        self._max_skeletons = max_skeletons
         self._render = self._fast_renderer()
 
     @property
@@ -190,11 +194,20 @@ class TextEncoder:
             return text
 
         try:
-            if all(fast(p) == slow(p) for p in _PROBE_CHAT):
-                return fast
+            if not all(fast(p) == slow(p) for p in _PROBE_CHAT):
+                return slow
         except Exception:  # a template that refuses the probes: keep transformers' path
+            return slow
+        if not contents_only_printed(compiled.environment, self.chat_template):
+            return fast
+        self.skeletons = SkeletonRenderer(fast, max_skeletons=self._max_skeletons)
+        try:
+            if all(self.skeletons.render(p) == slow(p) for p in _PROBE_CHAT):
+                return self.skeletons.render
+        except Exception:  # cannot be: the same render
             pass
-        return slow
+        self.skeletons = None
+        return fast
 
     # ------------------------------------------------------------------------------ the cut
 
