@@ -124,12 +124,23 @@ class ByteLevelWords:
         del chunks[0]
         if chunks:
             try:
-                found = itemgetter(*chunks)(self._spaced)  # one C call for all of them
-                data = found if len(chunks) == 1 else b"".join(found)
-            except KeyError:  # a chunk not seen yet (or the cache just started again)
-                data = b"".join(map(self._chunk, chunks))
+                data = self._joined(chunks)
+            except KeyError:  # chunks not seen yet: learnt, then all looked up again
+                spaced = self._spaced
+                for chunk in [c for c in chunks if c not in spaced]:
+                    self._chunk(chunk)
+                try:
+                    data = self._joined(chunks)
+                except KeyError:  # the cache started again on the way
+                    data = b"".join(map(self._chunk, chunks))
             ids.frombytes(data)
         return ids.tolist()
+
+    def _joined(self, chunks: list[str]) -> bytes:
+        """The cached ids of all ``chunks`` (one C call to look them up); KeyError when one
+        is missing."""
+        found = itemgetter(*chunks)(self._spaced)
+        return found if len(chunks) == 1 else b"".join(found)
 
     def _chunk(self, chunk: str) -> bytes:
         """The ids of ``" " + chunk``, as native u32 bytes."""
