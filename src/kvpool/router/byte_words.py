@@ -115,26 +115,33 @@ class ByteLevelWords:
 
     def encode(self, text: str) -> list[int] | None:
         """``text``'s ids (no added tokens in it), or None when ``text`` is not ASCII."""
+        data = self.encode_u32(text)
+        if data is None:
+            return None
+        ids = array("I")
+        ids.frombytes(data)
+        return ids.tolist()
+
+    def encode_u32(self, text: str) -> bytes | None:
+        """As :meth:`encode`, the ids as native u32 bytes."""
         if not text.isascii():
             return None
         chunks = _chunks(text)
-        ids = array("I")
-        if chunks[0]:
-            ids.fromlist(self._words_of(chunks[0]))
+        head = array("I", self._words_of(chunks[0]) if chunks[0] else ()).tobytes()
         del chunks[0]
-        if chunks:
+        if not chunks:
+            return head
+        try:
+            data = self._joined(chunks)
+        except KeyError:  # chunks not seen yet: learnt, then all looked up again
+            spaced = self._spaced
+            for chunk in [c for c in chunks if c not in spaced]:
+                self._chunk(chunk)
             try:
                 data = self._joined(chunks)
-            except KeyError:  # chunks not seen yet: learnt, then all looked up again
-                spaced = self._spaced
-                for chunk in [c for c in chunks if c not in spaced]:
-                    self._chunk(chunk)
-                try:
-                    data = self._joined(chunks)
-                except KeyError:  # the cache started again on the way
-                    data = b"".join(map(self._chunk, chunks))
-            ids.frombytes(data)
-        return ids.tolist()
+            except KeyError:  # the cache started again on the way
+                data = b"".join(map(self._chunk, chunks))
+        return head + data if head else data
 
     def _joined(self, chunks: list[str]) -> bytes:
         """The cached ids of all ``chunks`` (one C call to look them up); KeyError when one
