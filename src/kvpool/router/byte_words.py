@@ -9,6 +9,15 @@ its words far more than it invents new ones. Hugging Face ``tokenizers`` spends 
 token of a request on the cut and the bookkeeping of its ``Encoding`` (offsets, masks); a word
 cache does the cut with Python's ``re`` (C speed) and one dict lookup per word.
 
+Above the words, a second cache holds *chunks*: the text between two spaces that follow a
+character other than white space. No word of GPT-2's expression runs across such a space (a
+letter, digit or punctuation run stops before it, a white-space run cannot start before it),
+and the word that begins there starts with it, so ``" " + chunk`` encodes alone as it does in
+the text. Most chunks are a word and its punctuation seen before: the text is cut with
+``str.split(" ")`` (when no space follows white space, else one expression), all chunks are
+looked up in one ``itemgetter`` call, and their ids (kept as u32 bytes) joined with one
+``bytes.join``: about 50 ns per word instead of the expression's 250.
+
 :class:`ByteLevelWords` is that cache. It is used only where it gives exactly the tokenizer's
 ids:
 
@@ -28,13 +37,15 @@ from __future__ import annotations
 import json
 import re
 import threading
+from array import array
 from itertools import chain
+from operator import itemgetter
 from typing import Any, Final
 
 __all__ = ["WORD_CACHE_WORDS", "ByteLevelWords"]
 
 WORD_CACHE_WORDS: Final = 1 << 20
-"""Words kept (about 150 MB at most); when full, the cache starts again empty."""
+"""Words and chunks kept (about 150 MB at most); when full, the caches start again empty."""
 
 # GPT-2's expression with its Unicode classes written for ASCII: \p{L} -> [A-Za-z],
 # \p{N} -> [0-9], \s -> the six ASCII white-space characters (re.ASCII).
@@ -59,6 +70,18 @@ def _byte_chars() -> dict[int, str]:
 
 
 _ASCII_TO_BYTE_LEVEL: Final = str.maketrans(_byte_chars())
+# A space after anything but white space starts a word: no word runs across it (see _chunks).
+_CUT: Final = re.compile(r"(?<=[^ \t\n\r\x0b\x0c]) ")
+
+
+def _chunks(text: str) -> list[str]:
+    """``text`` cut at each space that follows a character other than white space, that space
+    dropped (``str.split(" ")`` when no space follows white space)."""
+    if ("  " in text or ("\n" in text and "\n " in text) or ("\t" in text and "\t " in text)
+            or ("\r" in text and "\r " in text) or ("\x0b" in text and "\x0b " in text)
+            or ("\x0c" in text and "\x0c " in text)):
+        return _CUT.split(text)
+    return text.split(" ")
 
 
 class ByteLevelWords:
@@ -67,11 +90,13 @@ class ByteLevelWords:
     def __init__(self, model: Any, *, max_words: int = WORD_CACHE_WORDS) -> None:
         self._model = model
         self._cache: dict[str, list[int]] = {}
+        self._spaced: dict[str, bytes] = {}  # chunk -> the ids of " " + chunk (u32 bytes)
         self._max = max_words
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, backend: Any) -> ByteLevelWords | None:
+    def for_tokenizer(cls, backend: Any, *, max_words: int = WORD_CACHE_WORDS
+                      ) -> ByteLevelWords | None:
         """The cache for a ``tokenizers.Tokenizer``, or None when its pipeline is not plain
         byte-level BPE (then only the tokenizer gives its ids)."""
         try:
@@ -86,12 +111,55 @@ class ByteLevelWords:
                 or model.get("type") != "BPE" or model.get("dropout") is not None
                 or model.get("byte_fallback")):
             return None
-        return cls(backend.model)
+        return cls(backend.model, max_words=max_words)
 
     def encode(self, text: str) -> list[int] | None:
         """``text``'s ids (no added tokens in it), or None when ``text`` is not ASCII."""
+        data = self.encode_u32(text)
+        if data is None:
+            return None
+        ids = array("I")
+        ids.frombytes(data)
+        return ids.tolist()
+
+    def encode_u32(self, text: str) -> bytes | None:
+        """As :meth:`encode`, the ids as native u32 bytes."""
         if not text.isascii():
             return None
+        chunks = _chunks(text)
+        head = array("I", self._words_of(chunks[0]) if chunks[0] else ()).tobytes()
+        del chunks[0]
+        if not chunks:
+            return head
+        try:
+            data = self._joined(chunks)
+        except KeyError:  # chunks not seen yet: learnt, then all looked up again
+            spaced = self._spaced
+            for chunk in [c for c in chunks if c not in spaced]:
+                self._chunk(chunk)
+            try:
+                data = self._joined(chunks)
+            except KeyError:  # the cache started again on the way
+                data = b"".join(map(self._chunk, chunks))
+        return head + data if head else data
+
+    def _joined(self, chunks: list[str]) -> bytes:
+        """The cached ids of all ``chunks`` (one C call to look them up); KeyError when one
+        is missing."""
+        found = itemgetter(*chunks)(self._spaced)
+        return found if len(chunks) == 1 else b"".join(found)
+
+    def _chunk(self, chunk: str) -> bytes:
+        """The ids of ``" " + chunk``, as native u32 bytes."""
+        ids = self._spaced.get(chunk)
+        if ids is None:
+            ids = array("I", self._words_of(" " + chunk)).tobytes()
+            with self._lock:
+                self._make_room()
+                self._spaced[chunk] = ids
+        return ids
+
+    def _words_of(self, text: str) -> list[int]:
         words = _WORDS.findall(text)
         try:
             return list(chain.from_iterable(map(self._cache.__getitem__, words)))
@@ -103,12 +171,17 @@ class ByteLevelWords:
             return out
 
     def __len__(self) -> int:
-        return len(self._cache)
+        """Words and chunks held."""
+        return len(self._cache) + len(self._spaced)
 
     def _learn(self, word: str) -> list[int]:
         ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_BYTE_LEVEL))]
         with self._lock:
-            if len(self._cache) >= self._max:
-                self._cache.clear()
+            self._make_room()
             self._cache[word] = ids
         return ids
+
+    def _make_room(self) -> None:
+        if len(self._cache) + len(self._spaced) >= self._max:  # start again, both
+            self._cache.clear()
+            self._spaced.clear()

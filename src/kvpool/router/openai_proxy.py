@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from array import array
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
@@ -50,10 +51,12 @@ def _parse(raw: bytes) -> Any:
     return decode_json(raw, "request")
 
 
-def forwarded_body(body: Mapping[str, Any], ids: list[int], kind: WorkerKind, *,
-                   chat: bool) -> dict[str, Any] | None:
+def forwarded_body(body: Mapping[str, Any], ids: list[int] | array[int], kind: WorkerKind,
+                   *, chat: bool) -> dict[str, Any] | None:
     """What a request whose ids the router computed is forwarded as to a ``kind`` worker;
     None: the body unchanged."""
+    if isinstance(ids, array):
+        ids = ids.tolist()
     if kind is WorkerKind.KVPOOL:
         return {**body, "prompt_token_ids": ids}
     if not chat:

@@ -161,11 +161,13 @@ def parse_big_route_body(raw: bytes) -> _BigRoute:
     return body, None  # text: the tokenizer's
 
 
-def token_array(token_ids: list[int]) -> array[int] | list[int]:
+def token_array(token_ids: list[int] | array[int]) -> array[int] | list[int]:
     """A decoded body's token ids as u32 (the decoder let only ints through, no bools): one C
     pass, after which the router's validation is a copy and a scan of the top bytes, not a
     conversion and a scan for bools. Ids out of u32 range stay a list, for the router to name
-    the bad one."""
+    the bad one. A u32 array (ids the router tokenized) is returned as it is."""
+    if isinstance(token_ids, array):
+        return token_ids
     out = array("I")
     try:
         out.fromlist(token_ids)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ _POOL_THREADS: Final = 2
 class PromptTokens:
     """A request's token ids, and whether the router computed them from text."""
 
-    ids: list[int]
+    ids: list[int] | array[int]  # text: a u32 array
     from_text: bool
 
 
@@ -125,7 +126,7 @@ class TextRequests(Collector):
             return PromptTokens(await self.text(prompt), True)
         return PromptTokens(await self.chat(messages), True)
 
-    async def text(self, prompt: str) -> list[int]:
+    async def text(self, prompt: str) -> array[int]:
         if not prompt:
             raise InvalidArgumentError("'prompt' is empty")
         encoder = await self.sources.encoder()
@@ -134,7 +135,7 @@ class TextRequests(Collector):
             raise InvalidArgumentError("'prompt' encodes to no tokens")
         return ids
 
-    async def chat(self, messages: object) -> list[int]:
+    async def chat(self, messages: object) -> array[int]:
         clean = chat_messages(messages)
         encoder = await self.sources.encoder()
         size = sum(len(m["content"]) for m in clean)
@@ -144,7 +145,7 @@ class TextRequests(Collector):
         return ids
 
     async def _encode(self, encoder: TextEncoder, prepare: Callable[[Any], Plan], arg: Any,
-                      size: int) -> list[int]:
+                      size: int) -> array[int]:
         loop = asyncio.get_running_loop()
         self.encoded += 1
         if size > POOL_CHARS:
@@ -159,7 +160,7 @@ class TextRequests(Collector):
             self._count(time.thread_time() - start)
         return await loop.run_in_executor(self.pool, self._timed, lambda: encoder.finish(plan))
 
-    def _timed(self, call: Callable[[], list[int]]) -> list[int]:
+    def _timed(self, call: Callable[[], array[int]]) -> array[int]:
         start = time.thread_time()
         try:
             return call()

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.router.byte_words import ByteLevelWords
+from kvpool.router.byte_words import WORD_CACHE_WORDS, ByteLevelWords
+from kvpool.router.chat_render import SKELETONS, SkeletonRenderer, contents_only_printed
 
 __all__ = ["SEGMENT_CACHE_BYTES", "WORD_CACHE_SPEEDUP", "Plan", "TextEncoder"]
 
@@ -67,38 +69,45 @@ _WHOLE: Final = 2  # a whole text, special tokens added (no cut)
 _PLAIN: Final = 3  # a whole text without them (no cut)
 
 
+def _u32(ids: Iterable[int]) -> bytes:
+    return array("I", ids).tobytes()
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A text cut into known ids (tuples of ints) and pieces still to encode (``(text,
+    """A text cut into known ids (native u32 bytes) and pieces still to encode (``(text,
     mode)``), and the work left in characters the tokenizer must encode (an ASCII piece the
     word cache encodes counts :data:`WORD_CACHE_SPEEDUP` times less)."""
 
-    parts: list[tuple[int, ...] | tuple[str, int]]
+    parts: list[bytes | tuple[str, int]]
     work: int
 
 
 class TextEncoder:
     """A tokenizer (``transformers``) with a segment cache; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, *, cache_bytes: int = SEGMENT_CACHE_BYTES) -> None:
+    def __init__(self, tokenizer: Any, *, cache_bytes: int = SEGMENT_CACHE_BYTES,
+                 max_skeletons: int = SKELETONS, max_words: int = WORD_CACHE_WORDS) -> None:
         self.tokenizer = tokenizer
         self.chat_template: str | None = getattr(tokenizer, "chat_template", None) or None
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
-        self._cache: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, bool], bytes] = OrderedDict()
         self._cache_chars = 0
         self._cache_limit = cache_bytes
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
         self._split: re.Pattern[str] | None = None
-        self._special_ids: dict[str, int] = {}
-        self._prefix: tuple[int, ...] = ()
-        self._suffix: tuple[int, ...] = ()
+        self._special_ids: dict[str, bytes] = {}  # added token -> its id (u32 bytes)
+        self._prefix = b""
+        self._suffix = b""
         self._anchor = ""
         self._words: ByteLevelWords | None = None
+        self.skeletons: SkeletonRenderer | None = None
         if self._backend is not None:
-            self._words = ByteLevelWords.for_tokenizer(self._backend)
+            self._words = ByteLevelWords.for_tokenizer(self._backend, max_words=max_words)
             self._prepare_cut()
+        self._max_skeletons = max_skeletons
         self._render = self._fast_renderer()
 
     @property
@@ -111,18 +120,20 @@ class TextEncoder:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """A completion prompt's ids, special tokens added (``tokenizer.encode(prompt)``)."""
-        return self.finish(self.prepare_prompt(prompt))
+        return self.finish(self.prepare_prompt(prompt)).tolist()
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """The chat template's rendering of ``messages`` (with the generation prompt), encoded
         without added special tokens; InvalidArgumentError when the tokenizer has no chat
         template or the template refuses the messages."""
-        return self.finish(self.prepare_chat(messages))
+        return self.finish(self.prepare_chat(messages)).tolist()
 
     # An encoding in two steps: :meth:`prepare_prompt` / :meth:`prepare_chat` render the text,
     # cut it and look its pieces up (cheap: C-speed string work and dict lookups), leaving
     # :attr:`Plan.work` characters to encode; :meth:`finish` encodes those (the costly part,
-    # which the router runs in its thread pool when it is large).
+    # which the router runs in its thread pool when it is large). Ids are kept and joined as
+    # native u32 bytes (one bytes.join, no int objects touched) into the u32 array the router
+    # routes by.
 
     def prepare_prompt(self, prompt: str) -> Plan:
         if self._split is None:
@@ -144,24 +155,25 @@ class TextEncoder:
             ) from None
         if self._split is None:
             return Plan([(text, _PLAIN)], len(text))
-        return self._plan(text, (), ())
+        return self._plan(text, b"", b"")
 
-    def finish(self, plan: Plan) -> list[int]:
-        """The ids of a prepared text: its pieces looked up, the missing ones encoded (and
-        cached)."""
-        out: list[int] = []
+    def finish(self, plan: Plan) -> array[int]:
+        """The ids of a prepared text (a u32 array): its pieces looked up, the missing ones
+        encoded (and cached)."""
+        done: list[bytes] = []
         for part in plan.parts:
-            if isinstance(part[0], str):
-                text, mode = part
-                assert isinstance(mode, int)
-                if mode == _WHOLE:
-                    out += self.tokenizer.encode(text)
-                elif mode == _PLAIN:
-                    out += self.tokenizer.encode(text, add_special_tokens=False)
-                else:
-                    out += self._encode_cached(text, mode == _FIRST)
+            if isinstance(part, bytes):
+                done.append(part)
+                continue
+            text, mode = part
+            if mode == _WHOLE:
+                done.append(_u32(self.tokenizer.encode(text)))
+            elif mode == _PLAIN:
+                done.append(_u32(self.tokenizer.encode(text, add_special_tokens=False)))
             else:
-                out += part
+                done.append(self._encode_cached(text, mode == _FIRST))
+        out = array("I")
+        out.frombytes(b"".join(done))
         return out
 
     def _slow_render(self, messages: Sequence[Mapping[str, str]]) -> str:
@@ -190,11 +202,20 @@ class TextEncoder:
             return text
 
         try:
-            if all(fast(p) == slow(p) for p in _PROBE_CHAT):
-                return fast
+            if not all(fast(p) == slow(p) for p in _PROBE_CHAT):
+                return slow
         except Exception:  # a template that refuses the probes: keep transformers' path
+            return slow
+        if not contents_only_printed(compiled.environment, self.chat_template):
+            return fast
+        self.skeletons = SkeletonRenderer(fast, max_skeletons=self._max_skeletons)
+        try:
+            if all(self.skeletons.render(p) == slow(p) for p in _PROBE_CHAT):
+                return self.skeletons.render
+        except Exception:  # cannot be: the same render
             pass
-        return slow
+        self.skeletons = None
+        return fast
 
     # ------------------------------------------------------------------------------ the cut
 
@@ -210,7 +231,7 @@ class TextEncoder:
         else:  # longest first: the tokenizer matches the longest added token at a position
             alternatives = sorted(plain, key=len, reverse=True)
             self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
-        self._special_ids = plain
+        self._special_ids = {token: _u32((i,)) for token, i in plain.items()}
         self._anchor = next(iter(plain), "")
         probe = self._backend.encode("a", add_special_tokens=False).ids
         full = self._backend.encode("a", add_special_tokens=True).ids
@@ -218,7 +239,7 @@ class TextEncoder:
         if at < 0:
             self._split = None
             return
-        self._prefix, self._suffix = tuple(full[:at]), tuple(full[at + len(probe):])
+        self._prefix, self._suffix = _u32(full[:at]), _u32(full[at + len(probe):])
         specials = list(plain)[:3]
         mixed = "".join(f"{p}{s}" for p, s in zip(_PROBES, specials * 2, strict=False))
         samples = [*_PROBES, mixed]
@@ -229,9 +250,9 @@ class TextEncoder:
                 self._split = None
                 return
 
-    def _plan(self, text: str, prefix: tuple[int, ...], suffix: tuple[int, ...]) -> Plan:
+    def _plan(self, text: str, prefix: bytes, suffix: bytes) -> Plan:
         assert self._split is not None
-        parts: list[tuple[int, ...] | tuple[str, int]] = [prefix] if prefix else []
+        parts: list[bytes | tuple[str, int]] = [prefix] if prefix else []
         special = self._special_ids
         cache = self._cache
         work = 0
@@ -240,7 +261,7 @@ class TextEncoder:
         with self._lock:
             for i, piece in enumerate(self._split.split(text)):
                 if i % 2:  # an added token
-                    parts.append((special[piece],))
+                    parts.append(special[piece])
                     first = False
                     continue
                 if not piece:
@@ -261,16 +282,16 @@ class TextEncoder:
 
     def _pieces(self, text: str) -> list[int]:
         """``text`` cut and encoded piece by piece, without the cache (the load-time probe)."""
-        plan = self._plan(text, (), ())
-        out: list[int] = []
+        plan = self._plan(text, b"", b"")
+        out = array("I")
         for part in plan.parts:
-            if isinstance(part[0], str):
-                out += self._encode_piece(part[0], part[1] == _FIRST)
+            if isinstance(part, bytes):
+                out.frombytes(part)
             else:
-                out += part
-        return out
+                out.frombytes(self._encode_piece(part[0], part[1] == _FIRST))
+        return out.tolist()
 
-    def _encode_cached(self, piece: str, first: bool) -> tuple[int, ...]:
+    def _encode_cached(self, piece: str, first: bool) -> bytes:
         key = (piece, first)
         ids = self._encode_piece(piece, first)
         with self._lock:
@@ -283,15 +304,15 @@ class TextEncoder:
                     self._cache_chars -= len(old) + _ENTRY_OVERHEAD
         return ids
 
-    def _encode_piece(self, piece: str, first: bool) -> tuple[int, ...]:
+    def _encode_piece(self, piece: str, first: bool) -> bytes:
         if self._words is not None:  # byte-level BPE: a piece's ids do not depend on its place
-            ids = self._words.encode(piece)
+            ids = self._words.encode_u32(piece)
             if ids is not None:
-                return tuple(ids)
+                return ids
         if first:
-            return tuple(self._encode_plain(piece))
+            return _u32(self._encode_plain(piece))
         # not the first piece: encode it after an added token, as it sits in the whole text
-        return tuple(self._encode_plain(self._anchor + piece)[1:])
+        return _u32(self._encode_plain(self._anchor + piece)[1:])
 
     def _encode_plain(self, text: str) -> list[int]:
         # encode, not encode_batch_fast: the batch call hands one text to rayon's threads,

@@ -9,7 +9,8 @@ configured ones are all loaded, the served one is fetched from the first ``kvpoo
 answers, and their fingerprints (the tokenizer's JSON and chat template) must agree.
 
 :meth:`TokenizerSources.encoder` loads on first use (loading and fetching never on the event
-loop: ``transformers`` in the given thread pool) and keeps the result. A failure is not kept:
+loop: ``transformers`` in the given thread pool) and keeps the result, frozen out of the
+cyclic collector (``gc.freeze``) as the router's start-up state is. A failure is not kept:
 a worker that did not answer, a load that failed, is tried again on the next request (at most
 once per :data:`RETRY_S`), so a router started before its workers serves text once one is up.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import gc
 import hashlib
 import tempfile
 import time
@@ -157,6 +159,10 @@ class TokenizerSources:
             if loading.done() and self._loading is loading:
                 self._loading = None
         self._encoder = encoder
+        # transformers and the tokenizer add ~330,000 objects (SmolLM2's) after the router
+        # froze its start-up state (commands/router.settle_gc): each full collection would
+        # walk them (~180 ms) for as long as the router runs; they live as long, so frozen too
+        gc.freeze()
         return encoder
 
     async def _load(self) -> TextEncoder:
