@@ -394,9 +394,10 @@ def test_the_long_commands_start_as_written(tmp_path: Path) -> None:
         for proc in running:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)  # the reader's Ctrl-C
+        deadline = time.monotonic() + 10  # 10 s for all of them to clean up, not each
         for proc in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
     finally:
         for proc in procs:
             _stop(proc)
