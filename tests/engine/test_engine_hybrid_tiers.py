@@ -1,7 +1,8 @@
 """Equal logits (fp32, against transformers' own forward, greedy tokens identical) on a tiny
 Qwen3-Next whose reused prefix resumes from a checkpoint that came from the remote tier (a real
-redis-server, after the GPU and host copies were dropped) or from the persistent disk tier
-after a restart (docs/hybrid.md: checkpoints through the tiers)."""
+redis-server, after the GPU and host copies were dropped; the engine prefetches it before
+admission) or from the persistent disk tier after a restart (docs/hybrid.md: checkpoints
+through the tiers). Two engines sharing the store: test_engine_remote.py."""
 
 from __future__ import annotations
 
@@ -33,12 +34,11 @@ def test_checkpoint_from_the_remote_tier(redis_server: RedisServer) -> None:
     m.clear_cache()  # the GPU and host copies are gone; the store keeps them
     query = base[:12] + hybrid.tokens(41, 3)
     assert m.count_reusable_tokens(query) == 0
-    assert m.prefetch([SequenceRequest("p", query)]) == [12]
+    before = m.stats()
+    out = pair.run([query])[0]  # the engine prefetches before admitting it
+    assert out.cached_tokens == 12 and pair.engine.scheduler.remote_tokens == 12
     stats = m.remote_stats()
     assert stats is not None and stats.prefetched_checkpoints == 1
-    before = m.stats()
-    out = pair.run([query])[0]
-    assert out.cached_tokens == 12
     assert m.stats().tier_hits[1] > before.tier_hits[1]  # the prefetched host checkpoint
     m.close()
 

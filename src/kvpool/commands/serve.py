@@ -13,7 +13,11 @@ directory only this user can enter, or ``none``, may be given instead. ``tcp://`
 for it: ZeroMQ's tcp has no authentication here (CURVE is not set up), and the socket would
 serve the cache's prompts to whoever can connect to the port. With ``--nats URL`` it
 publishes the events onto NATS JetStream instead (worker id ``--nats-worker``), for routers
-with ``bus: nats``.
+with ``bus: nats``. With ``--remote-url URL`` (``--remote-write evict|store``) the engine
+shares a remote tier on a Redis- or Valkey-compatible server with every other engine of the
+same model (the same served model name and geometry): it writes blocks (and a hybrid model's
+checkpoints) there and, before admitting a request the first time, fetches the request's
+continuation from there (docs/tiers.md, "In the engine and kvpool serve").
 
 The listen address is bound (and let go again) before the model loads, so a port in use is
 refused at once: one line, exit status 2. Once listening it prints ``kvpool serve listening
@@ -66,6 +70,8 @@ from kvpool.httpserve.limits import (
     DEFAULT_MAX_BODY_BYTES,
     HttpLimits,
 )
+from kvpool.tiers.remote.store import split_url
+from kvpool.tiers.remote.writer import REMOTE_WRITE_MODES
 
 EVENT_HASH_ALGO = "v2_sha256_64"
 # kvpool.engine.server's default, without importing aiohttp and torch to build the parser
@@ -108,6 +114,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=_DTYPES, default="float32",
                    help="the dtype the weights are loaded in (default float32)")
     _add_pool_flags(p.add_argument_group("KV cache"))
+    _add_remote_flags(p.add_argument_group("shared remote tier (a Redis/Valkey server)"))
     sched = p.add_argument_group("scheduler")
     sched.add_argument("--max-batch-size", type=positive, default=8, metavar="N",
                        help="concurrent sequences per step (default 8)")
@@ -147,6 +154,17 @@ def _add_pool_flags(pools: Any) -> None:
                        default=DEFAULT_EVICTION_POLICY,
                        help=f"which cached block is evicted first (default "
                        f"{DEFAULT_EVICTION_POLICY})")
+
+
+def _add_remote_flags(remote: Any) -> None:
+    remote.add_argument("--remote-url", metavar="URL",
+                        help="a Redis- or Valkey-compatible server every engine of the model "
+                        "shares, e.g. redis://127.0.0.1:6379/0 (also rediss://, unix://, "
+                        "valkey://, redis+cluster://): blocks and checkpoints are written "
+                        "there and fetched from there before admission (default: none)")
+    remote.add_argument("--remote-write", choices=REMOTE_WRITE_MODES,
+                        help="'evict': write what leaves the last local tier; 'store': every "
+                        "block as it is computed (default evict; needs --remote-url)")
 
 
 def _add_event_flags(events: Any) -> None:
@@ -252,7 +270,20 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         cache["eviction"] = {"policy": args.eviction_policy}
     if args.kv_events_endpoint is not None or args.nats is not None:
         cache["events"] = {"buffer_max_size": _EVENT_BUFFER, "hash_algo": EVENT_HASH_ALGO}
+    cache.update(remote_options(args))
     return cache
+
+
+def remote_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared remote tier's ``Engine(cache=...)`` fields: its server and write mode, and
+    ``model_id``, the served model name (engines share blocks under equal names only)."""
+    if args.remote_url is None:
+        if args.remote_write is not None:
+            raise InvalidArgumentError("--remote-write needs --remote-url")
+        return {}
+    split_url(args.remote_url, "--remote-url")
+    return {"remote": {"url": args.remote_url, "write": args.remote_write or "evict"},
+            "model_id": args.served_model_name or served_model_name(args.model)}
 
 
 def run(args: argparse.Namespace) -> int:

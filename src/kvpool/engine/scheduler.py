@@ -13,10 +13,16 @@ a step computes ``[num_computed, end)``. Per step, in order:
 4. waiting requests are admitted with one ``add_sequence_batch`` (two-phase admission), as
    many as fit the batch size, the remaining budget and the pool: a batch the pool refuses
    (``OutOfBlocksError``, the manager unchanged) is retried without its newest request.
+   With a remote tier (``CacheConfig.remote``), the batch's requests never tried before first
+   get their remote continuations (``manager.prefetch``: attention blocks and, for hybrid
+   models, the deepest remote checkpoint) into local slots, so that admission reuses them;
+   once per request, never for a suspended or recomputed one, and a remote failure is a miss
+   (the request computes cold). ``remote_tokens`` counts the tokens it made reusable.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,7 +32,9 @@ import torch
 from kvpool.config import SequenceRequest
 from kvpool.core.manager import KVCacheManager
 from kvpool.engine.sampling import SamplingParams
-from kvpool.errors import OutOfBlocksError
+from kvpool.errors import OutOfBlocksError, RemoteTierError
+
+logger = logging.getLogger(__name__)
 
 
 class Status(Enum):
@@ -52,6 +60,7 @@ class Request:
     num_computed: int = 0
     committed_blocks: int = 0  # full blocks committed by store_context_blocks
     cached_tokens: int = -1  # prompt tokens reused at first admission (-1 = not admitted)
+    prefetched: bool = False  # its remote continuation was asked for (remote tier only)
     logits: list[torch.Tensor] | None = None
     finish_reason: str | None = None
     text: str | None = None
@@ -86,6 +95,8 @@ class Scheduler:
         self._next_seq = 0
         self.preemptions = 0
         self.recomputations = 0
+        self.remote = manager.remote_stats() is not None  # prefetch before first admissions
+        self.remote_tokens = 0  # prompt tokens prefetch made reusable, all requests
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.suspended)
@@ -173,6 +184,8 @@ class Scheduler:
             if len(batch) >= min(room, budget):
                 break
             batch.append(req)
+        if self.remote:
+            self._prefetch(batch)
         while batch:
             seq_ids = range(self._next_seq, self._next_seq + len(batch))
             try:
@@ -201,6 +214,22 @@ class Scheduler:
                 out.append((req, n))
                 budget -= n
         return out
+
+    def _prefetch(self, batch: list[Request]) -> None:
+        """The remote continuations of the batch's requests not asked for yet (first
+        admissions only: a recomputed request was admitted before, a suspended one resumes
+        with the blocks it holds). A remote failure is a miss: the requests compute cold."""
+        fresh = [r for r in batch if not r.prefetched and r.cached_tokens < 0]
+        if not fresh:
+            return
+        for r in fresh:
+            r.prefetched = True
+        try:
+            got = self.manager.prefetch([SequenceRequest(r.request_id, r.tokens) for r in fresh])
+        except RemoteTierError as e:  # counted by the manager; per request it is caught there
+            logger.warning("remote prefetch failed, computing cold: %s", e)
+            return
+        self.remote_tokens += sum(got)
 
     def computed(self, req: Request, end: int) -> None:
         """``[num_computed, end)`` of ``req`` now has KV: commit its prompt's new full blocks."""

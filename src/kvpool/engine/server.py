@@ -21,8 +21,9 @@ Endpoints
     ``kvpool router`` tokenizes text requests with. 404 for a model without a tokenizer.
 ``GET /metrics``
     Prometheus text: requests by outcome, prompt / cached prompt / generated tokens, the prefix
-    hit rate, a time-to-first-token histogram, generated tokens per second (last 10 s) and free
-    and evictable blocks per tier and layer group.
+    hit rate, a time-to-first-token histogram, generated tokens per second (last 10 s), free
+    and evictable blocks per tier and layer group, and the prompt tokens a shared remote tier
+    made reusable (``kvpool serve --remote-url``).
 
 Bad input is a JSON 400 naming the field (malformed JSON, invalid UTF-8 or a lone surrogate,
 nesting deeper than 32, wrong types, an empty prompt, a prompt too long for the model, bad
@@ -232,6 +233,10 @@ class _Metrics:
         self.evictable = Gauge("kvpool_serve_evictable_blocks",
                                "Cached, unreferenced KV blocks per tier and layer group.",
                                ["tier", "layer_group"], registry=r)
+        self.remote_tokens = Counter(
+            "kvpool_serve_remote_prefetched_tokens",
+            "Prompt tokens the shared remote tier made reusable before admission.", registry=r)
+        self._remote_seen = 0
         self._engine = engine
         self._recent: deque[tuple[float, int]] = deque()
         self._prompt_total = 0
@@ -270,6 +275,10 @@ class _Metrics:
                 usage = manager.slot_usage(tier, group)
                 self.free.labels(str(tier), str(group)).set(usage["free"])
                 self.evictable.labels(str(tier), str(group)).set(usage["evictable"])
+        with self._lock:  # the engine thread's count so far (an int: read whole)
+            total = self._engine.scheduler.remote_tokens
+            self.remote_tokens.inc(max(0, total - self._remote_seen))
+            self._remote_seen = max(total, self._remote_seen)
         return generate_latest(self.registry)
 
 
