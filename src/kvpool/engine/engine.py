@@ -66,7 +66,9 @@ class Engine:
     ``cache`` holds :class:`kvpool.CacheConfig` fields the model does not decide, as
     :meth:`CacheConfig.from_mapping` reads them (``tokens_per_block``, ``gpu_blocks`` or
     ``gpu_mem``, ``host_blocks`` or ``host_mem``, ``disk_blocks``, ``disk={"path": ...}``,
-    ``eviction={"policy": ...}``, ``events={"buffer_max_size": ...}``, ...).
+    ``eviction={"policy": ...}``, ``events={"buffer_max_size": ...}``,
+    ``remote={"url": "redis://...", "write": ...}``: a shared remote tier, which the scheduler
+    prefetches from before each request's first admission, ...).
     The model's attention implementation is switched to kvpool's; called outside the engine
     it computes transformers' sdpa attention. ``static_decode`` (None: on CUDA) pads
     decode-only steps to bucketed shapes and replays them from CUDA graphs
