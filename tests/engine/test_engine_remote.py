@@ -23,6 +23,7 @@ import test_engine_logits as logits  # noqa: E402
 from test_engine_hybrid_tiers import CACHE as HYBRID_CACHE  # noqa: E402
 from test_engine_hybrid_tiers import STATE  # noqa: E402
 
+from kvpool import SequenceRequest  # noqa: E402
 from kvpool.core.remote_hooks import RemoteStats  # noqa: E402
 from kvpool.engine import SamplingParams  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
@@ -129,3 +130,26 @@ def test_without_a_remote_tier_the_engine_never_prefetches() -> None:
     assert not p.engine.scheduler.remote
     p.engine.generate([hybrid.tokens(1, 9)], SamplingParams(max_tokens=2, ignore_eos=True))
     assert p.engine.scheduler.remote_tokens == 0
+
+
+@pytest.mark.parametrize("host", [0, 64])  # preempted by recomputation / by suspension
+def test_each_request_is_prefetched_once_however_often_it_is_admitted(
+        redis_server: RedisServer, host: int) -> None:
+    gpu, prompts = logits.tight_pool("llama")
+    cache = {"gpu_blocks": gpu, "remote": {"url": redis_server.url}}
+    p = logits.Pair("llama", {**cache, "host_blocks": host} if host else cache,
+                    max_batch_size=3)
+    m = p.engine.manager
+    asked: list[int | str] = []
+    prefetch = m.prefetch
+
+    def recording(requests: list[SequenceRequest]) -> list[int]:
+        asked.extend(r.seq_id for r in requests)
+        return prefetch(requests)
+
+    m.prefetch = recording  # type: ignore[method-assign]
+    p.run(prompts, max_tokens=20)  # logits against the dense forward
+    sched = p.engine.scheduler
+    assert sched.preemptions > 0 and (sched.recomputations > 0) == (not host)
+    assert sorted(asked) == sorted(set(asked)) and len(asked) == len(prompts)
+    m.close()

@@ -219,7 +219,7 @@ class Scheduler:
         """The remote continuations of the batch's requests not asked for yet (first
         admissions only: a recomputed request was admitted before, a suspended one resumes
         with the blocks it holds). A remote failure is a miss: the requests compute cold."""
-        fresh = [r for r in batch if not r.prefetched and r.cached_tokens < 0]
+        fresh = [r for r in batch if not r.prefetched]
         if not fresh:
             return
         for r in fresh:
