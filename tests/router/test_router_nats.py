@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from test_router_service import request_block_hashes
 
@@ -323,6 +324,45 @@ def test_replicas_sharing_in_flight_state_route_alike_under_concurrent_load(
         for p in pubs.values():
             p.close()
         for r in replicas:
+            await r.stop()
+
+    run(main())
+
+
+def test_in_flight_announcements_leave_gathered_and_a_bad_message_is_skipped_whole(
+        nats_server: NatsServer) -> None:
+    """Routes announced within ``inflight_flush_s`` leave as one message, which the other
+    replica applies; a message with one malformed record changes nothing there."""
+    async def main() -> None:
+        import nats
+
+        a, b = await started_replicas(nats_server.url, 2, {"request_timeout_s": 60})
+        assert a.bus is not None and b.bus is not None
+        toks = [[(k * 7919 + i) % 50_000 for i in range(4 * TPB + 1)] for k in range(20)]
+        for k, t in enumerate(toks):
+            a.router.route(t, request_id=f"q{k}")
+            a.bus.inflight.routed(f"q{k}")
+            await asyncio.sleep(0)  # a turn of the loop each: one message per turn with 0
+        deadline = time.monotonic() + 5
+        while b.bus.inflight.applied < 20:
+            assert time.monotonic() < deadline, b.bus.inflight.applied
+            await asyncio.sleep(0.01)
+        assert a.bus.inflight.sent == 1  # 20 routes (20 loop turns) in one message
+        for k in range(20):
+            assert b.router.loads.requests[f"q{k}"].worker_id == \
+                a.router.loads.requests[f"q{k}"].worker_id
+        assert b.router.pred.masks == a.router.pred.masks
+        nc = await nats.connect(nats_server.url)
+        bad = msgspec.msgpack.encode(["x", [[2, "q0"], [7, "q1"]]])
+        await nc.publish("kvpool.inflight", bad)
+        await nc.flush()
+        deadline = time.monotonic() + 5
+        while b.bus.inflight.malformed < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert "q0" in b.router.loads.requests  # the good record before the bad one too
+        await nc.close()
+        for r in (a, b):
             await r.stop()
 
     run(main())

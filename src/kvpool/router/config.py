@@ -204,6 +204,7 @@ class NatsOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     snapshot_bucket: _Name = "kvpool-router"
     snapshot_interval_s: _NonNegative = 30.0
     inflight_subject: _Subject = "kvpool.inflight"
+    inflight_flush_s: _NonNegative = 0.01
     check_interval_s: _Interval = 0.5
     catch_up_timeout_s: _Interval = 30.0
 

@@ -87,7 +87,8 @@ class NatsBus:
         self.consumer = f"{options.stream}-{self.replica_id}"
         self.state = BusState()
         self.counters = BusCounters()
-        self.inflight = InflightShare(router, self.replica_id, options.inflight_subject)
+        self.inflight = InflightShare(router, self.replica_id, options.inflight_subject,
+                                      options.inflight_flush_s)
         self.caught_up = asyncio.Event()
         self._nc: Any = None
         self._js: Any = None
