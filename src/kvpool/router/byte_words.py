@@ -42,6 +42,8 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any, Final
 
+from kvpool.router.chunk_table import ChunkTable
+
 __all__ = ["WORD_CACHE_WORDS", "ByteLevelWords"]
 
 WORD_CACHE_WORDS: Final = 1 << 20
@@ -87,12 +89,22 @@ def _chunks(text: str) -> list[str]:
 class ByteLevelWords:
     """A word -> ids cache over a byte-level BPE model; see the module docstring."""
 
-    def __init__(self, model: Any, *, max_words: int = WORD_CACHE_WORDS) -> None:
+    def __init__(self, model: Any, *, max_words: int = WORD_CACHE_WORDS,
+                 compiled: bool = True) -> None:
         self._model = model
         self._cache: dict[str, list[int]] = {}
         self._spaced: dict[str, bytes] = {}  # chunk -> the ids of " " + chunk (u32 bytes)
         self._max = max_words
         self._lock = threading.Lock()
+        # chunks in arrays a compiled kernel scans (the jit extra); else the dict above
+        self._table = (ChunkTable.create(self._table_chunk, max_chunks=max_words)
+                       if compiled else None)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether chunks are looked up by the compiled kernel
+        (:mod:`kvpool.router.chunk_table`)."""
+        return self._table is not None
 
     @classmethod
     def for_tokenizer(cls, backend: Any, *, max_words: int = WORD_CACHE_WORDS
@@ -126,6 +138,10 @@ class ByteLevelWords:
         """As :meth:`encode`, the ids as native u32 bytes."""
         if not text.isascii():
             return None
+        if self._table is not None:
+            found = self._table.encode_u32(text)
+            if found is not None:
+                return found
         chunks = _chunks(text)
         head = array("I", self._words_of(chunks[0]) if chunks[0] else ()).tobytes()
         del chunks[0]
@@ -172,7 +188,15 @@ class ByteLevelWords:
 
     def __len__(self) -> int:
         """Words and chunks held."""
-        return len(self._cache) + len(self._spaced)
+        table = 0 if self._table is None else len(self._table)
+        return len(self._cache) + len(self._spaced) + table
+
+    def _table_chunk(self, chunk: str) -> list[int]:
+        """A chunk's ids for the compiled table, room made for it there."""
+        ids = self._words_of(chunk)
+        with self._lock:
+            self._make_room()
+        return ids
 
     def _learn(self, word: str) -> list[int]:
         ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_BYTE_LEVEL))]
@@ -182,6 +206,8 @@ class ByteLevelWords:
         return ids
 
     def _make_room(self) -> None:
-        if len(self._cache) + len(self._spaced) >= self._max:  # start again, both
+        if len(self) >= self._max:  # start again, all
             self._cache.clear()
             self._spaced.clear()
+            if self._table is not None:
+                self._table.clear()
