@@ -8,11 +8,12 @@ HTTP clients (default 32) send ``--routes`` ``POST /route`` requests (default 20
 first half each worker may hold. Every answer must be a 200 whose JSON names one of the workers;
 anything else (status, timeout, connection error, another body) counts as an error.
 
-The load generator is kept lean so that the router, not the bench, is what is measured on a
-2-core machine: each client holds one keep-alive HTTP/1.1 connection (an asyncio protocol that
-writes a request pre-encoded with its headers and reads the response by its ``Content-Length``),
-and the workers serve one prompt (and publish its events) every ``--publish-every-s`` (default
-20 ms, from a thread: a bounded rate, about 3 % of a core, so they never starve the clients).
+The load generator (``http_load.py``) is kept lean so that the router, not the bench, is what
+is measured on a 2-core machine: each client holds one keep-alive HTTP/1.1 connection (an asyncio
+protocol that writes a request pre-encoded with its headers and reads the response by its
+``Content-Length``), and the workers serve one prompt (and publish its events) every
+``--publish-every-s`` (default 20 ms, from a thread: a bounded rate, about 3 % of a core, so
+they never starve the clients).
 Both processes use uvloop when it is installed (``--event-loop``).
 
 The table: throughput (routes/s over the whole run; per CPU second of the router process, the
@@ -43,7 +44,13 @@ arms' difference in router CPU per route, which also holds what differs between 
 after the single router on ZMQ the same load goes to N router replicas with ``bus: nats``
 (their clients split evenly; each replica also applies the others' in-flight announcements).
 A second row; its ``vs zmq`` is its routes per router CPU second (summed over the replicas)
-over the ZMQ row's. Targets: >= 0.9x, p99 <= 20 ms, 0 errors.
+over the ZMQ row's. Targets: >= 0.9x, p99 <= 20 ms, 0 errors. The ZMQ router and the
+replicas take turns over ``--rounds`` rounds (default 3), each started afresh for its share of
+the routes (the other not running), the ZMQ router first in odd rounds and the replicas first in
+even ones; each row sums its rounds. This machine drifts by tens of percent within a minute,
+and one ZMQ phase followed by one replica phase put all of that drift into the ratio (0.81-1.06
+over five runs of one commit). Keeping the idle routers running between their turns instead
+(ingesting the events meanwhile) loaded the machine more: 0.77-0.91, p99 21-33 ms.
 
 Nothing waits unbounded: a router that has not exited 15 s after SIGTERM is sent SIGABRT (its
 threads' stacks when started with ``PYTHONFAULTHANDLER=1``) and killed, and the run fails
@@ -68,13 +75,14 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
-import msgspec
 
 from common import report  # benchmarks/ is on sys.path when this file runs as a script
+from http_load import STALL_S, cpu_s, load, pct, rss_kib, watched
 from kvpool.commands.router import EVENT_LOOPS, loop_factory
 from kvpool.config import CacheConfig, EventsConfig, SequenceRequest
 from kvpool.core.manager import KVCacheManager
@@ -92,8 +100,6 @@ TARGET_TOKENIZING_SHARE = 0.15
 TARGET_P99_MS = 20.0
 STOP_TIMEOUT_S = 15.0
 """A router must exit this soon after SIGTERM."""
-STALL_S = 10.0
-"""A load phase fails when no answer came back for this long (the clients' own timeout)."""
 FAMILIES = 64
 
 
@@ -141,19 +147,6 @@ def _prompt(rng: random.Random, family: int, tokens: int) -> list[int]:
     half = tokens // 2
     prefix = [family * 10_000 + i for i in range(half)]
     return prefix + [rng.randrange(100_000, 200_000) for _ in range(tokens - half)]
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU time (user + system) of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def _load_tokenizer(name: str | None) -> Any:
@@ -227,143 +220,6 @@ async def _start_router(
     return proc, line.split()[-1]
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection of a client: it sends a whole request and waits for
-    the whole response, parsed from its status line and ``Content-Length`` (the router sends
-    no chunked bodies; a response without a length is an error)."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = b""
-        self.head_end = -1
-        self.need = -1
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.need < 0:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            length = -1
-            for line in self.buf[:end].split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length" and value.strip().isdigit():
-                    length = int(value)
-            if length < 0:
-                self._fail(ConnectionError("response without Content-Length"))
-                return
-            self.head_end, self.need = end + 4, end + 4 + length
-        if len(self.buf) >= self.need:
-            head, body = self.buf[:self.head_end], self.buf[self.head_end:self.need]
-            self.buf, self.need = self.buf[self.need:], -1
-            if self.waiter is not None and not self.waiter.done():
-                status = int(head[9:12]) if head[:9] == b"HTTP/1.1 " and head[9:12].isdigit() else 0
-                self.waiter.set_result((status, body))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionError("connection closed"))
-
-    def _fail(self, exc: Exception) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
-
-    async def request(self, raw: bytes, timeout_s: float) -> tuple[int, bytes]:
-        assert self.transport is not None
-        loop = asyncio.get_running_loop()
-        self.waiter = waiter = loop.create_future()
-        self.transport.write(raw)
-        timer = loop.call_later(timeout_s, self._fail, TimeoutError("no answer in time"))
-        try:
-            return await waiter
-        finally:
-            timer.cancel()
-
-
-async def _load(
-    base: str, bodies: list[bytes], clients: int, worker_ids: set[str]
-) -> tuple[list[float], int, float]:
-    """``clients`` clients, each on its own keep-alive connection, send the ``bodies`` as
-    ``POST /route`` requests (pre-encoded with their headers) as fast as answers come back.
-    An answer counts only as a 200 whose JSON names one of ``worker_ids``; a timeout, a
-    connection error or anything else is an error (the client then opens a new connection)."""
-    host, port = base.removeprefix("http://").rsplit(":", 1)
-    head = (f"POST /route HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            "Content-Type: application/json\r\nContent-Length: ")
-    requests = [f"{head}{len(b)}\r\n\r\n".encode() + b for b in bodies]
-    latencies: list[float] = []
-    errors = 0
-    next_request = iter(range(len(requests)))
-    loop = asyncio.get_running_loop()
-    decode = msgspec.json.Decoder(_Answer).decode
-
-    async def connect() -> _Connection:
-        _, conn = await asyncio.wait_for(loop.create_connection(_Connection, host, int(port)),
-                                         STALL_S)
-        return conn
-
-    async def client() -> None:
-        nonlocal errors
-        conn = await connect()
-        for i in next_request:
-            t0 = time.perf_counter()
-            try:
-                status, answer = await conn.request(requests[i], 10.0)
-                ok = status == 200 and decode(answer).worker_id in worker_ids
-            except (OSError, msgspec.DecodeError):
-                ok = False
-            latencies.append(time.perf_counter() - t0)
-            if not ok:
-                errors += 1
-                assert conn.transport is not None
-                conn.transport.abort()
-                conn = await connect()
-        assert conn.transport is not None
-        conn.transport.close()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return latencies, errors, time.perf_counter() - t0
-
-
-class _Answer(msgspec.Struct):
-    worker_id: str
-
-
-async def _watched(load: Any, procs: list[Any], label: str) -> Any:
-    """``load`` (the clients' gather); fails with the routers' CPU seconds when none of them
-    used CPU for :data:`STALL_S` while it ran (a router stuck, not a slow machine), and when a
-    router exited meanwhile."""
-    task = asyncio.ensure_future(load)
-    cpu = [_cpu_s(p.pid) for p in procs]
-    idle_since = time.monotonic()
-    while not task.done():
-        await asyncio.wait([task], timeout=1.0)
-        if task.done():
-            break
-        dead = [p.pid for p in procs if p.returncode is not None]
-        now = [_cpu_s(p.pid) for p in procs if p.returncode is None]
-        if dead:
-            task.cancel()
-            raise SystemExit(f"{label}: router process(es) {dead} exited during the load")
-        if now != cpu:
-            cpu, idle_since = now, time.monotonic()
-        elif time.monotonic() - idle_since > STALL_S:
-            task.cancel()
-            raise SystemExit(f"{label}: stalled, the routers used no CPU for {STALL_S:.0f} s "
-                             "while clients waited")
-    return task.result()
-
-
-def _pct(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def _nats_server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     binary = Path(sys.executable).parent / "nats-server"
     exe = str(binary) if binary.exists() else shutil.which("nats-server")
@@ -383,9 +239,24 @@ def _nats_server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("nats-server did not start")
 
 
+@dataclass
+class Phase:
+    """One load through one set of routers: what the row of several such loads sums."""
+
+    latencies: list[float]
+    errors: int
+    wall_s: float
+    cpu_s: float  # the routers'
+    own_cpu_s: float  # this process's: clients and workers
+    tokenize_s: float
+    indexed: int
+    rss: str
+    load: tuple[float, float]
+
+
 async def _measure(args: argparse.Namespace, procs: list[Any], bases: list[str],
                    bodies: list[bytes], workers: list[Worker], label: str,
-                   pool: list[list[int]] | None = None) -> dict[str, Any]:
+                   pool: list[list[int]] | None = None) -> Phase:
     """The load through ``bases`` (clients split evenly), the workers publishing meanwhile."""
     stop = threading.Event()
 
@@ -402,15 +273,15 @@ async def _measure(args: argparse.Namespace, procs: list[Any], bases: list[str],
             view = await resp.json()
         indexed = sum(sum(w["blocks_per_tier"]) for w in view["workers"])
         tokenize_before = [await _tokenize_cpu_s(b) for b in bases]
-        rss_before = [_rss_kib(p.pid) for p in procs]
-        cpu_before = [_cpu_s(p.pid) for p in procs]
-        own_before = _cpu_s(os.getpid())
+        rss_before = [rss_kib(p.pid) for p in procs]
+        cpu_before = [cpu_s(p.pid) for p in procs]
+        own_before = cpu_s(os.getpid())
         publisher.start()
         ids = {w["id"] for w in view["workers"]}
         k = len(bases)
         t0 = time.perf_counter()
-        parts = await _watched(asyncio.gather(*(
-            _load(base, bodies[i::k], max(1, args.clients // k), ids)
+        parts = await watched(asyncio.gather(*(
+            load(base, bodies[i::k], max(1, args.clients // k), ids)
             for i, base in enumerate(bases))), procs, label)
         wall = time.perf_counter() - t0
         stop.set()
@@ -418,33 +289,43 @@ async def _measure(args: argparse.Namespace, procs: list[Any], bases: list[str],
         if publisher.is_alive():
             raise SystemExit(f"{label}: the workers' publishing thread did not stop in "
                              f"{STALL_S:.0f} s")
-        rss_after = [_rss_kib(p.pid) for p in procs]
-        cpu = sum(_cpu_s(p.pid) for p in procs) - sum(cpu_before)
-        own_cpu = _cpu_s(os.getpid()) - own_before
+        rss_after = [rss_kib(p.pid) for p in procs]
+        cpu = sum(cpu_s(p.pid) for p in procs) - sum(cpu_before)
+        own_cpu = cpu_s(os.getpid()) - own_before
         tokenize = sum([await _tokenize_cpu_s(b) for b in bases]) - sum(tokenize_before)
     finally:
         stop.set()
-    latencies = [x for part in parts for x in part[0]]
-    errors = sum(part[1] for part in parts)
-    lat = sorted(latencies)
-    rps = len(lat) / wall
-    p99 = _pct(lat, 0.99) * 1000
+    return Phase(
+        latencies=[x for part in parts for x in part[0]],
+        errors=sum(part[1] for part in parts), wall_s=wall, cpu_s=cpu, own_cpu_s=own_cpu,
+        tokenize_s=tokenize, indexed=indexed,
+        rss=" ".join(f"{a / 1024:.0f}->{b / 1024:.0f}"
+                     for a, b in zip(rss_before, rss_after, strict=True)),
+        load=(load_start, os.getloadavg()[0]))
+
+
+def _row(args: argparse.Namespace, label: str, phases: list[Phase]) -> dict[str, Any]:
+    """The table's row of one or more loads through the same kind of router (summed)."""
+    lat = sorted(x for ph in phases for x in ph.latencies)
+    cpu = sum(ph.cpu_s for ph in phases)
+    rps = len(lat) / sum(ph.wall_s for ph in phases)
+    p99 = pct(lat, 0.99) * 1000
+    errors = sum(ph.errors for ph in phases)
     return {
         "router": label,
         "routes": len(lat),
         "clients": args.clients,
         "routes/s": rps,
         "per router cpu s": len(lat) / cpu,
-        "per bench cpu s": len(lat) / own_cpu,
-        "tokenize cpu share": tokenize / cpu,
-        "p50 ms": _pct(lat, 0.50) * 1000,
+        "per bench cpu s": len(lat) / sum(ph.own_cpu_s for ph in phases),
+        "tokenize cpu share": sum(ph.tokenize_s for ph in phases) / cpu,
+        "p50 ms": pct(lat, 0.50) * 1000,
         "p99 ms": p99,
         "max ms": lat[-1] * 1000,
         "errors": errors,
-        "blocks": indexed,
-        "RSS MiB": " ".join(f"{a / 1024:.0f}->{b / 1024:.0f}"
-                            for a, b in zip(rss_before, rss_after, strict=True)),
-        "load avg": f"{load_start:.1f} -> {os.getloadavg()[0]:.1f}",
+        "blocks": phases[0].indexed,
+        "RSS MiB": " | ".join(ph.rss for ph in phases),
+        "load avg": f"{phases[0].load[0]:.1f} -> {phases[-1].load[1]:.1f}",
         "event loop": "asyncio" if loop_factory(args.event_loop) is None else "uvloop",
         "ok": "yes" if rps >= TARGET_RPS and p99 <= TARGET_P99_MS and not errors else "NO",
     }
@@ -452,28 +333,23 @@ async def _measure(args: argparse.Namespace, procs: list[Any], bases: list[str],
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
-    rows: list[dict[str, Any]] = []
+    phases: dict[str, list[Phase]] = {}  # by row, in the order the rows are shown
     with tempfile.TemporaryDirectory() as tmp:
         nats_proc, url = _nats_server(Path(tmp)) if args.bus == "nats" else (None, None)
         workers = [Worker(args.gpu_blocks, url, f"w{i}") for i in range(args.workers)]
         try:
             arms, pool, warm, tok_dir, mean_tokens = _arms(args, rng, workers, Path(tmp))
-            proc, base = await _start_router(workers, Path(tmp), args.router_pythonpath,
-                                             args.event_loop, tokenizer=tok_dir)
-            try:
-                await _warm(base, warm)
-                for name, bodies in arms.items():
-                    label = "zmq x1" if name == "token ids" else f"zmq x1, {name}"
-                    rows.append(await _measure(args, [proc], [base], bodies, workers, label,
-                                               pool))
-            finally:
-                await _stop_routers([(proc, "zmq router")])
-            if url is not None:
-                row = await _run_replicas(args, workers, Path(tmp), url, arms["token ids"])
-                row["vs zmq"] = row["per router cpu s"] / rows[0]["per router cpu s"]
-                row["ok"] = "yes" if (row["vs zmq"] >= 0.9 and row["errors"] == 0
-                                      and row["p99 ms"] <= TARGET_P99_MS) else "NO"
-                rows.append(row)
+            rounds = args.rounds if url is not None else 1
+            for r in range(rounds):  # the ZMQ router first, then the replicas first, ...
+                share = {name: bodies[r::rounds] for name, bodies in arms.items()}
+                for kind in ("zmq", "nats") if r % 2 == 0 else ("nats", "zmq"):
+                    if kind == "zmq":
+                        await _run_zmq(args, workers, Path(tmp), (tok_dir, warm, pool), share,
+                                       phases)
+                    elif url is not None:
+                        phases.setdefault(f"nats x{args.replicas}", []).append(
+                            await _run_replicas(args, workers, Path(tmp), url,
+                                                share["token ids"]))
         finally:
             for w in workers:
                 w.pub.close()
@@ -482,9 +358,34 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if nats_proc is not None:
                 nats_proc.terminate()
                 nats_proc.wait()
+    rows = [_row(args, label, ph) for label, ph in phases.items()]
+    if url is not None:
+        row = rows[-1]
+        row["rounds"] = rounds
+        row["vs zmq"] = row["per router cpu s"] / rows[0]["per router cpu s"]
+        row["ok"] = "yes" if (row["vs zmq"] >= 0.9 and row["errors"] == 0
+                              and row["p99 ms"] <= TARGET_P99_MS) else "NO"
     if args.text:
         rows.append(_tokenizing_row(rows, mean_tokens))
     return rows
+
+
+async def _run_zmq(args: argparse.Namespace, workers: list[Worker], tmp: Path,
+                   text: tuple[str | None, list[Any], list[list[int]] | None],
+                   arms: dict[str, list[bytes]], phases: dict[str, list[Phase]]) -> None:
+    """A ZMQ router started (``text``: its tokenizer, the warm-up chats and what the workers
+    publish), each arm's load through it, and the router stopped."""
+    tok_dir, warm, pool = text
+    proc, base = await _start_router(workers, tmp, args.router_pythonpath, args.event_loop,
+                                     tokenizer=tok_dir)
+    try:
+        await _warm(base, warm)
+        for name, bodies in arms.items():
+            label = "zmq x1" if name == "token ids" else f"zmq x1, {name}"
+            phases.setdefault(label, []).append(
+                await _measure(args, [proc], [base], bodies, workers, label, pool))
+    finally:
+        await _stop_routers([(proc, "zmq router")])
 
 
 def _arms(args: argparse.Namespace, rng: random.Random, workers: list[Worker], tmp: Path,
@@ -551,7 +452,7 @@ def _tokenizing_row(rows: list[dict[str, Any]], mean_tokens: float) -> dict[str,
 
 
 async def _run_replicas(args: argparse.Namespace, workers: list[Worker], tmp: Path, url: str,
-                        bodies: list[bytes]) -> dict[str, Any]:
+                        bodies: list[bytes]) -> Phase:
     started: list[tuple[Any, str]] = []
     try:
         for i in range(args.replicas):
@@ -605,6 +506,9 @@ def main() -> None:
     parser.add_argument("--bus", choices=("zmq", "nats"), default="zmq",
                         help="nats: also N replicas with bus: nats after the ZMQ router")
     parser.add_argument("--replicas", type=int, default=2, help="router replicas (--bus nats)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --bus nats: the ZMQ router and the replicas take turns, each "
+                        "started afresh for its share of the routes (ZMQ first in odd rounds)")
     parser.add_argument("--text", action="store_true",
                         help="A/B in one run: the prompts as token ids, then as chat messages "
                         "the router tokenizes")

@@ -228,18 +228,22 @@ def run(figure: Figure, root: Path, out_dir: Path | None = None) -> list[Path]:
 
 def run_bench(name: str, root: Path) -> Path:
     """Run the benchmark of document ``name`` (its table prints) from ``root`` and keep what it
-    wrote as ``docs/figures/bench/<name>.json``."""
+    wrote as ``docs/figures/bench/<name>.json``. A benchmark with ``--out`` writes there itself
+    (the command its document records then names that path, not a temporary one); the others
+    write into a temporary results directory, moved there. A benchmark writes its document
+    only once it has finished: one that fails leaves the old document as it was."""
     bench = RUNS[name]
     path = root / BENCH_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / f"{bench.writes or name}.json"
         argv = [sys.executable, f"benchmarks/{bench.script}", *bench.args]
-        argv += ["--out", str(written)] if bench.out else []
+        argv += ["--out", (BENCH_DIR / f"{name}.json").as_posix()] if bench.out else []
         code = subprocess.call(argv, cwd=root, env={**os.environ, "KVPOOL_RESULTS_DIR": tmp})
         if code != 0:
             raise SystemExit(f"{bench.command()} exited {code}")
-        shutil.move(written, path)
+        if not bench.out:
+            shutil.move(written, path)
     return path
 
 
