@@ -233,17 +233,17 @@ def run_bench(name: str, root: Path) -> Path:
     write into a temporary results directory, moved there. A benchmark writes its document
     only once it has finished: one that fails leaves the old document as it was."""
     bench = RUNS[name]
-    path = root / BENCH_DIR / f"{name}.json"
+    document = BENCH_DIR / f"{name}.json"  # relative to root, as the command names it
+    path = root / document
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        written = Path(tmp) / f"{bench.writes or name}.json"
         argv = [sys.executable, f"benchmarks/{bench.script}", *bench.args]
-        argv += ["--out", (BENCH_DIR / f"{name}.json").as_posix()] if bench.out else []
+        argv += ["--out", document.as_posix()] if bench.out else []
         code = subprocess.call(argv, cwd=root, env={**os.environ, "KVPOOL_RESULTS_DIR": tmp})
         if code != 0:
             raise SystemExit(f"{bench.command()} exited {code}")
         if not bench.out:
-            shutil.move(written, path)
+            shutil.move(Path(tmp) / f"{bench.writes or name}.json", path)
     return path
 
 

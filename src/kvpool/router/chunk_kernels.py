@@ -77,32 +77,6 @@ def _chunk(text: Any, s: Any, n: Any, seed: Any) -> Any:
 
 
 @_jit
-def _find(text: Any, s: Any, e: Any, h: Any, slots: Any, arena: Any, arena8: Any) -> Any:
-    """(record offset or -1, slot): where the key ``text[s:e]`` is, or the empty slot it
-    would take."""
-    mask = _U64(slots.shape[0] - 1)
-    fp = h >> _S40
-    i = h & mask
-    n = e - s
-    while True:
-        v = slots[i]
-        if v == 0:
-            return -1, np.int64(i)
-        if (v >> _S40) == fp:
-            off = np.int64(v & _LOW40) - 1
-            if np.int64(arena[off] & 0xFFFF) == n:
-                b = (off + 1) * 4
-                same = True
-                for j in range(n):
-                    if arena8[b + j] != text[s + j]:
-                        same = False
-                        break
-                if same:
-                    return off, np.int64(i)
-        i = (i + _ONE) & mask
-
-
-@_jit
 def _same(text: Any, s: Any, e: Any, head: Any, arena8: Any, off: Any) -> Any:
     """Whether the record at ``off`` (its header ``head``) has the key ``text[s:e]``."""
     n = e - s
@@ -113,6 +87,24 @@ def _same(text: Any, s: Any, e: Any, head: Any, arena8: Any, off: Any) -> Any:
         if arena8[b + j] != text[s + j]:
             return False
     return True
+
+
+@_jit
+def _find(text: Any, s: Any, e: Any, h: Any, slots: Any, arena: Any, arena8: Any) -> Any:
+    """(record offset or -1, slot): where the key ``text[s:e]`` is, or the empty slot it
+    would take."""
+    mask = _U64(slots.shape[0] - 1)
+    fp = h >> _S40
+    i = h & mask
+    while True:
+        v = slots[i]
+        if v == 0:
+            return -1, np.int64(i)
+        if (v >> _S40) == fp:
+            off = np.int64(v & _LOW40) - 1
+            if _same(text, s, e, arena[off], arena8, off):
+                return off, np.int64(i)
+        i = (i + _ONE) & mask
 
 
 @_jit
